@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Create (or reuse) a virtual environment for one supported environment and print its path.
+#   scripts/venv.sh py312|py311
+# The venv lives outside the clone, in ${YETO_VENV_CACHE:-$HOME/.cache/yeto-patch/venvs}/<env>-<hash>,
+# keyed by the hash of the requirement files, so a second run (or another clone) reuses it.
+set -euo pipefail
+env_name="${1:-py312}"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+case "$env_name" in
+  py312) py_ver=3.12 ;;
+  py311) py_ver=3.11 ;;
+  *) echo "usage: $0 py312|py311" >&2; exit 2 ;;
+esac
+req="$here/requirements/$env_name.txt"
+hash="$(cat "$req" "$here/requirements/common.txt" "$here/scripts/venv.sh" | sha256sum | cut -c1-16)"
+cache="${YETO_VENV_CACHE:-$HOME/.cache/yeto-patch/venvs}"
+venv="$cache/$env_name-$hash"
+find_python() {
+  for cand in "python$py_ver" "$HOME/.pyenv/versions/$py_ver"*/bin/python"$py_ver" "/usr/bin/python$py_ver"; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import venv' >/dev/null 2>&1; then
+      command -v "$cand"; return 0
+    fi
+  done
+  return 1
+}
+if [ ! -f "$venv/.complete" ]; then
+  py="$(find_python)" || { echo "venv.sh: Python $py_ver not found (install it, e.g. with pyenv)" >&2; exit 1; }
+  echo "venv.sh: creating $venv with $py" >&2
+  rm -rf "$venv.tmp"; mkdir -p "$cache"
+  "$py" -m venv "$venv.tmp"
+  # pip records absolute paths in scripts; build in place under the final name
+  rm -rf "$venv"; mv "$venv.tmp" "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip >&2 || true
+  (cd "$here/requirements" && "$venv/bin/python" -m pip install -q -r "$env_name.txt") >&2
+  touch "$venv/.complete"
+fi
+# The package itself: editable, no dependency resolution, so console scripts point at this clone.
+"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$here" >&2
+echo "$venv"
