@@ -1,0 +1,90 @@
+import numpy as np
+import pytest
+
+from yeto_patch.syncer.merge import ChunkRunner
+from yeto_patch.syncer.outer import FragmentTensors, NonFiniteMerge, OuterOptimizer
+
+from .reference import RefFragment
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("kind,delay", [("nesterov", 1), ("avg", 1), ("delayed-nesterov", 3),
+                                        ("delayed-nesterov", 1)])
+def test_outer_matches_reference(kind, delay):
+    rng = np.random.default_rng(0)
+    n = 3000
+    base0 = rng.standard_normal(n).astype(np.float32)
+    opt = OuterOptimizer(kind, delay=delay)
+    ref = RefFragment(base0, kind, opt.lr, opt.momentum, delay)
+    t = FragmentTensors(base0.copy())
+    runner = ChunkRunner(threads=2, chunk=1000)
+    for v in range(1, 8):
+        deltas = [(rng.standard_normal(n).astype(np.float32) * 0.01, 1.0) for _ in range(3)]
+        acc = np.zeros(n, np.float32)
+        for d, _ in deltas:
+            acc += d
+        g = ref.merge(deltas)
+        norm = opt.step(t, acc, 3.0, v, runner)
+        assert np.array_equal(t.base, ref.base)
+        assert np.isclose(norm, float(np.linalg.norm(g.astype(np.float64))))
+        if opt.uses_momentum:
+            assert np.array_equal(t.momentum, ref.m)
+    if kind == "avg":
+        assert t.momentum is None
+
+
+def test_delayed_nesterov_one_equals_nesterov():
+    rng = np.random.default_rng(1)
+    b = rng.standard_normal(500).astype(np.float32)
+    t1, t2 = FragmentTensors(b.copy()), FragmentTensors(b.copy())
+    o1, o2 = OuterOptimizer("nesterov"), OuterOptimizer("delayed-nesterov", delay=1)
+    r = ChunkRunner(1)
+    for v in range(1, 5):
+        g = rng.standard_normal(500).astype(np.float32)
+        o1.step(t1, g.copy(), 1.0, v, r)
+        o2.step(t2, g.copy(), 1.0, v, r)
+    assert np.array_equal(t1.base, t2.base) and np.array_equal(t1.momentum, t2.momentum)
+
+
+def test_bit_identical_for_any_thread_count():
+    rng = np.random.default_rng(2)
+    n = 1_000_003
+    b = rng.standard_normal(n).astype(np.float32)
+    gs = [rng.standard_normal(n).astype(np.float32) for _ in range(3)]
+    out = []
+    for threads in (1, 2, 5):
+        t = FragmentTensors(b.copy())
+        opt = OuterOptimizer("delayed-nesterov", delay=2)
+        r = ChunkRunner(threads, chunk=1 << 16)
+        norms = [opt.step(t, g.copy(), 2.0, v, r) for v, g in enumerate(gs, 1)]
+        r.close()
+        out.append((t.base.tobytes(), t.momentum.tobytes(), t.delay_buf.tobytes(), norms))
+    assert out[0] == out[1] == out[2]
+
+
+def test_non_finite_result_leaves_state_unchanged():
+    n = 10_000
+    t = FragmentTensors(np.ones(n, np.float32))
+    opt = OuterOptimizer("nesterov")
+    r = ChunkRunner(2, chunk=1024)
+    opt.step(t, np.full(n, 0.5, np.float32), 1.0, 1, r)
+    before = (t.base.copy(), t.momentum.copy())
+    acc = np.zeros(n, np.float32)
+    acc[9000] = np.inf
+    with pytest.raises(NonFiniteMerge):
+        opt.step(t, acc, 1.0, 2, r)
+    acc = np.zeros(n, np.float32)
+    acc[5] = 3e38  # finite gradient whose update overflows the base
+    with pytest.raises(NonFiniteMerge):
+        opt.step(t, acc, 1.0 / 1e10, 2, r)
+    assert np.array_equal(t.base, before[0]) and np.array_equal(t.momentum, before[1])
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError):
+        OuterOptimizer("adam")
+    with pytest.raises(ValueError):
+        OuterOptimizer("nesterov", momentum=1.0)
+    with pytest.raises(ValueError):
+        OuterOptimizer("avg", momentum=0.5)
