@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""Codec, digest and memcpy throughput of yeto_patch.wire on one flat float32 vector.
+
+    python benchmarks/wire_codecs.py            # 256 MiB of float32 (the target measurement)
+    python benchmarks/wire_codecs.py --quick    # 16 MiB, one repeat (smoke run)
+    python benchmarks/wire_codecs.py --mib 64 --repeat 5 --threads 2 --codecs int8,int4
+
+Throughput is GB/s of float32 input (numel * 4 bytes / seconds), best of --repeat runs.  In the same run it
+measures numpy's memcpy (np.copyto of the float32 array: read bandwidth = bytes read / s), xxh3_64 over the
+float32 bytes, and a naive one-line numpy implementation of each codec (same format, no blocking/threads),
+then prints ratios: encode/memcpy, decode/memcpy, encode/naive, decode/naive.
+Targets on the 2-core reference machine (int8/int4/int4-log): encode >= 0.5x memcpy, decode >= 0.7x memcpy,
+both >= 3x naive.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import xxhash
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from yeto_patch.wire import codecs  # noqa: E402
+
+TARGETS = {"int8", "int4", "int4-log"}
+
+
+# ------------------------------------------------------------------------- naive one-line implementations
+def naive_encode(codec, x, block):
+    if codec == "f32":
+        return x.tobytes()
+    if codec == "bf16":
+        b = x.view(np.uint32).astype(np.uint64)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
+    pad = (-x.size) % block
+    xb = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(-1, block)
+    amax = np.abs(xb).max(axis=1, keepdims=True)
+    if codec == "int8":
+        s = amax / 127
+        q = np.rint(np.divide(xb, s, out=np.zeros_like(xb), where=s > 0)).astype(np.int8).ravel()[: x.size]
+        return s.astype(np.float32).tobytes() + q.tobytes()
+    if codec == "int4":
+        s = amax / 7
+        q = (np.rint(np.divide(xb, s, out=np.zeros_like(xb), where=s > 0)) + 8).astype(np.uint8).ravel()[: x.size]
+    else:
+        r = np.divide(np.abs(xb), amax, out=np.zeros_like(xb), where=amax > 0)
+        lvl = np.clip(np.floor(np.log2(np.maximum(r * (4 / 3), 1e-30))) + 7, 0, 7).astype(np.uint8)
+        q = (lvl | ((xb < 0) & (lvl > 0)).astype(np.uint8) << 3).ravel()[: x.size]
+        s = amax
+    q = np.concatenate([q, np.zeros(q.size % 2, np.uint8)])
+    return s.astype(np.float32).tobytes() + (q[0::2] | (q[1::2] << 4)).tobytes()
+
+
+def naive_decode(codec, buf, n, block):
+    b = np.frombuffer(buf, np.uint8)
+    if codec == "f32":
+        return b.view(np.float32).copy()
+    if codec == "bf16":
+        return (b.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    nb = -(-n // block)
+    s = b[: 4 * nb].view(np.float32)
+    c = b[4 * nb:]
+    if codec == "int8":
+        q = c.view(np.int8).astype(np.float32)
+    else:
+        nib = np.stack([c & 15, c >> 4], axis=1).ravel()[:n]
+        if codec == "int4":
+            q = nib.astype(np.float32) - 8
+        else:
+            lvl = (nib & 7).astype(np.float32)
+            q = np.where(lvl > 0, np.exp2(lvl - 7), 0).astype(np.float32) * np.where(nib & 8, -1, 1)
+    return q * np.repeat(s, block)[:n]
+
+
+def best(fn, repeat):
+    t = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        t.append(time.perf_counter() - t0)
+    return min(t)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=float, default=256.0, help="size of the float32 input in MiB (default 256)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 16 MiB, one repeat (unless given)")
+    ap.add_argument("--repeat", type=int, default=None, help="timed repeats, best kept (default 3)")
+    ap.add_argument("--block", type=int, default=codecs.DEFAULT_BLOCK)
+    ap.add_argument("--threads", type=int, default=None, help="codec threads (default min(4, cpus))")
+    ap.add_argument("--codecs", default=",".join(codecs.CODECS))
+    ap.add_argument("--no-naive", action="store_true", help="skip the naive implementations")
+    args = ap.parse_args(argv)
+    mib = 16.0 if args.quick and "--mib" not in " ".join(sys.argv) else args.mib
+    repeat = args.repeat or (1 if args.quick else 3)
+    if args.threads:
+        codecs.set_threads(args.threads)
+    n = int(mib * (1 << 20)) // 4
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(n, dtype=np.float32)
+    x *= np.exp(rng.standard_normal(n // args.block + 1, dtype=np.float32)).repeat(args.block)[:n]
+    gb = x.nbytes / 1e9
+    dst = np.empty_like(x)
+    np.copyto(dst, x)
+    memcpy = gb / best(lambda: np.copyto(dst, x), repeat)
+    xx = gb / best(lambda: xxhash.xxh3_64_intdigest(x), repeat)
+    print(f"input: {mib:g} MiB float32 ({n} values), block {args.block}, threads {codecs._threads}, "
+          f"best of {repeat}; cpus {os.cpu_count()}")
+    print(f"numpy memcpy (np.copyto): {memcpy:7.2f} GB/s read    xxh3_64: {xx:7.2f} GB/s ({xx / memcpy:.2f}x memcpy)")
+    hdr = (f"{'codec':9} {'bytes/val':>9} {'enc GB/s':>9} {'dec GB/s':>9} {'enc/mcpy':>8} {'dec/mcpy':>8} "
+           f"{'naive enc':>9} {'naive dec':>9} {'enc/naive':>9} {'dec/naive':>9}  max|err|/absmax")
+    print(hdr)
+    print("-" * len(hdr))
+    ok = True
+    for codec in args.codecs.split(","):
+        nbytes = codecs.encoded_nbytes(codec, n, args.block)
+        enc = np.empty(nbytes, np.uint8)
+        codecs.encode(codec, x, args.block, out=enc)
+        te = best(lambda: codecs.encode(codec, x, args.block, out=enc), repeat)
+        td = best(lambda: codecs.decode(codec, enc, n, args.block, out=dst), repeat)
+        err = float(np.abs(dst - x).max() / np.abs(x).max())
+        if args.no_naive:
+            ne = nd = float("nan")
+        else:
+            ne = gb / best(lambda: naive_encode(codec, x, args.block), 1)
+            ref = naive_encode(codec, x, args.block)
+            same = ref == enc.tobytes()
+            nd = gb / best(lambda: naive_decode(codec, ref, n, args.block), 1)
+            if not same:
+                print(f"  !! {codec}: naive encoding differs from the codec's bytes")
+                ok = False
+        e, d = gb / te, gb / td
+        print(f"{codec:9} {nbytes / n:9.3f} {e:9.2f} {d:9.2f} {e / memcpy:8.2f} {d / memcpy:8.2f} "
+              f"{ne:9.2f} {nd:9.2f} {e / ne:9.1f} {d / nd:9.1f}  {err:.2e}")
+        if codec in TARGETS and not args.no_naive:
+            if e < 0.5 * memcpy or d < 0.7 * memcpy or e < 3 * ne or d < 3 * nd:
+                print(f"  -> {codec}: below target (enc >= 0.5x, dec >= 0.7x memcpy; both >= 3x naive)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,519 @@
+"""Codecs for one flat float32 vector: ``f32``, ``bf16``, ``int8``, ``int4``, ``int4-log``.
+
+Byte layouts (all little-endian; exact definitions in docs/protocol.md, section "Codecs"):
+
+* ``f32``: ``numel`` float32.  ``bf16``: ``numel`` bfloat16 (upper 16 bits of the float32, rounded to
+  nearest even).
+* block codecs: ``nblocks = ceil(numel / block)`` float32 scales first, then the codes.  ``int8``: one
+  int8 per value, ``q = rint(x * 127 / absmax)``, scale ``absmax / 127``.  ``int4``: ``ceil(numel / 2)``
+  bytes, value ``2i`` in the low nibble of byte ``i`` and value ``2i+1`` in the high nibble, nibble
+  ``q + 8`` with ``q = rint(x * 7 / absmax)`` in [-7, 7], scale ``absmax / 7``.  ``int4-log``: same
+  packing, nibble ``sign << 3 | level``; level 0 is exactly zero, level ``L`` in 1..7 is
+  ``absmax * 2**(L - 7)``; scale ``absmax``.
+
+The work is done over cache-sized pieces (whole blocks) with preallocated per-thread scratch, optionally on
+a small thread pool over disjoint pieces; results are bit-identical for any thread count.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
+
+import numpy as np
+
+from .frames import CodecError
+
+if sys.byteorder != "little":  # the bit manipulations below assume a little-endian host
+    raise ImportError("yeto_patch.wire.codecs requires a little-endian host")
+
+__all__ = ["CODECS", "DEFAULT_BLOCK", "encoded_nbytes", "encode", "decode", "decode_accumulate", "residual",
+           "set_threads", "check_codec"]
+
+CODECS = ("f32", "bf16", "int8", "int4", "int4-log")
+DEFAULT_BLOCK = 256
+MAX_BLOCK = 1 << 24
+_PIECE = 1 << 16  # elements per piece (256 KiB of float32): a piece and its scratch stay in L2
+_F32 = np.dtype("<f4")
+_FLT_MAX = float(np.finfo(np.float32).max)
+# Adding 1.5 * 2**23 to a float32 in [-2**22, 2**22] rounds it to the nearest integer (ties to even) and
+# leaves that integer in the low mantissa bits: bits(v + MAGIC) - bits(MAGIC) == rint(v).
+_MAGIC = np.float32(12582912.0)
+_MAGIC_BITS = np.int32(0x4B400000)
+# int4 (linear): nibble = q + 8, so add 8 before the magic rounding (exact: integers are exact there).
+_MAGIC8 = np.float32(12582912.0 + 8.0)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def check_codec(codec: str, block: int = DEFAULT_BLOCK) -> None:
+    if codec not in CODECS:
+        raise CodecError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or not 1 <= block <= MAX_BLOCK:
+        raise CodecError(f"block must be an integer in [1, {MAX_BLOCK}], got {block!r}")
+    if codec in ("int4", "int4-log") and block % 2:
+        raise CodecError(f"codec {codec} needs an even block size, got {block}")
+
+
+def _nblocks(numel: int, block: int) -> int:
+    return -(-numel // block)
+
+
+def encoded_nbytes(codec: str, numel: int, block: int = DEFAULT_BLOCK) -> int:
+    """Exact size in bytes of ``encode(codec, x)`` for ``x`` of ``numel`` values."""
+    check_codec(codec, block)
+    if numel < 0:
+        raise CodecError(f"numel must be >= 0, got {numel}")
+    if codec == "f32":
+        return 4 * numel
+    if codec == "bf16":
+        return 2 * numel
+    nb = _nblocks(numel, block)
+    if codec == "int8":
+        return 4 * nb + numel
+    return 4 * nb + (numel + 1) // 2
+
+
+_threads = max(1, min(4, os.cpu_count() or 1))
+_pool: Optional[ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+_tls = threading.local()
+
+
+def set_threads(n: int) -> None:
+    """Number of threads the codecs use (default ``min(4, cpu_count)``); results do not depend on it."""
+    global _threads, _pool
+    if n < 1:
+        raise ValueError("threads must be >= 1")
+    with _pool_lock:
+        _threads = int(n)
+        if _pool is not None:
+            _pool.shutdown(wait=False)
+            _pool = None
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_threads, thread_name_prefix="yeto-codec")
+        return _pool
+
+
+def _scratch(name: str, n: int, dtype) -> np.ndarray:
+    """A per-thread reusable buffer of at least ``n`` items (avoids mmap/page faults per piece)."""
+    key = (name, np.dtype(dtype).str)
+    d = getattr(_tls, "bufs", None)
+    if d is None:
+        d = _tls.bufs = {}
+    a = d.get(key)
+    if a is None or a.size < n:
+        a = d[key] = np.empty(max(n, _PIECE), dtype)
+    return a[:n]
+
+
+def _piece_len(block: int) -> int:
+    """Elements per piece: whole blocks, even, about _PIECE elements."""
+    return max(1, _PIECE // block) * block if block <= _PIECE else block
+
+
+def _run(numel: int, block: int, work: Callable[[int, int], None], threads: Optional[int] = None) -> None:
+    """Call ``work(start, stop)`` over disjoint block-aligned pieces covering [0, numel)."""
+    piece = _piece_len(block)
+    npieces = _nblocks(numel, piece)
+    nthr = min(threads or _threads, npieces)
+    if nthr <= 1:
+        for p in range(npieces):
+            work(p * piece, min(numel, (p + 1) * piece))
+        return
+
+    # contiguous runs of pieces per task; a few tasks per thread balance uneven progress
+    ntasks = min(npieces, nthr * 4)
+    bounds = [npieces * i // ntasks for i in range(ntasks + 1)]
+
+    def task(i: int) -> None:
+        for p in range(bounds[i], bounds[i + 1]):
+            work(p * piece, min(numel, (p + 1) * piece))
+
+    futs = [_get_pool().submit(task, i) for i in range(ntasks)]
+    err = None
+    for f in futs:  # wait for all, so no thread still writes into buffers after we return
+        try:
+            f.result()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            err = err or e
+    if err is not None:
+        raise err
+
+
+def _as_input(x, name: str) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        raise CodecError(f"{name}: expected a numpy float32 array, got {type(x).__name__}")
+    if x.dtype != np.float32:
+        raise CodecError(f"{name}: expected float32, got {x.dtype}")
+    if x.ndim != 1:
+        raise CodecError(f"{name}: expected a flat 1-D array, got shape {x.shape}")
+    return np.ascontiguousarray(x)
+
+
+def _as_bytes(buf) -> np.ndarray:
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise CodecError(f"encoded data must be a bytes-like object, got {type(buf).__name__}") from None
+    if not mv.c_contiguous:
+        raise CodecError("encoded data must be contiguous")
+    return np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
+
+
+def _nonfinite(x: np.ndarray, name: str, offset: int) -> CodecError:
+    bad = np.flatnonzero(~np.isfinite(x))
+    i = int(bad[0]) if bad.size else 0
+    return CodecError(f"{name}: non-finite value {x[i]!r} at index {offset + i}; refusing to encode")
+
+
+def _blocks(a: np.ndarray, block: int):
+    """Split 1-D ``a`` into a (nfull, block) view and a tail (possibly empty)."""
+    nfull = a.size // block
+    return a[: nfull * block].reshape(nfull, block), a[nfull * block:]
+
+
+def _block_absmax_bits(absbits: np.ndarray, block: int, out: np.ndarray) -> None:
+    """Per-block maximum of ``absbits`` (the int32 bit patterns of |x|: same order as the floats, and any
+    NaN/inf compares above every finite value)."""
+    full, tail = _blocks(absbits, block)
+    if full.size:
+        np.maximum.reduce(full, axis=1, out=out[: full.shape[0]])
+    if tail.size:
+        out[-1] = tail.max()
+
+
+def _block_mul(a: np.ndarray, f: np.ndarray, block: int, out: np.ndarray) -> None:
+    """``out = a * f[block index]`` (per-block factor)."""
+    af, at = _blocks(a, block)
+    of, ot = _blocks(out, block)
+    if af.size:
+        np.multiply(af, f[: af.shape[0], None], out=of)
+    if at.size:
+        np.multiply(at, f[-1], out=ot)
+
+
+def _tiny(k: float) -> np.float32:
+    """Smallest absmax for which float32(k / absmax) is finite (absmax below it is clamped up to it)."""
+    t = np.float32(k / _FLT_MAX * (1 + 2.0 ** -20))
+    assert np.isfinite(np.float32(k) / t)
+    return t
+
+
+_TINY = {k: _tiny(k) for k in (127.0, 7.0, 4.0 / 3.0)}
+
+
+# ----------------------------------------------------------------------------------------------- encode
+def encode(codec: str, x: np.ndarray, block: int = DEFAULT_BLOCK, name: str = "tensor", *,
+           out: Optional[np.ndarray] = None, threads: Optional[int] = None) -> np.ndarray:
+    """Encode the flat float32 ``x``; returns (or fills ``out``, a uint8 array of ``encoded_nbytes``)."""
+    check_codec(codec, block)
+    x = _as_input(x, name)
+    n = x.size
+    nbytes = encoded_nbytes(codec, n, block)
+    if out is None:
+        out = np.empty(nbytes, np.uint8)
+    elif not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.shape == (nbytes,)
+              and out.flags.c_contiguous):
+        raise CodecError(f"out must be a contiguous uint8 array of {nbytes} bytes")
+    if n == 0:
+        return out
+    if codec == "f32":
+        _run(n, block, lambda a, b: _enc_f32(x, out, a, b, name), threads)
+    elif codec == "bf16":
+        _run(n, block, lambda a, b: _enc_bf16(x, out, a, b, name), threads)
+    else:
+        nb = _nblocks(n, block)
+        scales = out[: 4 * nb].view(_F32)
+        codes = out[4 * nb:]
+        fn = {"int8": _enc_int8, "int4": _enc_int4, "int4-log": _enc_int4log}[codec]
+        _run(n, block, lambda a, b: fn(x, scales, codes, a, b, block, name), threads)
+    return out
+
+
+def _enc_f32(x, out, a, b, name):
+    xs = x[a:b]
+    if not np.isfinite(xs).all():
+        raise _nonfinite(xs, name, a)
+    out[4 * a: 4 * b].view(_F32)[:] = xs
+
+
+_BF16_OVERFLOW = 0x7F7F8000  # |bits| >= this rounds to inf (or is inf / nan)
+
+
+def _enc_bf16(x, out, a, b, name):
+    xs = x[a:b]
+    m = b - a
+    bits = xs.view(np.uint32)
+    t = _scratch("u32a", m, np.uint32)
+    np.bitwise_and(bits, np.uint32(0x7FFFFFFF), out=t)
+    if t.max() >= _BF16_OVERFLOW:
+        if not np.isfinite(xs).all():
+            raise _nonfinite(xs, name, a)
+        i = int(np.flatnonzero(t >= _BF16_OVERFLOW)[0])
+        raise CodecError(f"{name}: value {xs[i]!r} at index {a + i} overflows bfloat16; refusing to encode")
+    # round to nearest even: bits + 0x7FFF + ((bits >> 16) & 1), keep the upper half
+    np.right_shift(bits, np.uint32(16), out=t)
+    np.bitwise_and(t, np.uint32(1), out=t)
+    t += np.uint32(0x7FFF)
+    t += bits
+    t >>= np.uint32(16)
+    np.copyto(out[2 * a: 2 * b].view(np.uint16), t, casting="unsafe")
+
+
+def _enc_prologue(x, scales, a, b, block, name, k, scale_div):
+    """Per-block absmax of x[a:b]; writes scales (absmax / scale_div) and returns
+    (xs, |xs| in a float32 scratch, inv = float32(k / max(absmax, tiny)))."""
+    xs = x[a:b]
+    m = b - a
+    ab = _scratch("f32a", m, np.float32)
+    abits = ab.view(np.int32)
+    np.bitwise_and(xs.view(np.int32), np.int32(0x7FFFFFFF), out=abits)
+    nb = _nblocks(m, block)
+    amax = _scratch("amax", nb, np.float32)
+    _block_absmax_bits(abits, block, amax.view(np.int32))
+    if amax.view(np.int32).max() >= 0x7F800000:
+        raise _nonfinite(xs, name, a)
+    j = a // block
+    np.divide(amax, np.float32(scale_div), out=scales[j: j + nb])
+    kf = np.float32(k)
+    inv = _scratch("inv", nb, np.float32)
+    np.maximum(amax, _TINY[k], out=inv)
+    np.divide(kf, inv, out=inv)
+    return xs, ab, inv
+
+
+def _enc_int8(x, scales, codes, a, b, block, name):
+    xs, t, inv = _enc_prologue(x, scales, a, b, block, name, 127.0, 127.0)
+    _block_mul(xs, inv, block, t)  # t = x * 127 / absmax, in [-127, 127]
+    t += _MAGIC
+    ti = t.view(np.int32)
+    np.copyto(codes[a:b].view(np.int8), ti, casting="unsafe")  # low byte of bits = rint(v) (two's complement)
+
+
+def _pack_nibbles(nib32: np.ndarray, dst: np.ndarray) -> None:
+    """dst[i] = nib[2i] | nib[2i+1] << 4 for int32 nibbles 0..15 (odd length: last high nibble = 0)."""
+    m = nib32.size
+    even = m - (m & 1)
+    v = nib32[:even].view(np.int64)  # low word = element 2i, high word = element 2i+1
+    w = _scratch("i64", v.size, np.int64)
+    np.right_shift(v, 28, out=w)
+    w |= v
+    np.copyto(dst[: even // 2], w, casting="unsafe")  # keeps the low byte
+    if m & 1:
+        dst[even // 2] = nib32[-1]
+
+
+def _enc_int4(x, scales, codes, a, b, block, name):
+    xs, t, inv = _enc_prologue(x, scales, a, b, block, name, 7.0, 7.0)
+    _block_mul(xs, inv, block, t)  # in [-7, 7]
+    t += _MAGIC8
+    ti = t.view(np.int32)
+    ti -= _MAGIC_BITS  # q + 8 in [1, 15]
+    _pack_nibbles(ti, codes[a // 2: (b + 1) // 2])
+
+
+def _enc_int4log(x, scales, codes, a, b, block, name):
+    # level = clamp(floor(log2(4/3 * |x| / absmax)) + 7, 0, 7): value levels absmax * 2**(L-7), L >= 1,
+    # with thresholds at 3/4 of each level (nearest level in linear distance between neighbours).
+    xs, t, inv = _enc_prologue(x, scales, a, b, block, name, 4.0 / 3.0, 1.0)
+    _block_mul(t, inv, block, t)
+    ti = t.view(np.int32)
+    ti >>= 23  # biased exponent (t >= 0, no sign bit); t <= 4/3 (1 + eps) so exponent <= 127
+    np.maximum(ti, 120, out=ti)
+    ti -= 120  # level = clamp(exponent - 127 + 7, 0, 7)
+    s = _scratch("sgn", xs.size, np.int32)
+    np.right_shift(xs.view(np.int32), 28, out=s)  # arithmetic: ...1111_1xxx for negative, 0..7 for positive
+    s &= 8
+    ti |= s
+    _pack_nibbles(ti, codes[a // 2: (b + 1) // 2])
+
+
+# ----------------------------------------------------------------------------------------------- decode
+def _lut_pairs(values16: np.ndarray) -> np.ndarray:
+    """256-entry table: byte -> the two float32 values of its low and high nibble, as one uint64."""
+    lo = np.tile(values16.astype(np.float32), 16)
+    hi = np.repeat(values16.astype(np.float32), 16)
+    pair = np.empty((256, 2), np.float32)
+    pair[:, 0], pair[:, 1] = lo, hi
+    return pair.view(np.uint64).reshape(256)
+
+
+_LUT_INT4 = _lut_pairs(np.arange(16, dtype=np.float32) - 8)
+_LOG_LEVELS = np.array([0.0] + [2.0 ** (k - 7) for k in range(1, 8)], np.float32)
+_LUT_INT4LOG = _lut_pairs(np.concatenate([_LOG_LEVELS, -_LOG_LEVELS]))
+_LUT_INT4LOG_F = _LUT_INT4LOG.view(np.float32).reshape(256, 2)
+_LUT_INT4_F = _LUT_INT4.view(np.float32).reshape(256, 2)
+
+
+def _check_decode_args(codec, buf, numel, block):
+    check_codec(codec, block)
+    if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 0:
+        raise CodecError(f"numel must be a non-negative integer, got {numel!r}")
+    b = _as_bytes(buf)
+    want = encoded_nbytes(codec, int(numel), block)
+    if b.size != want:
+        raise CodecError(f"{codec} data for {numel} values (block {block}) must be {want} bytes, got {b.size}")
+    scales = None
+    if codec not in ("f32", "bf16"):
+        nb = _nblocks(int(numel), block)
+        raw = b[: 4 * nb]
+        scales = raw.view(_F32) if raw.ctypes.data % 4 == 0 else raw.copy().view(_F32)
+        if nb and not (np.isfinite(scales).all() and (scales >= 0).all()):
+            bad = np.flatnonzero(~(np.isfinite(scales) & (scales >= 0)))
+            raise CodecError(f"{codec} data has an invalid scale {scales[bad[0]]!r} in block {int(bad[0])} "
+                             "(scales must be finite and >= 0)")
+        b = b[4 * nb:]
+    return b, scales
+
+
+def decode(codec: str, buf, numel: int, block: int = DEFAULT_BLOCK, out: Optional[np.ndarray] = None, *,
+           threads: Optional[int] = None) -> np.ndarray:
+    """Decode ``buf`` into ``out`` (or a new float32 array of ``numel``); validates length and scales."""
+    codes, scales = _check_decode_args(codec, buf, numel, block)
+    numel = int(numel)
+    if out is None:
+        out = np.empty(numel, np.float32)
+    elif not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (numel,)
+              and out.flags.c_contiguous and out.flags.writeable):
+        raise CodecError(f"out must be a writeable contiguous float32 array of shape ({numel},)")
+    if numel:
+        fn = _DECODERS[codec]
+        _run(numel, block, lambda a, b: fn(codes, scales, out, a, b, block, None, 1.0), threads)
+    return out
+
+
+def decode_accumulate(codec: str, buf, numel: int, weight: float, acc: np.ndarray, block: int = DEFAULT_BLOCK,
+                      *, threads: Optional[int] = None) -> np.ndarray:
+    """``acc += weight * decode(buf)``, piece by piece (no full-size temporary). Returns ``acc``.
+
+    All data is validated before ``acc`` is touched, so a bad buffer leaves ``acc`` unchanged."""
+    codes, scales = _check_decode_args(codec, buf, numel, block)
+    numel = int(numel)
+    if not (isinstance(acc, np.ndarray) and acc.dtype == np.float32 and acc.shape == (numel,)
+            and acc.flags.c_contiguous and acc.flags.writeable):
+        raise CodecError(f"acc must be a writeable contiguous float32 array of shape ({numel},)")
+    w = float(weight)
+    if not np.isfinite(w):
+        raise CodecError(f"weight must be finite, got {weight!r}")
+    if numel:
+        if codec in ("f32", "bf16"):  # no scales were checked: validate the values first (acc unchanged)
+            _run(numel, block, lambda a, b: _validate_plain(codec, codes, a, b), threads)
+        fn = _DECODERS[codec]
+        _run(numel, block, lambda a, b: fn(codes, scales, None, a, b, block, acc, w), threads)
+    return acc
+
+
+def _validate_plain(codec, codes, a, b):
+    if codec == "f32":
+        v = codes[4 * a: 4 * b].view(_F32)
+        if not np.isfinite(v).all():
+            i = int(np.flatnonzero(~np.isfinite(v))[0])
+            raise CodecError(f"f32 data has a non-finite value at index {a + i}")
+    else:
+        u = codes[2 * a: 2 * b].view(np.uint16)
+        t = _scratch("u16", u.size, np.uint16)
+        np.bitwise_and(u, np.uint16(0x7F80), out=t)
+        if t.max() == 0x7F80:
+            i = int(np.flatnonzero(t == 0x7F80)[0])
+            raise CodecError(f"bf16 data has a non-finite value at index {a + i}")
+
+
+def _finish(dst, a, b, acc, w, scratch_used):
+    """Accumulate a decoded piece held in ``dst`` into acc (when accumulating)."""
+    if acc is not None:
+        np.add(acc[a:b], dst, out=acc[a:b])
+
+
+def _target(out, a, b, acc):
+    return out[a:b] if acc is None else _scratch("dec", b - a, np.float32)
+
+
+def _dec_f32(codes, scales, out, a, b, block, acc, w):
+    v = codes[4 * a: 4 * b].view(_F32)
+    if acc is not None:
+        if w == 1.0:
+            np.add(acc[a:b], v, out=acc[a:b])
+        else:
+            d = _scratch("dec", b - a, np.float32)
+            np.multiply(v, np.float32(w), out=d)
+            np.add(acc[a:b], d, out=acc[a:b])
+        return
+    if not np.isfinite(v).all():
+        i = int(np.flatnonzero(~np.isfinite(v))[0])
+        raise CodecError(f"f32 data has a non-finite value at index {a + i}")
+    out[a:b] = v
+
+
+def _dec_bf16(codes, scales, out, a, b, block, acc, w):
+    u = codes[2 * a: 2 * b].view(np.uint16)
+    if acc is None:
+        t = _scratch("u16", u.size, np.uint16)
+        np.bitwise_and(u, np.uint16(0x7F80), out=t)
+        if t.max() == 0x7F80:
+            i = int(np.flatnonzero(t == 0x7F80)[0])
+            raise CodecError(f"bf16 data has a non-finite value at index {a + i}")
+    d = _target(out, a, b, acc)
+    di = d.view(np.uint32)
+    np.copyto(di, u, casting="unsafe")
+    di <<= np.uint32(16)
+    if acc is not None:
+        if w != 1.0:
+            d *= np.float32(w)
+        np.add(acc[a:b], d, out=acc[a:b])
+
+
+def _piece_scales(scales, a, b, block, w):
+    j = a // block
+    s = scales[j: j + _nblocks(b - a, block)]
+    if w != 1.0:
+        t = _scratch("ws", s.size, np.float32)
+        np.multiply(s, np.float32(w), out=t)
+        s = t
+    return s
+
+
+def _dec_int8(codes, scales, out, a, b, block, acc, w):
+    d = _target(out, a, b, acc)
+    np.copyto(d, codes[a:b].view(np.int8), casting="unsafe")
+    _block_mul(d, _piece_scales(scales, a, b, block, w), block, d)
+    _finish(d, a, b, acc, w, True)
+
+
+def _dec_nibbles(lut_u64, lut_f, codes, scales, out, a, b, block, acc, w):
+    d = _target(out, a, b, acc)
+    m = b - a
+    even = m - (m & 1)
+    src = codes[a // 2: (b + 1) // 2]
+    np.take(lut_u64, src[: even // 2], out=d[:even].view(np.uint64), mode="clip")  # uint8: in range
+    if m & 1:
+        d[-1] = lut_f[src[-1], 0]
+    _block_mul(d, _piece_scales(scales, a, b, block, w), block, d)
+    _finish(d, a, b, acc, w, True)
+
+
+def _dec_int4(codes, scales, out, a, b, block, acc, w):
+    _dec_nibbles(_LUT_INT4, _LUT_INT4_F, codes, scales, out, a, b, block, acc, w)
+
+
+def _dec_int4log(codes, scales, out, a, b, block, acc, w):
+    _dec_nibbles(_LUT_INT4LOG, _LUT_INT4LOG_F, codes, scales, out, a, b, block, acc, w)
+
+
+_DECODERS = {"f32": _dec_f32, "bf16": _dec_bf16, "int8": _dec_int8, "int4": _dec_int4, "int4-log": _dec_int4log}
+
+
+def residual(codec: str, x: np.ndarray, block: int = DEFAULT_BLOCK, name: str = "tensor", *,
+             out: Optional[np.ndarray] = None, threads: Optional[int] = None) -> np.ndarray:
+    """Error feedback: ``x - decode(encode(x))`` (what the wire lost), to carry into the next push."""
+    enc = encode(codec, x, block, name, threads=threads)
+    x = _as_input(x, name)
+    out = decode(codec, enc, x.size, block, out=out, threads=threads)
+    np.subtract(x, out, out=out)
+    return out

@@ -1,0 +1,366 @@
+"""Framed, chunked, digested message transport over a stream socket.
+
+``Connection.send`` writes one message: a single frame when the payload (meta prefix + body) fits in one
+chunk, otherwise CHUNK frames cut from the prefix and the body buffers (or ``body_iter``) without joining
+them. ``Connection.recv`` reads frames, verifies every digest, reassembles chunked messages straight into one
+preallocated buffer of the announced size (after the per-type maximum is checked) and returns
+``(MsgType, meta, body)``. Every socket operation has a timeout (:class:`WireTimeout`); a peer's ERROR
+message is raised as :class:`PeerError`. After a framing error or a timeout in the middle of a frame the
+stream cannot be trusted: the connection is marked broken and every later call raises.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import socket
+import threading
+import time
+from typing import Iterable, Optional, Union
+
+import xxhash
+
+from . import chunks as _chunks
+from .chunks import DEFAULT_CHUNK, ENVELOPE, ENVELOPE_SIZE, MAX_CHUNK, Reassembler, parse_envelope
+from .frames import (HEADER_SIZE, MAX_PAYLOAD, DigestError, FrameError, MsgType, PeerError, ProtocolError,
+                     WireTimeout, decode_header, encode_header)
+from .message import pack_meta, unpack
+
+__all__ = ["Connection", "ConnectError", "connect", "listen", "parse_address", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = 60.0
+SOCK_BUF = 4 << 20
+_IOV_MAX = 512
+
+
+class ConnectError(ProtocolError, ConnectionError):
+    """Could not connect within the allowed attempts."""
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6addr]:port"`` -> (host, port)."""
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(f"address must be 'host:port', got {address!r}")
+    host, _, port = address.strip().rpartition(":")
+    host = host.strip("[]")
+    try:
+        p = int(port)
+    except ValueError:
+        raise ValueError(f"address {address!r}: port {port!r} is not a number") from None
+    if not 0 <= p < 65536 or not host:
+        raise ValueError(f"address {address!r}: bad host or port")
+    return host, p
+
+
+def _tune(sock: socket.socket) -> None:
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+        except OSError:
+            pass
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
+Body = Union[bytes, bytearray, memoryview, "list", None]
+
+
+class Connection:
+    """One framed connection. ``timeout``: seconds any single socket operation may stall (and the default
+    wait for the next message in :meth:`recv`). ``max_payload`` overrides per-type maxima for receiving
+    (e.g. the syncer's expected fragment size), ``max_partial`` / ``max_reassembly_bytes`` bound reassembly."""
+
+    def __init__(self, sock: socket.socket, *, timeout: float = DEFAULT_TIMEOUT, chunk_size: int = DEFAULT_CHUNK,
+                 max_payload: Optional[dict] = None, max_partial: int = 4,
+                 max_reassembly_bytes: Optional[int] = None):
+        if not 0 < chunk_size <= MAX_CHUNK:
+            raise ValueError(f"chunk_size must be in (0, {MAX_CHUNK}]")
+        self.sock = sock
+        self.timeout = timeout
+        self.chunk_size = chunk_size
+        self.max_payload = dict(MAX_PAYLOAD)
+        if max_payload:
+            for t, n in max_payload.items():
+                self.max_payload[MsgType(t)] = min(int(n), MAX_PAYLOAD[MsgType(t)])
+        self._reasm = Reassembler(max_partial, max_reassembly_bytes, self.max_payload)
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._broken: Optional[str] = None
+        self._closed = False
+        _tune(sock)
+        sock.settimeout(timeout)
+        try:
+            self.peer = "%s:%s" % sock.getpeername()[:2]
+        except (OSError, TypeError):
+            self.peer = "?"
+
+    # -------------------------------------------------------------------------------------- state
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ProtocolError(f"connection to {self.peer} is closed")
+        if self._broken:
+            raise ProtocolError(f"connection to {self.peer} is unusable after an earlier error: {self._broken}")
+
+    def _break(self, why: str) -> None:
+        if not self._broken:
+            self._broken = why
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    @property
+    def broken(self) -> Optional[str]:
+        return self._broken
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---------------------------------------------------------------------------------------- send
+    def _sendmsg_all(self, parts: list) -> None:
+        """Write all ``parts`` (buffers) with scatter-gather I/O; each stall is bounded by the timeout."""
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        while views:
+            batch = views[:_IOV_MAX]
+            try:
+                n = self.sock.sendmsg(batch)
+            except socket.timeout:
+                self._break("send timed out")
+                raise WireTimeout(f"send to {self.peer} stalled for more than {self.timeout}s") from None
+            except OSError as e:
+                self._break(f"send failed: {e}")
+                raise ProtocolError(f"send to {self.peer} failed: {e}") from e
+            while n:
+                if n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][n:]
+                    n = 0
+
+    def _send_frame(self, msg_type: MsgType, parts: list, flags: int = 0) -> None:
+        h = xxhash.xxh3_64()
+        length = 0
+        for p in parts:
+            h.update(p)
+            length += memoryview(p).nbytes
+        header = encode_header(msg_type, length, h.intdigest(), flags)
+        with self._send_lock:
+            self._check_usable()
+            self._sendmsg_all([header] + parts)
+
+    def send(self, msg_type: int, meta: Optional[dict] = None, body: Body = b"", *,
+             body_len: Optional[int] = None, body_iter: Optional[Iterable] = None) -> None:
+        """Send one message. ``body`` is a buffer or a list of buffers (sent without joining); for streaming,
+        pass ``body_iter`` (yielding buffers) with ``body_len`` given up front. Payloads larger than the chunk
+        size go out as CHUNK frames, one lock acquisition per frame (other messages may interleave)."""
+        self._check_usable()
+        t = MsgType(msg_type)
+        if t == MsgType.CHUNK:
+            raise FrameError("CHUNK frames are produced by the transport, not sent directly")
+        if body_iter is not None:
+            if body_len is None:
+                raise FrameError("body_iter needs body_len up front")
+            if body:
+                raise FrameError("give either body or body_iter, not both")
+            source = body_iter
+        else:
+            parts = [] if body is None else (list(body) if isinstance(body, (list, tuple)) else [body])
+            parts = [memoryview(p).cast("B") for p in parts]
+            n = sum(len(p) for p in parts)
+            if body_len is not None and body_len != n:
+                raise FrameError(f"body_len {body_len} does not match the body's {n} bytes")
+            body_len = n
+            source = parts
+        prefix = pack_meta(meta or {}, body_len)
+        total = len(prefix) + body_len
+        if total > MAX_PAYLOAD[t]:
+            raise FrameError(f"{t.name} payload of {total} bytes exceeds the maximum {MAX_PAYLOAD[t]}")
+        if total <= self.chunk_size:
+            parts = [memoryview(prefix)]
+            got = 0
+            for p in source:
+                p = memoryview(p).cast("B")
+                got += len(p)
+                if got > body_len:
+                    break
+                parts.append(p)
+            if got != body_len:
+                raise FrameError(f"{t.name} body yielded {got} bytes, announced {body_len}")
+            self._send_frame(t, parts)
+            return
+        self._send_chunked(t, prefix, source, body_len, total)
+
+    def _send_chunked(self, t: MsgType, prefix: bytes, source: Iterable, body_len: int, total: int) -> None:
+        msg_id = next(self._ids)
+        cs = self.chunk_size
+        offset = 0  # payload offset of the current chunk
+        pending: list = [memoryview(prefix)]
+        pending_len = len(prefix)
+
+        def flush(parts, n):
+            nonlocal offset
+            env = ENVELOPE.pack(msg_id, t, 0, total, offset)
+            self._send_frame(MsgType.CHUNK, [env] + parts)
+            offset += n
+
+        sent_body = 0
+        try:
+            for p in source:
+                p = memoryview(p).cast("B")
+                sent_body += len(p)
+                if sent_body > body_len:
+                    raise FrameError(f"{t.name} body yielded more than the announced {body_len} bytes")
+                while len(p):
+                    take = min(len(p), cs - pending_len)
+                    pending.append(p[:take])
+                    pending_len += take
+                    p = p[take:]
+                    if pending_len == cs:
+                        flush(pending, pending_len)
+                        pending, pending_len = [], 0
+            if sent_body != body_len:
+                raise FrameError(f"{t.name} body yielded {sent_body} bytes, announced {body_len}")
+            if pending_len:
+                flush(pending, pending_len)
+        except BaseException as e:
+            # the peer holds a partial message we cannot complete: do not leave it half-sent silently
+            if offset or isinstance(e, FrameError):
+                self._break(f"{t.name} message {msg_id} aborted after {offset} of {total} bytes: {e!r}")
+            raise
+
+    def send_error(self, code: str, message: str) -> None:
+        self.send(MsgType.ERROR, {"code": str(code), "message": str(message)[:4000]})
+
+    # ---------------------------------------------------------------------------------------- recv
+    def _recv_into(self, view: memoryview, first_wait: Optional[float] = None) -> None:
+        """Fill ``view`` completely. ``first_wait``: timeout for the first byte (then the stall timeout)."""
+        got, n = 0, len(view)
+        if first_wait is not None:
+            self.sock.settimeout(first_wait)
+        try:
+            while got < n:
+                try:
+                    r = self.sock.recv_into(view[got:], n - got)
+                except socket.timeout:
+                    if got == 0 and first_wait is not None:
+                        raise WireTimeout(f"no message from {self.peer} within {first_wait}s") from None
+                    self._break("receive timed out mid-frame")
+                    raise WireTimeout(f"receive from {self.peer} stalled for more than {self.timeout}s "
+                                      f"({got} of {n} bytes)") from None
+                except OSError as e:
+                    self._break(f"receive failed: {e}")
+                    raise ProtocolError(f"receive from {self.peer} failed: {e}") from e
+                if r == 0:
+                    self._break("peer closed the connection")
+                    what = "closed the connection" if got == 0 and first_wait is not None else \
+                        f"closed the connection mid-frame ({got} of {n} bytes)"
+                    raise ProtocolError(f"{self.peer} {what}")
+                if got == 0 and first_wait is not None:
+                    self.sock.settimeout(self.timeout)
+                got += r
+        finally:
+            if first_wait is not None:
+                self.sock.settimeout(self.timeout)
+
+    def recv(self, timeout: Optional[float] = None) -> tuple[MsgType, dict, memoryview]:
+        """Receive the next complete message. ``timeout`` bounds the wait for it to start (default: the
+        connection timeout); once a frame has started each read must progress within the connection timeout."""
+        with self._recv_lock:
+            self._check_usable()
+            wait = self.timeout if timeout is None else timeout
+            try:
+                return self._recv(wait)
+            except (FrameError, DigestError) as e:
+                self._break(str(e))
+                raise
+
+    def _recv(self, wait: float) -> tuple[MsgType, dict, memoryview]:
+        hdr = bytearray(HEADER_SIZE)
+        deadline = time.monotonic() + wait
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            self._recv_into(memoryview(hdr), first_wait=max(left, 1e-3))
+            h = decode_header(hdr)
+            if h.msg_type != MsgType.CHUNK:
+                if h.length > self.max_payload[h.msg_type]:
+                    raise FrameError(f"{h.msg_type.name} frame announces {h.length} bytes, above this "
+                                     f"receiver's maximum {self.max_payload[h.msg_type]}")
+                payload = bytearray(h.length)
+                self._recv_into(memoryview(payload))
+                if xxhash.xxh3_64_intdigest(payload) != h.digest:
+                    raise DigestError(f"digest mismatch in {h.msg_type.name} message from {self.peer}")
+                return self._deliver(h.msg_type, memoryview(payload))
+            if h.length < ENVELOPE_SIZE:
+                raise FrameError(f"CHUNK frame of {h.length} bytes is shorter than its envelope")
+            envb = bytearray(ENVELOPE_SIZE)
+            self._recv_into(memoryview(envb))
+            env = parse_envelope(envb)
+            n = h.length - ENVELOPE_SIZE
+            dst = self._reasm.reserve(env, n)  # validated against maxima before any allocation
+            self._recv_into(dst)
+            d = xxhash.xxh3_64()
+            d.update(envb)
+            d.update(dst)
+            if d.intdigest() != h.digest:
+                self._reasm.drop(env.msg_id)
+                raise DigestError(f"digest mismatch in chunk of {_chunks._label(env)} from {self.peer} "
+                                  f"(offset {env.offset})")
+            done = self._reasm.commit(env, n)
+            if done is not None:
+                return self._deliver(done[0], memoryview(done[1]))
+            # a message is flowing: wait for its next frame as long as for any stalled read
+            deadline = max(deadline, time.monotonic() + self.timeout)
+
+    def _deliver(self, t: MsgType, payload: memoryview) -> tuple[MsgType, dict, memoryview]:
+        meta, body = unpack(payload)
+        if t == MsgType.ERROR:
+            raise PeerError(str(meta.get("code", "error")), str(meta.get("message", "")))
+        return t, meta, body
+
+
+def connect(address: str, timeout: float = 10.0, retries: int = 5, backoff: float = 0.5,
+            max_backoff: float = 10.0, **conn_kwargs) -> Connection:
+    """Connect to ``host:port``; up to ``retries`` further attempts after the first, sleeping
+    ``backoff * 2**i`` (capped at ``max_backoff``, with +-20% jitter) between them. ``timeout`` bounds each
+    attempt and is the connection's default operation timeout unless ``conn_kwargs`` sets ``timeout``."""
+    host, port = parse_address(address)
+    last: Optional[BaseException] = None
+    for attempt in range(retries + 1):
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as e:
+            last = e
+            if attempt < retries:
+                time.sleep(min(max_backoff, backoff * (2 ** attempt)) * random.uniform(0.8, 1.2))
+            continue
+        conn_kwargs.setdefault("timeout", timeout)
+        return Connection(sock, **conn_kwargs)
+    raise ConnectError(f"could not connect to {address} after {retries + 1} attempts: {last}")
+
+
+def listen(address: str, backlog: int = 64) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free port; see ``getsockname()``)."""
+    host, port = parse_address(address)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    _tune(s)
+    s.bind((host, port))
+    s.listen(backlog)
+    return s
