@@ -1,0 +1,236 @@
+"""The demo's orchestration: a syncer, N islands launched like any Megatron job, a baseline, a report."""
+import json
+import os
+import secrets
+import shutil
+import socket
+import sys
+import tempfile
+import time
+
+from . import baseline as bl
+from .layout import parse_layouts
+from .procs import ChildFailed, Supervisor
+from .progress import Progress
+from .report import build_report
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(REPO, "examples")
+TRAIN_SCRIPT = os.path.join(EXAMPLES, "train_gpt.py")
+VOCAB = 256
+
+
+class DemoError(RuntimeError):
+    pass
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _launcher(python, nproc):
+    """How a user launches a Megatron script: torchrun (the one installed next to this Python)."""
+    torchrun = os.path.join(os.path.dirname(python), "torchrun")
+    head = [torchrun] if os.path.exists(torchrun) else [python, "-m", "torch.distributed.run"]
+    return head + ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc)]
+
+
+def model_flags(o):
+    """The flags that define the model and the training recipe (identical for islands and baseline)."""
+    f = ["--num-layers", o.layers, "--hidden-size", o.hidden, "--num-attention-heads", o.heads,
+         "--seq-length", o.seq_length, "--micro-batch-size", o.micro_batch, "--train-iters", o.steps,
+         "--lr", o.lr, "--min-lr", o.lr / 10, "--lr-warmup-iters", o.warmup, "--seed", o.seed,
+         "--num-shards", o.islands, "--eval-interval", o.eval_interval, "--eval-seqs", o.eval_seqs,
+         "--log-interval", 0]
+    if o.text:
+        f += ["--text", os.path.abspath(o.text)]
+    if o.fp32:
+        f += ["--fp32"]
+    return [str(x) for x in f]
+
+
+def _clean_env(extra_pythonpath=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
+    env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env["PYTHONWARNINGS"] = "ignore"
+    pp = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != REPO]
+    if extra_pythonpath:
+        pp.insert(0, extra_pythonpath)
+    if pp:
+        env["PYTHONPATH"] = os.pathsep.join(pp)
+    else:
+        env.pop("PYTHONPATH", None)
+    return env
+
+
+def write_key(dirname):
+    path = os.path.join(dirname, "yeto.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    return path
+
+
+def syncer_argv(o, python, port, key_file, out):
+    return [python, "-m", "yeto_patch.syncer", "--listen", f"127.0.0.1:{port}", "--islands", str(o.islands),
+            "--fragments", str(o.fragments), "--key-file", key_file,
+            "--checkpoint", os.path.join(out, "syncer.ckpt"), "--tape", os.path.join(out, "syncer-tape.jsonl"),
+            "--outer-lr", str(o.outer_lr), "--outer-momentum", str(o.outer_momentum)] + list(o.syncer_arg)
+
+
+def island_env(o, island_id, port, key_file, out):
+    env = _clean_env(extra_pythonpath=REPO)
+    env.update({
+        "YETO_DILOCO_SYNCER": f"127.0.0.1:{port}",
+        "YETO_DILOCO_KEY_FILE": key_file,
+        "YETO_DILOCO_ISLAND_ID": island_id,
+        "YETO_DILOCO_SYNC_EVERY": str(o.sync_every),
+        "YETO_DILOCO_PUSH_DTYPE": o.push_dtype,
+        "YETO_DILOCO_ERROR_FEEDBACK": "1" if o.error_feedback else "0",
+        "YETO_DILOCO_OVERLAP_STEPS": str(o.overlap_steps),
+        "YETO_DILOCO_MERGE_ALPHA": str(o.merge_alpha),
+        "YETO_DILOCO_TOTAL_STEPS": str(o.steps),
+        "YETO_DILOCO_VOCAB_SIZE": str(VOCAB),
+        "YETO_DILOCO_TIMEOUT": str(o.sync_timeout),
+        "YETO_DILOCO_METRICS": os.path.join(out, f"island-{island_id}.boundaries.jsonl"),
+    })
+    for kv in o.island_env:
+        k, _, v = kv.partition("=")
+        env[k] = v
+    return env
+
+
+def corpus_description(o):
+    sys.path.insert(0, EXAMPLES)
+    try:
+        import byte_corpus
+    finally:
+        sys.path.remove(EXAMPLES)
+    return byte_corpus.ByteCorpus(o.text, num_shards=o.islands).describe()
+
+
+def run(o):
+    """Run the demo described by options `o`; returns the result dict (also written to out/result.json)."""
+    t_start = time.time()
+    python = o.python or sys.executable
+    out = os.path.abspath(o.out)
+    if os.path.exists(out):
+        for name in os.listdir(out):  # only what an earlier demo wrote: never an unrelated folder
+            if name.startswith(("island-", "baseline", "syncer", "losses.", "result.", "summary.")) or name == "logs":
+                p = os.path.join(out, name)
+                shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    os.makedirs(out, exist_ok=True)
+    layouts = parse_layouts(o.layouts, o.islands)
+    if o.batch % o.micro_batch:
+        raise DemoError(f"--batch {o.batch} must be a multiple of --micro-batch {o.micro_batch}")
+    for lay in layouts:
+        if o.batch % (lay.dp * o.micro_batch):
+            raise DemoError(f"layout {lay.name}: --batch {o.batch} is not divisible by dp {lay.dp} x micro-batch")
+        if o.layers % lay.pp:
+            raise DemoError(f"layout {lay.name}: --layers {o.layers} is not divisible by pp {lay.pp}")
+        if o.heads % lay.tp:
+            raise DemoError(f"layout {lay.name}: --heads {o.heads} is not divisible by tp {lay.tp}")
+    ids = []
+    for i, lay in enumerate(layouts):
+        base = f"{chr(ord('A') + i) if i < 26 else i}-{lay.name}"
+        ids.append(base)
+    try:
+        corpus = corpus_description(o)
+    except (OSError, ValueError) as err:
+        raise DemoError(f"cannot use the text: {err}") from None
+    mflags = model_flags(o)
+    base_flags = mflags + ["--global-batch-size", str(o.batch * o.islands),
+                           "--shards", ",".join(str(i) for i in range(o.islands))]
+    base_layout = parse_layouts(o.baseline_layout, 1)[0]
+    if (o.batch * o.islands) % (base_layout.dp * o.micro_batch):
+        raise DemoError(f"baseline layout {base_layout.name} does not divide the global batch")
+    key, ident = bl.baseline_key(base_flags + base_layout.flags(), base_layout.nproc,
+                                 [TRAIN_SCRIPT, os.path.join(EXAMPLES, "byte_corpus.py")], corpus,
+                                 _python_version(python))
+    cache_dir = o.cache_dir or bl.default_cache_dir()
+    say = print
+    say(f"yeto-patch demo: {o.islands} islands ({', '.join(ids)}) x {o.steps} steps, "
+        f"{'DiLoCo via yeto-patch' if not o.without_yeto else 'WITHOUT yeto-patch (independent islands)'}")
+    say(f"  model: GPT {o.layers} layers, hidden {o.hidden}, seq {o.seq_length}, byte vocabulary, "
+        f"{'fp32' if o.fp32 else 'bf16'}, DistributedOptimizer; {o.batch} sequences/step/island")
+    say(f"  data: {corpus['source']} ({corpus['documents']} documents, split {corpus['split']}; "
+        f"island shards {', '.join(f'{b / 1e6:.1f}' for b in corpus['shard_bytes'])} MB, "
+        f"held-out {corpus['heldout_bytes'] / 1e6:.1f} MB)")
+    if not o.without_yeto:
+        say(f"  DiLoCo: H={o.sync_every}, {o.fragments} fragment(s), push {o.push_dtype}"
+            f"{' + error feedback' if o.error_feedback else ''}, overlap tau={o.overlap_steps}, "
+            f"alpha={o.merge_alpha}, outer Nesterov lr {o.outer_lr} momentum {o.outer_momentum}")
+    say(f"  output: {out}")
+    result = {"settings": {k: v for k, v in vars(o).items()}, "ids": ids,
+              "layouts": [vars(lay) for lay in layouts], "corpus": corpus, "out": out}
+    keydir = tempfile.mkdtemp(prefix="yeto-demo-")
+    try:
+        with Supervisor(os.path.join(out, "logs")) as sup:
+            t_isl = time.time()
+            children, syncer = [], None
+            port = o.port or free_port()
+            key_file = write_key(keydir)
+            if not o.without_yeto:
+                syncer = sup.start("syncer", syncer_argv(o, python, port, key_file, out),
+                                   env=_clean_env(extra_pythonpath=REPO), cwd=REPO)
+                children.append(syncer)
+            islands = []
+            for iid, lay, shard in zip(ids, layouts, range(o.islands)):
+                argv = _launcher(python, lay.nproc) + [TRAIN_SCRIPT] + lay.flags() + mflags + [
+                    "--global-batch-size", str(o.batch), "--shards", str(shard),
+                    "--log-jsonl", os.path.join(out, f"island-{iid}.jsonl"),
+                    "--save-npz", os.path.join(out, f"island-{iid}.npz")]
+                env = (island_env(o, iid, port, key_file, out) if not o.without_yeto
+                       else _clean_env())
+                islands.append(sup.start(f"island-{iid}", argv, env=env, cwd=REPO))
+            children += islands
+            prog = Progress(out, ids, o.steps, syncer_tape=None if o.without_yeto else
+                            os.path.join(out, "syncer-tape.jsonl"))
+            sup.wait(children, o.timeout, tick=prog.tick, tick_every_s=o.progress_every)
+            prog.done()
+            result["islands_wall_s"] = time.time() - t_isl
+            say(f"islands finished in {result['islands_wall_s']:.0f}s")
+            # --- the synchronous data-parallel baseline -------------------------------------------------
+            result["baseline"] = None
+            if not o.no_baseline:
+                path = None if o.rebaseline else bl.cached(cache_dir, key)
+                dest = os.path.join(out, "baseline.jsonl")
+                if path:
+                    shutil.copyfile(path, dest)
+                    result["baseline"] = {"cached": True, "key": key, "wall_s": None}
+                    say(f"baseline: reusing the cached synchronous data-parallel run ({path})")
+                else:
+                    say(f"baseline: training synchronous data parallel ({base_layout.name}, "
+                        f"{o.batch * o.islands} sequences/step = the islands' tokens together) ...")
+                    t_b = time.time()
+                    argv = _launcher(python, base_layout.nproc) + [TRAIN_SCRIPT] + base_layout.flags() + \
+                        base_flags + ["--log-jsonl", dest]
+                    b = sup.start("baseline", argv, env=_clean_env(), cwd=REPO)
+                    bprog = Progress(out, ["baseline"], o.steps, files={"baseline": dest})
+                    sup.wait([b], o.timeout, tick=bprog.tick, tick_every_s=o.progress_every)
+                    bprog.done()
+                    result["baseline"] = {"cached": False, "key": key, "wall_s": time.time() - t_b}
+                    bl.store(cache_dir, key, ident, dest)
+    except ChildFailed as err:
+        raise DemoError(str(err)) from None
+    except TimeoutError as err:
+        raise DemoError(f"the demo did not finish within --timeout {o.timeout:.0f}s: {err}; logs in "
+                        f"{os.path.join(out, 'logs')}") from None
+    finally:
+        shutil.rmtree(keydir, ignore_errors=True)
+    result["wall_s"] = time.time() - t_start
+    build_report(result, o)
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    return result
+
+
+def _python_version(python):
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        return ".".join(map(str, sys.version_info[:3]))
+    return python
