@@ -37,6 +37,10 @@ DEFAULT_BLOCK = 256
 MAX_BLOCK = 1 << 24
 _PIECE = 1 << 16  # elements per piece (256 KiB of float32): a piece and its scratch stay in L2
 _F32 = np.dtype("<f4")
+#: Largest |x| the block codecs accept (so that q * scale can never round to inf on decode).
+LIMIT = float(np.float32(3e38))
+_LIMIT_BITS = int(np.float32(LIMIT).view(np.int32))
+_MAX_SCALE = {"int8": np.float32(LIMIT / 127), "int4": np.float32(LIMIT / 7), "int4-log": np.float32(LIMIT)}
 _FLT_MAX = float(np.finfo(np.float32).max)
 # Adding 1.5 * 2**23 to a float32 in [-2**22, 2**22] rounds it to the nearest integer (ties to even) and
 # leaves that integer in the low mantissa bits: bits(v + MAGIC) - bits(MAGIC) == rint(v).
@@ -278,8 +282,12 @@ def _enc_prologue(x, scales, a, b, block, name, k, scale_div):
     nb = _nblocks(m, block)
     amax = _scratch("amax", nb, np.float32)
     _block_absmax_bits(abits, block, amax.view(np.int32))
-    if amax.view(np.int32).max() >= 0x7F800000:
-        raise _nonfinite(xs, name, a)
+    if amax.view(np.int32).max() > _LIMIT_BITS:
+        if not np.isfinite(xs).all():
+            raise _nonfinite(xs, name, a)
+        i = int(np.flatnonzero(np.abs(xs) > LIMIT)[0])
+        raise CodecError(f"{name}: value {xs[i]!r} at index {a + i} is beyond the block codecs' range "
+                         f"(|x| <= {LIMIT:.1e}); refusing to encode")
     j = a // block
     np.divide(amax, np.float32(scale_div), out=scales[j: j + nb])
     kf = np.float32(k)
@@ -327,10 +335,12 @@ def _enc_int4log(x, scales, codes, a, b, block, name):
     ti = t.view(np.int32)
     ti >>= 23  # biased exponent (t >= 0, no sign bit); t <= 4/3 (1 + eps) so exponent <= 127
     np.maximum(ti, 120, out=ti)
-    ti -= 120  # level = clamp(exponent - 127 + 7, 0, 7)
+    ti -= 113  # level + 7, level = clamp(exponent - 127 + 7, 0, 7): 7..14
     s = _scratch("sgn", xs.size, np.int32)
     np.right_shift(xs.view(np.int32), 28, out=s)  # arithmetic: ...1111_1xxx for negative, 0..7 for positive
+    s &= ti  # bit 3 of level + 7 is set iff level >= 1: the sign bit is only kept on non-zero levels
     s &= 8
+    ti -= 7
     ti |= s
     _pack_nibbles(ti, codes[a // 2: (b + 1) // 2])
 
@@ -365,10 +375,11 @@ def _check_decode_args(codec, buf, numel, block):
         nb = _nblocks(int(numel), block)
         raw = b[: 4 * nb]
         scales = raw.view(_F32) if raw.ctypes.data % 4 == 0 else raw.copy().view(_F32)
-        if nb and not (np.isfinite(scales).all() and (scales >= 0).all()):
-            bad = np.flatnonzero(~(np.isfinite(scales) & (scales >= 0)))
-            raise CodecError(f"{codec} data has an invalid scale {scales[bad[0]]!r} in block {int(bad[0])} "
-                             "(scales must be finite and >= 0)")
+        ok = (scales >= 0) & (scales <= _MAX_SCALE[codec])  # False for NaN
+        if nb and not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise CodecError(f"{codec} data has an invalid scale {scales[bad]!r} in block {bad} "
+                             f"(scales must be finite, >= 0 and <= {float(_MAX_SCALE[codec]):.3e})")
         b = b[4 * nb:]
     return b, scales
 
