@@ -1,9 +1,9 @@
 """The demo's orchestration: a syncer, N islands launched like any Megatron job, a baseline, a report."""
 import json
 import os
+import re
 import secrets
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -22,14 +22,6 @@ VOCAB = 256
 
 class DemoError(RuntimeError):
     pass
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _launcher(python, nproc):
@@ -80,7 +72,25 @@ def syncer_argv(o, python, port, key_file, out):
     return [python, "-m", "yeto_patch.syncer", "--listen", f"127.0.0.1:{port}", "--islands", str(o.islands),
             "--fragments", str(o.fragments), "--key-file", key_file,
             "--checkpoint", os.path.join(out, "syncer.ckpt"), "--tape", os.path.join(out, "syncer-tape.jsonl"),
-            "--outer-lr", str(o.outer_lr), "--outer-momentum", str(o.outer_momentum)] + list(o.syncer_arg)
+            "--outer-lr", str(o.outer_lr), "--outer-momentum", str(o.outer_momentum),
+            "--base-wire", o.base_wire] + list(o.syncer_arg)
+
+
+_LISTENING = re.compile(r"yeto-syncer listening on (\S+):(\d+)")
+
+
+def wait_for_syncer(sup, syncer, timeout_s=60):
+    """The port the syncer bound (it is started on port 0 unless --port is given), read from its log."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        sup.check()
+        if syncer.poll() is not None:
+            raise DemoError(f"the syncer exited before listening; log: {syncer.log_path}\n{syncer.excerpt()}")
+        m = _LISTENING.search(syncer.log_text())
+        if m:
+            return int(m.group(2))
+        time.sleep(0.1)
+    raise DemoError(f"the syncer did not report its address within {timeout_s}s; log: {syncer.log_path}")
 
 
 def island_env(o, island_id, port, key_file, out):
@@ -164,7 +174,8 @@ def run(o):
     if not o.without_yeto:
         say(f"  DiLoCo: H={o.sync_every}, {o.fragments} fragment(s), push {o.push_dtype}"
             f"{' + error feedback' if o.error_feedback else ''}, overlap tau={o.overlap_steps}, "
-            f"alpha={o.merge_alpha}, outer Nesterov lr {o.outer_lr} momentum {o.outer_momentum}")
+            f"alpha={o.merge_alpha}, outer Nesterov lr {o.outer_lr} momentum {o.outer_momentum}, "
+            f"bases sent as {o.base_wire}")
     say(f"  output: {out}")
     result = {"settings": {k: v for k, v in vars(o).items()}, "ids": ids,
               "layouts": [vars(lay) for lay in layouts], "corpus": corpus, "out": out}
@@ -173,12 +184,13 @@ def run(o):
         with Supervisor(os.path.join(out, "logs")) as sup:
             t_isl = time.time()
             children, syncer = [], None
-            port = o.port or free_port()
+            port = o.port
             key_file = write_key(keydir)
             if not o.without_yeto:
                 syncer = sup.start("syncer", syncer_argv(o, python, port, key_file, out),
                                    env=_clean_env(extra_pythonpath=REPO), cwd=REPO)
                 children.append(syncer)
+                port = wait_for_syncer(sup, syncer)
             islands = []
             for iid, lay, shard in zip(ids, layouts, range(o.islands)):
                 argv = _launcher(python, lay.nproc) + [TRAIN_SCRIPT] + lay.flags() + mflags + [
