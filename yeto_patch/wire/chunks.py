@@ -113,7 +113,10 @@ class Reassembler:
                                      f"({used} of {self.max_bytes} bytes in use)")
             if env.offset != 0:
                 raise FrameError(f"{_label(env)}: first chunk at offset {env.offset} (gap: bytes 0..{env.offset})")
-            p = _Partial(inner, env.total)
+            try:
+                p = _Partial(inner, env.total)
+            except MemoryError:
+                raise FrameError(f"{_label(env)}: cannot allocate {env.total} bytes to reassemble it") from None
             self._open[env.msg_id] = p
         else:
             if env.inner_type != p.inner_type or env.total != p.total:
