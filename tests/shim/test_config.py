@@ -1,0 +1,144 @@
+"""YETO_* configuration: defaults, every accepted form, and a clear error naming the variable for bad values."""
+import dataclasses
+
+import pytest
+
+from yeto_patch import config
+from yeto_patch.config import ConfigError, from_env
+
+BASE = {"YETO_DILOCO_SYNCER": "syncer.example.org:7640", "YETO_DILOCO_KEY_FILE": "/secrets/yeto.key"}
+
+
+def env(**kw):
+    e = dict(BASE)
+    for k, v in kw.items():
+        if v is None:
+            e.pop(k, None)
+        else:
+            e[k] = v
+    return e
+
+
+def test_defaults():
+    s = from_env({**BASE, "MASTER_ADDR": "node17", "MASTER_PORT": "29500"})
+    assert (s.syncer, s.syncer_host, s.syncer_port) == ("syncer.example.org:7640", "syncer.example.org", 7640)
+    assert s.key_file == "/secrets/yeto.key" and not s.insecure
+    assert s.island_id == "node17:29500" and s.island_id_default
+    assert (s.sync_every, s.push_dtype, s.block, s.error_feedback) == (100, "int4", 256, False)
+    assert (s.overlap_steps, s.merge_alpha) == (0, 0.5)
+    assert (s.chunk_bytes, s.send_queue_bytes) == (64 << 20, 1 << 30)
+    assert s.total_steps is None and s.vocab_size is None and s.metrics_path is None
+    assert (s.timeout, s.log_level) == (600.0, "INFO")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.sync_every = 3
+
+
+def test_every_value_form():
+    s = from_env(env(YETO_DILOCO_SYNC_EVERY="50", YETO_DILOCO_PUSH_DTYPE="INT4-LOG", YETO_DILOCO_BLOCK="128",
+                     YETO_DILOCO_ERROR_FEEDBACK="yes", YETO_DILOCO_OVERLAP_STEPS="2",
+                     YETO_DILOCO_MERGE_ALPHA="0.25", YETO_DILOCO_CHUNK_BYTES="16MiB",
+                     YETO_DILOCO_SEND_QUEUE_BYTES="2G", YETO_DILOCO_TOTAL_STEPS="1000",
+                     YETO_DILOCO_VOCAB_SIZE="50257", YETO_DILOCO_TIMEOUT="10m",
+                     YETO_DILOCO_METRICS="/tmp/m-{island}.jsonl", YETO_DILOCO_ISLAND_ID="east-1",
+                     YETO_DILOCO_LOG_LEVEL="debug"))
+    assert (s.sync_every, s.push_dtype, s.block, s.error_feedback, s.overlap_steps) == (50, "int4-log", 128,
+                                                                                        True, 2)
+    assert (s.merge_alpha, s.chunk_bytes, s.send_queue_bytes) == (0.25, 16 << 20, 2 << 30)
+    assert (s.total_steps, s.vocab_size, s.timeout) == (1000, 50257, 600.0)
+    assert s.metrics_path == "/tmp/m-east-1.jsonl" and s.island_id == "east-1" and not s.island_id_default
+    assert s.log_level == "DEBUG"
+    assert from_env(env(YETO_DILOCO_SYNCER="[::1]:7640", YETO_DILOCO_KEY_FILE=None,
+                        YETO_DILOCO_INSECURE="1")).syncer == "[::1]:7640"
+    assert from_env(env(YETO_DILOCO_KEY_FILE=None, YETO_KEY="s3cret")).key_source == "environment YETO_KEY"
+
+
+@pytest.mark.parametrize("var,value,expect", [
+    ("YETO_DILOCO_SYNCER", "a:1,b:2", "sharded syncers are not supported yet"),
+    ("YETO_DILOCO_SYNCER", "a:1 b:2", "lists 2 addresses"),
+    ("YETO_DILOCO_SYNCER", "syncer", "host:port"),
+    ("YETO_DILOCO_SYNCER", "syncer:99999", "out of range"),
+    ("YETO_DILOCO_SYNC_EVERY", "banana", "integer"),
+    ("YETO_DILOCO_SYNC_EVERY", "0", "[1, "),
+    ("YETO_DILOCO_PUSH_DTYPE", "int3", "f32, bf16, int8, int4, int4-log"),
+    ("YETO_DILOCO_BLOCK", "4", "[8, 65536]"),
+    ("YETO_DILOCO_ERROR_FEEDBACK", "maybe", "1/0"),
+    ("YETO_DILOCO_OVERLAP_STEPS", "-1", "[0, "),
+    ("YETO_DILOCO_OVERLAP_STEPS", "100", "smaller than YETO_DILOCO_SYNC_EVERY=100"),
+    ("YETO_DILOCO_MERGE_ALPHA", "1.5", "[0.0, 1.0]"),
+    ("YETO_DILOCO_MERGE_ALPHA", "nan", "[0.0, 1.0]"),
+    ("YETO_DILOCO_CHUNK_BYTES", "12 parsecs", "K/M/G"),
+    ("YETO_DILOCO_CHUNK_BYTES", "1K", "between 64KiB and 4GiB"),
+    ("YETO_DILOCO_TOTAL_STEPS", "1e3", "integer"),
+    ("YETO_DILOCO_TIMEOUT", "0", "seconds between 1"),
+    ("YETO_DILOCO_TIMEOUT", "soon", "s/m/h"),
+    ("YETO_DILOCO_LOG_LEVEL", "LOUD", "DEBUG, INFO, WARNING, ERROR"),
+    ("YETO_DILOCO_ISLAND_ID", "has space", "1-64 characters"),
+    ("YETO_DILOCO_INSECURE", "2", "1/0"),
+    ("YETO_DILOCO_DISABLE", "sometimes", "1/0"),
+    ("YETO_DILOCO_SYNC_EVRY", "10", "did you mean YETO_DILOCO_SYNC_EVERY"),
+])
+def test_bad_values_name_the_variable(var, value, expect):
+    with pytest.raises(ConfigError) as ei:
+        from_env(env(**{var: value}))
+    msg = str(ei.value)
+    assert msg.startswith(var) and expect in msg, msg
+
+
+def test_key_and_insecure_rules():
+    with pytest.raises(ConfigError, match="^YETO_DILOCO_KEY_FILE is not set"):
+        from_env(env(YETO_DILOCO_KEY_FILE=None))
+    with pytest.raises(ConfigError, match="^YETO_DILOCO_INSECURE=1 is only accepted with a loopback"):
+        from_env(env(YETO_DILOCO_KEY_FILE=None, YETO_DILOCO_INSECURE="1"))
+    s = from_env(env(YETO_DILOCO_SYNCER="localhost:7640", YETO_DILOCO_KEY_FILE=None, YETO_DILOCO_INSECURE="1"))
+    assert s.insecure and s.key_source.startswith("none")
+
+
+def test_auto_attach_without_address_fails_clearly():
+    with pytest.raises(ConfigError, match="^YETO_DILOCO_SYNCER is not set"):
+        from_env({"YETO_DILOCO_AUTO_ATTACH": "1"})
+    assert from_env({"YETO_DILOCO_DISABLE": "1"}).disable
+
+
+def test_attached_rule_matches_bootstrap():
+    import importlib.util
+    import os
+    spec = importlib.util.spec_from_file_location("_boot", os.path.join(os.path.dirname(config.__file__), "..",
+                                                                        "sitecustomize.py"))
+    src = open(spec.origin).read()
+    ns = {}
+    exec(compile(src.replace("\n_bootstrap()\n", "\n"), spec.origin, "exec"), ns)
+    cases = [{}, {"YETO_DILOCO_SYNCER": "a:1"}, {"YETO_DILOCO_SYNCER": " "}, {"YETO_DILOCO_AUTO_ATTACH": "1"},
+             {"YETO_DILOCO_AUTO_ATTACH": "true", "YETO_DILOCO_DISABLE": "yes"},
+             {"YETO_DILOCO_SYNCER": "a:1", "YETO_DILOCO_DISABLE": "0"}]
+    for c in cases:
+        assert ns["_configured"](c) == config.attached(c), c
+
+
+def test_default_island_id_is_stable_and_shared_by_ranks():
+    a = from_env({**BASE, "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500", "RANK": "0"})
+    b = from_env({**BASE, "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500", "RANK": "7"})
+    assert a.island_id == b.island_id == "10.0.0.5:29500"
+    c = from_env({**BASE, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29501"})
+    assert c.island_id.endswith(":29501") and not c.island_id.startswith("127.")
+
+
+def test_get_reads_once_and_repeats_the_error(monkeypatch):
+    config.reset()
+    try:
+        monkeypatch.setenv("YETO_DILOCO_SYNCER", "a:1,b:2")
+        with pytest.raises(ConfigError, match="sharded"):
+            config.get()
+        monkeypatch.setenv("YETO_DILOCO_SYNCER", "127.0.0.1:1")
+        with pytest.raises(ConfigError, match="sharded"):
+            config.get()  # read once: the first outcome sticks
+        config.reset()
+        monkeypatch.setenv("YETO_DILOCO_INSECURE", "1")
+        assert config.get() is config.get()
+    finally:
+        config.reset()
+
+
+def test_docstring_table_lists_every_variable():
+    for name, _default, _meaning in config.VARIABLES:
+        assert f"\n{name} " in config.__doc__, name
+    assert "int4" in config.__doc__ and "64MiB" in config.__doc__

@@ -1,0 +1,50 @@
+"""`yeto-patch doctor` and the CLI dispatcher (the handshake against a real syncer is in test_doctor_handshake)."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def doctor(*args, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
+    env["PYTHONPATH"] = ROOT
+    env["PYTHONWARNINGS"] = "ignore"
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "yeto_patch.cli", "doctor", *args], env=env,
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+
+
+def test_doctor_reports_configuration_versions_and_hooks():
+    p = doctor("--no-handshake", env_extra={"YETO_DILOCO_SYNCER": "127.0.0.1:7640", "YETO_DILOCO_INSECURE": "1",
+                                            "YETO_DILOCO_SYNC_EVERY": "25", "YETO_DILOCO_ISLAND_ID": "east"})
+    out = p.stdout
+    assert p.returncode == 0, out + p.stderr
+    assert "attached by environment: yes" in out
+    assert "sitecustomize bootstrap: active" in out
+    assert "YETO_DILOCO_SYNC_EVERY         25" in out and "east" in out
+    assert "megatron-core" in out and "torch" in out and "python" in out
+    assert "mcore_optimizer" in out and "would attach: MixedPrecisionOptimizer.step" in out
+    assert "ChainedOptimizer.step" in out
+    assert "skipped (--no-handshake)" in out and out.rstrip().endswith("OK")
+
+
+def test_doctor_names_a_bad_variable_and_fails():
+    p = doctor("--no-handshake", "--no-import", env_extra={"YETO_DILOCO_SYNCER": "a:1,b:2"})
+    assert p.returncode == 1
+    assert "ERROR: YETO_DILOCO_SYNCER='a:1,b:2' lists 2 addresses" in p.stdout
+    assert "PROBLEMS FOUND" in p.stdout
+
+
+def test_doctor_unattached_says_how_to_attach():
+    p = doctor("--no-handshake", "--no-import")
+    assert "attached by environment: no (set YETO_DILOCO_SYNCER=host:port to attach)" in p.stdout
+    assert p.returncode == 1   # no syncer address: nothing to attach to
+
+
+def test_cli_dispatch():
+    from yeto_patch import cli
+    assert cli.main(["--help"]) == 0
+    assert cli.main(["no-such-command"]) == 2
+    assert cli._lazy_main("config") is None          # a module without main() is not a command
+    assert cli._lazy_main("../etc") is None

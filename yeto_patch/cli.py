@@ -1,0 +1,200 @@
+"""``yeto-patch`` console entry point.
+
+    yeto-patch doctor [--no-handshake] [--timeout SECONDS]
+        Resolved configuration, versions, whether the sitecustomize bootstrap is active, which hooks would attach
+        in this environment, and an authenticated handshake with the syncer (a PROBE: it does not join a run).
+        Exit status 0 when everything checked is in order, 1 otherwise.
+    yeto-patch demo ...
+        Two islands and a syncer on this machine (provided by ``yeto_patch.demo``; see ``yeto-patch demo --help``).
+
+Further subcommands are found lazily: ``yeto-patch NAME`` runs ``yeto_patch.NAME.cli:main(argv)`` (or
+``yeto_patch.NAME:main``) when that package exists, so adding one needs no change here.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import sys
+import time
+
+BUILTIN = {"doctor": "check configuration, versions, hooks and the syncer handshake"}
+KNOWN_LAZY = {"demo": "run two islands and a syncer on this machine"}
+
+
+def _lazy_main(name):
+    """main(argv) of yeto_patch.<name>.cli or yeto_patch.<name>, or None when neither exists."""
+    if not name.isidentifier() or name.startswith("_"):
+        return None
+    for modname in (f"yeto_patch.{name}.cli", f"yeto_patch.{name}"):
+        try:
+            if importlib.util.find_spec(modname) is None:
+                continue
+        except ModuleNotFoundError:
+            continue
+        mod = importlib.import_module(modname)
+        fn = getattr(mod, "main", None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        _usage(sys.stdout)
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print("yeto-patch", _version("yeto-patch"))
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "doctor":
+        return doctor(rest)
+    fn = _lazy_main(cmd)
+    if fn is None:
+        if cmd in KNOWN_LAZY:
+            print(f"yeto-patch: '{cmd}' is not available in this installation (yeto_patch.{cmd} is missing)",
+                  file=sys.stderr)
+        else:
+            print(f"yeto-patch: unknown command {cmd!r}", file=sys.stderr)
+            _usage(sys.stderr)
+        return 2
+    rc = fn(rest)
+    return int(rc or 0)
+
+
+def _usage(out):
+    print("usage: yeto-patch COMMAND [ARGS]\n\ncommands:", file=out)
+    for name, what in {**BUILTIN, **KNOWN_LAZY}.items():
+        print(f"  {name:10s} {what}", file=out)
+
+
+# ------------------------------------------------------------------------------------------------ doctor
+def _version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _bootstrap_status():
+    """Whether Python's `sitecustomize` is yeto-patch's bootstrap (or chains to it), and where it is."""
+    mod = sys.modules.get("yeto_patch_sitecustomize") or sys.modules.get("sitecustomize")
+    if mod is not None and getattr(mod, "__yeto_patch_bootstrap__", False):
+        return True, f"active ({mod.__file__})"
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.exists(os.path.join(here, "sitecustomize.py")):
+        return False, (f"NOT active in this process: put {here} first on PYTHONPATH in the training job's "
+                       f"environment")
+    return False, "NOT active: sitecustomize.py of yeto-patch is not next to the package (install from a checkout)"
+
+
+def doctor(argv) -> int:
+    """Check the configuration, versions, hooks and the syncer handshake of this environment."""
+    ap = argparse.ArgumentParser(prog="yeto-patch doctor", description=doctor.__doc__)
+    ap.add_argument("--no-handshake", action="store_true", help="skip the syncer handshake")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="handshake timeout in seconds (default: YETO_DILOCO_TIMEOUT, at most 30)")
+    ap.add_argument("--no-import", action="store_true",
+                    help="do not import Megatron to survey the hooks (faster; shows only what is installed)")
+    a = ap.parse_args(argv)
+    from yeto_patch import config
+    ok = True
+    out = sys.stdout
+
+    print("yeto-patch doctor", file=out)
+    attached = config.attached()
+    print(f"  attached by environment: {'yes' if attached else 'no'}"
+          f"{'' if attached else ' (set YETO_DILOCO_SYNCER=host:port to attach)'}", file=out)
+    active, where = _bootstrap_status()
+    print(f"  sitecustomize bootstrap: {where}", file=out)
+
+    print("\nconfiguration:", file=out)
+    settings = None
+    try:
+        settings = config.from_env()
+        for k, v in settings.as_table():
+            print(f"  {k:30s} {v}", file=out)
+    except config.ConfigError as err:
+        ok = False
+        print(f"  ERROR: {err}", file=out)
+
+    print("\nversions:", file=out)
+    print(f"  {'python':30s} {platform.python_version()} ({sys.executable})", file=out)
+    for dist in ("yeto-patch", "torch", "megatron-core", "megatron-bridge", "wrapt", "numpy", "xxhash"):
+        print(f"  {dist:30s} {_version(dist)}", file=out)
+
+    print("\nhooks (what would attach in this environment):", file=out)
+    from yeto_patch import hooks
+    if a.no_import:
+        for name in hooks.HOOK_MODULES:
+            target = importlib.import_module(f"yeto_patch.hooks.{name}").TARGET
+            top = target.split(".")[0]
+            print(f"  {name:28s} {target}: {'installed package ' + top if _has(top) else 'absent'}", file=out)
+    else:
+        t0 = time.time()
+        rows = hooks.survey()
+        for name, target, status in rows:
+            print(f"  {name:28s} {target}: {status}", file=out)
+        if not any(status.startswith("would attach") for _, _, status in rows):
+            ok = False
+            print("  ERROR: no Megatron optimizer or training loop found to attach to", file=out)
+        print(f"  (surveyed in {time.time() - t0:.1f}s)", file=out)
+
+    print("\nsyncer handshake:", file=out)
+    if a.no_handshake:
+        print("  skipped (--no-handshake)", file=out)
+    elif settings is None or settings.syncer is None:
+        ok = False
+        print("  not attempted: no valid YETO_DILOCO_SYNCER", file=out)
+    else:
+        timeout = a.timeout if a.timeout is not None else min(settings.timeout, 30.0)
+        try:
+            lines = _handshake(settings, timeout)
+            for line in lines:
+                print(f"  {line}", file=out)
+        except Exception as err:
+            ok = False
+            print(f"  FAILED: {type(err).__name__}: {err}", file=out)
+    print(f"\n{'OK' if ok else 'PROBLEMS FOUND (see above)'}", file=out)
+    return 0 if ok else 1
+
+
+def _has(top):
+    try:
+        return importlib.util.find_spec(top) is not None
+    except Exception:
+        return False
+
+
+def _handshake(settings, timeout):
+    """Authenticated PROBE handshake with the syncer; lines describing what it answered."""
+    try:
+        from yeto_patch.wire import client as wire_client
+    except ImportError as err:
+        raise RuntimeError(f"the wire client is not available in this installation ({err})") from None
+    probe = getattr(wire_client, "probe", None)
+    if probe is None:
+        raise RuntimeError("this wire client has no probe(); cannot check the syncer without joining a run")
+    from yeto_patch.wire import auth
+    key = None
+    if not settings.insecure or settings.key_file or settings.key_from_env:
+        key = auth.load_key(settings.key_file)
+    t0 = time.time()
+    info = probe(settings.syncer, key=key, island_id=settings.island_id, timeout=timeout,
+                 insecure=settings.insecure)
+    ms = (time.time() - t0) * 1000
+    lines = [f"OK: authenticated with {settings.syncer} in {ms:.0f} ms (probe; no run joined)"]
+    if isinstance(info, dict):
+        for k in sorted(info):
+            lines.append(f"{k}: {info[k]}")
+    elif info is not None:
+        lines.append(str(info))
+    return lines
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""What the hook wrappers call: one ``Runtime`` per process between Megatron's calls and the boundary engine.
+
+- Counts optimizer-step nesting per thread, so the boundary runs once per OUTERMOST optimizer step (a
+  ChainedOptimizer's step, which may reach wrapped inner steps, fires once).
+- Validates the configuration when the process first trains (first ``train_step`` or first outermost optimizer
+  step) and raises ``ConfigError`` there on every rank; until then nothing is read, imported or connected.
+- Creates the engine lazily (``yeto_patch.island.engine.Engine``) and keeps the first failure sticky: once the
+  engine failed to start, every later step raises the same error rather than training on without DiLoCo.
+- Tests replace the engine with ``set_engine_factory``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Optional
+
+log = logging.getLogger("yeto_patch")
+
+_factory: Optional[Callable[..., Any]] = None
+
+
+def _default_factory(settings, **facts):
+    from yeto_patch.island.engine import Engine  # torch/megatron-aware; imported only when training starts
+    return Engine(settings, **facts)
+
+
+def set_engine_factory(factory: Optional[Callable[..., Any]]) -> None:
+    """Use ``factory(settings, optimizer=, model=)`` instead of the island engine (None restores it); resets
+    the runtime."""
+    global _factory
+    _factory = factory
+    RUNTIME.reset()
+
+
+class _Depth(threading.local):
+    n = 0
+
+
+class Runtime:
+    def __init__(self):
+        self._depth = _Depth()
+        self._lock = threading.RLock()
+        self.reset()
+
+    def reset(self):
+        with self._lock:
+            engine = getattr(self, "engine", None)
+            self.engine = None
+            self.error: Optional[BaseException] = None
+            self.optimizer = None
+            self.pending_tokens: Optional[int] = None
+            self.in_train_step = False
+            self._warned_foreign = False
+        if engine is not None and hasattr(engine, "close"):
+            try:
+                engine.close()
+            except Exception:  # pragma: no cover - best effort on reset
+                log.exception("yeto-patch: closing the engine on reset failed")
+
+    # ---------------------------------------------------------------------------------------- engine
+    def _engine(self, optimizer=None, model=None):
+        with self._lock:
+            if self.error is not None:
+                raise self.error
+            if self.engine is None:
+                try:
+                    from yeto_patch import config
+                    settings = config.get()
+                    if settings.disable:
+                        return None
+                    _setup_logging(settings.log_level)
+                    self.engine = (_factory or _default_factory)(settings, optimizer=optimizer, model=model)
+                    self.optimizer = optimizer
+                except BaseException as err:
+                    self.error = err
+                    raise
+            return self.engine
+
+    # ---------------------------------------------------------------------------------------- train_step
+    def train_step_start(self, *, model, optimizer, iteration=None, train_iters=None, tokens=None,
+                         vocab_size=None):
+        engine = self._engine(optimizer=optimizer, model=model)
+        if engine is None:
+            return
+        self.in_train_step = True
+        self.pending_tokens = tokens
+        engine.on_train_step_start(iteration=iteration, train_iters=train_iters, tokens=tokens,
+                                   vocab_size=vocab_size)
+
+    def train_step_end(self) -> bool:
+        """True when the run reached its final cut (the wrapper then tells Megatron to save and exit)."""
+        self.in_train_step = False
+        self.pending_tokens = None
+        engine = self.engine
+        return bool(engine is not None and engine.finished)
+
+    # ---------------------------------------------------------------------------------------- optimizer
+    def step_enter(self) -> bool:
+        """Enter an optimizer step; True when it is the outermost one on this thread."""
+        self._depth.n += 1
+        return self._depth.n == 1
+
+    def step_exit(self) -> None:
+        self._depth.n -= 1
+
+    def before_outer_step(self, optimizer) -> bool:
+        """Before the outermost optimizer step: start the engine if no train_step did (optimizer-only loops).
+        Returns whether this optimizer's steps count (False for a second, unrelated optimizer)."""
+        engine = self._engine(optimizer=optimizer, model=None)
+        if engine is None:
+            return False
+        if self.optimizer is None:
+            self.optimizer = optimizer
+        if self.optimizer is not optimizer:
+            if not self._warned_foreign:
+                self._warned_foreign = True
+                log.warning("yeto-patch: a second optimizer (%s) stepped; only the first one (%s) drives DiLoCo "
+                            "boundaries", type(optimizer).__name__, type(self.optimizer).__name__)
+            return False
+        engine.before_optimizer_step(optimizer)
+        return True
+
+    def after_outer_step(self, optimizer, result) -> None:
+        ok = update_successful(result)
+        tokens = self.pending_tokens if ok else 0
+        self.engine.on_optimizer_step(update_successful=ok, tokens=tokens)
+
+
+def update_successful(result) -> bool:
+    """megatron-core's step returns (update_successful, grad_norm, num_zeros); a torch optimizer returns a loss."""
+    if isinstance(result, bool):
+        return result
+    if isinstance(result, (tuple, list)) and result and isinstance(result[0], bool):
+        return result[0]
+    return True
+
+
+_logging_done = False
+
+
+def _setup_logging(level: str) -> None:
+    global _logging_done
+    if _logging_done:
+        return
+    _logging_done = True
+    log.setLevel(getattr(logging, level))
+    if not log.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s yeto-patch %(levelname)s %(message)s"))
+        log.addHandler(h)
+        log.propagate = False
+
+
+RUNTIME = Runtime()

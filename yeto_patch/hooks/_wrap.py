@@ -1,0 +1,83 @@
+"""Idempotent, undoable wrapping of class methods and module functions with wrapt (used by every hook module).
+
+A wrapper installed here is a ``wrapt.FunctionWrapper`` carrying ``_self_yeto_state`` (a small dict), so a second
+``wrap`` of the same attribute is a no-op and ``unwrap`` restores exactly the object that was there before.
+When something else re-wrapped our wrapper afterwards (torch's optimizer profiling hook can do this to ``step``
+of ``torch.optim.Optimizer`` subclasses), ``unwrap`` cannot splice it out; the wrapper then stays in place but
+is switched off and calls straight through.
+"""
+from __future__ import annotations
+
+import wrapt
+
+
+def _own(owner, name):
+    # the owner's own namespace only: an inherited attribute is wrapped where it is defined
+    return vars(owner).get(name)
+
+
+def _state(obj):
+    """Our state dict if obj is our FunctionWrapper (or a bound view of it), else None."""
+    if isinstance(obj, wrapt.ObjectProxy):
+        for cand in (obj, getattr(obj, "_self_parent", None)):
+            st = getattr(cand, "_self_yeto_state", None) if cand is not None else None
+            if isinstance(st, dict):
+                return st
+    return None
+
+
+def _buried_state(obj):
+    """Our state, directly or under other wrappers that keep ``__wrapped__`` (functools.wraps, wrapt), else None."""
+    for _ in range(8):
+        st = _state(obj)
+        if st is not None:
+            return st
+        obj = getattr(obj, "__wrapped__", None)
+        if obj is None:
+            return None
+    return None
+
+
+def is_wrapped(owner, name) -> bool:
+    st = _buried_state(_own(owner, name))
+    return st is not None and st["enabled"]
+
+
+def wrap(owner, name, wrapper, tag: str) -> bool:
+    """Wrap ``owner.<name>`` (defined on owner itself) with ``wrapper(wrapped, instance, args, kwargs)``.
+    Returns True if it wrapped now, False if it was already wrapped or is not defined on owner."""
+    obj = _own(owner, name)
+    if obj is None:
+        return False
+    st = _buried_state(obj)
+    if st is not None:
+        st["enabled"] = True
+        return False
+    if isinstance(obj, (staticmethod, classmethod)):
+        raise TypeError(f"yeto-patch {tag}: {owner.__name__}.{name} is a {type(obj).__name__}; not supported")
+    state = {"enabled": True, "tag": tag}
+
+    def gated(wrapped, instance, args, kwargs):
+        if not state["enabled"]:
+            return wrapped(*args, **kwargs)
+        return wrapper(wrapped, instance, args, kwargs)
+
+    fw = wrapt.FunctionWrapper(obj, gated)
+    fw._self_yeto_state = state
+    setattr(owner, name, fw)
+    return True
+
+
+def unwrap(owner, name) -> bool:
+    """Undo ``wrap``: True if the original object was put back, False if there was nothing of ours on top (or
+    ours sits under someone else's wrapper, in which case it is switched off)."""
+    obj = _own(owner, name)
+    st = _state(obj)
+    if st is not None:
+        st["enabled"] = False
+        setattr(owner, name, obj.__wrapped__)
+        return True
+    st = _buried_state(obj)
+    if st is not None:
+        st["enabled"] = False
+    return False

@@ -1,0 +1,72 @@
+"""Hook for ``megatron.training.training`` (Megatron-LM's loop, shipped in megatron-core >= 0.17 wheels):
+``train_step``. ``pretrain`` -> ``train`` -> ``train_step`` looks ``train_step`` up as a global of this module,
+so the module attribute is what gets wrapped."""
+import sys
+
+from . import _train_step, _wrap
+
+TARGET = "megatron.training.training"
+
+
+def _facts(bound) -> dict:
+    facts = dict(model=bound.get("model"), optimizer=bound.get("optimizer"), iteration=bound.get("iteration"),
+                 train_iters=None, tokens=None, vocab_size=None)
+    try:
+        from megatron.training.global_vars import get_args
+        args = get_args()
+    except Exception:
+        args = None
+    if args is None:
+        return facts
+    if facts["iteration"] is None:
+        facts["iteration"] = getattr(args, "curr_iteration", None)
+    facts["train_iters"] = getattr(args, "train_iters", None)
+    try:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        facts["tokens"] = int(get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
+                              * args.seq_length)
+    except Exception:
+        pass
+    try:
+        from megatron.training.global_vars import get_tokenizer
+        tok = get_tokenizer()
+        facts["vocab_size"] = int(tok.vocab_size) if tok is not None else None
+    except Exception:
+        pass
+    return facts
+
+
+def _legacy_exit(iteration_holder):
+    """Releases whose train_step returns no exit flags still honour --exit-interval after the step."""
+    try:
+        from megatron.training.global_vars import get_args
+        args = get_args()
+        it = iteration_holder.get("iteration")
+        if it is None:
+            return False
+        args.exit_interval = it + 1
+        return True
+    except Exception:
+        return False
+
+
+def train_step_wrapper(wrapped, instance, args, kwargs):
+    facts = _facts(_train_step.bind(wrapped, args, kwargs))
+    return _train_step.run(wrapped, args, kwargs, facts, on_legacy_exit=lambda: _legacy_exit(facts))
+
+
+def patch(module=None) -> list:
+    module = module or sys.modules[TARGET]
+    _wrap.wrap(module, "train_step", train_step_wrapper, __name__)
+    return patched()
+
+
+def unpatch() -> None:
+    module = sys.modules.get(TARGET)
+    if module is not None:
+        _wrap.unwrap(module, "train_step")
+
+
+def patched() -> list:
+    module = sys.modules.get(TARGET)
+    return [f"{TARGET}.train_step"] if module is not None and _wrap.is_wrapped(module, "train_step") else []
