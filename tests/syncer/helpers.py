@@ -1,0 +1,59 @@
+"""Scripted islands over loopback against an in-process syncer."""
+import contextlib
+import logging
+
+import numpy as np
+
+from yeto_patch.syncer.rounds import MergeSettings, RoundSettings
+from yeto_patch.syncer.server import ServerConfig, SyncerServer
+from yeto_patch.wire.client import SyncerClient
+
+KEY = b"k" * 32
+MANIFEST = [("embedding.word_embeddings.weight", (64, 16), "float32"),
+            ("decoder.layers.0.self_attention.linear_qkv.weight", (48, 16), "float32"),
+            ("decoder.layers.0.mlp.linear_fc1.weight", (32, 16), "float32"),
+            ("decoder.layers.0.mlp.linear_fc1.bias", (32,), "float32"),
+            ("decoder.layers.1.mlp.linear_fc2.weight", (16, 32), "float32"),
+            ("decoder.final_layernorm.weight", (16,), "float32")]
+
+
+def init_values(manifest=MANIFEST, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for _, s, _ in manifest]
+
+
+def fragment_flat(values, layout, f):
+    return np.concatenate([values[i].reshape(-1) for i in layout[f]])
+
+
+def make_server(islands=2, fragments=3, key=KEY, merge=None, rounds=None, **kw):
+    rs = rounds or {}
+    rs.setdefault("islands", islands)
+    rs.setdefault("grace_s", 0.2)
+    rs.setdefault("timeout_s", 30.0)
+    rs.setdefault("lease_s", 20.0)
+    cfg = ServerConfig(listen="127.0.0.1:0", islands=islands, fragments=fragments, key=key,
+                       insecure=key is None, merge=MergeSettings(**(merge or {})), rounds=RoundSettings(**rs),
+                       merge_threads=kw.pop("merge_threads", 2), **kw)
+    s = SyncerServer(cfg)
+    host, port = s.start()
+    return s, f"{host}:{port}"
+
+
+def client(addr, island, key=KEY, manifest=MANIFEST, **kw):
+    kw.setdefault("timeout", 20.0)
+    kw.setdefault("connect_retries", 2)
+    c = SyncerClient(addr, key, island, manifest, insecure=key is None, **kw)
+    return c
+
+
+@contextlib.contextmanager
+def running(server):
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def quiet():
+    logging.getLogger("yeto").setLevel(logging.INFO)

@@ -1,0 +1,156 @@
+"""The round state machine without sockets: folding, quorum, carry, staleness, refusals."""
+import numpy as np
+import pytest
+
+from yeto_patch.syncer.merge import ChunkRunner
+from yeto_patch.syncer.rounds import Coordinator, MergeSettings, Push, PushRefused, RoundSettings
+from yeto_patch.wire import codecs
+
+from .reference import RefFragment
+
+pytestmark = pytest.mark.timeout(60)
+
+MAN = [("a", (40, 5), "float32"), ("b", (300,), "float32"), ("c", (7, 7), "float32"), ("d", (128,), "float32")]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def make(islands=2, clock=None, **ms):
+    c = Coordinator(MergeSettings(**ms), RoundSettings(islands=islands, quorum=ms.pop("quorum", None) if False else None,
+                                                       grace_s=2.0, timeout_s=10.0, lease_s=30.0),
+                    ChunkRunner(2, chunk=64), clock=clock or Clock())
+    c.set_manifest(MAN, 2)
+    rng = np.random.default_rng(0)
+    for i, f in enumerate(c.frags):
+        c.init_fragment(i, rng.standard_normal(f.numel).astype(np.float32))
+    for k in range(islands):
+        c.join(f"i{k}", "inc0")
+    return c
+
+
+def push(c, island, frag, base, delta, **kw):
+    return c.accept(Push(island=island, fragment=frag, base_version=base, codec=kw.pop("codec", "f32"),
+                         block=256, body=codecs.encode(kw.pop("codec2", "f32"), delta), **kw))
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_many_rounds_match_reference(exact):
+    c = make(islands=3, exact=exact, weights="steps")
+    refs = [RefFragment(f.t.base, lr=0.7, mu=0.9) for f in c.frags]
+    rng = np.random.default_rng(5)
+    for rnd in range(6):
+        for fi, f in enumerate(c.frags):
+            order = list(rng.permutation(3))
+            ds = {}
+            for k in order:
+                d = (rng.standard_normal(f.numel) * 0.05).astype(np.float32)
+                steps = int(rng.integers(1, 9))
+                ds[k] = (d, float(steps))
+                assert push(c, f"i{k}", fi, rnd, d, steps=steps) == ("accepted", 0)
+            assert c.due() == [fi] if fi == 1 else fi in c.due()
+            rec = c.merge(fi)
+            assert rec.ok and rec.version == rnd + 1
+            fold = [ds[k] for k in (sorted(ds) if exact else order)]
+            refs[fi].merge(fold)
+            assert np.array_equal(f.t.base, refs[fi].base)
+            assert np.array_equal(f.t.momentum, refs[fi].m)
+
+
+def test_quorum_grace_and_timeout():
+    clock = Clock()
+    c = Coordinator(MergeSettings(), RoundSettings(islands=3, quorum=2, grace_s=2.0, timeout_s=10.0, lease_s=30.0),
+                    ChunkRunner(1), clock=clock)
+    c.set_manifest(MAN, 2)
+    for i, f in enumerate(c.frags):
+        c.init_fragment(i, np.zeros(f.numel, np.float32))
+    for k in range(3):
+        c.join(f"i{k}", "x")
+    n = c.frags[0].numel
+    push(c, "i0", 0, 0, np.ones(n, np.float32))
+    push(c, "i1", 0, 0, np.ones(n, np.float32))
+    assert c.due() == []  # quorum reached, grace running, i2 stalled
+    clock.t += 2.5
+    assert c.due() == [0]
+    rec = c.merge(0)
+    assert [r["island"] for r in rec.responders] == ["i0", "i1"] and rec.expected == ["i0", "i1", "i2"]
+    # below quorum past the timeout: keeps waiting (and logs); the quorum then merges at once (timeout passed)
+    push(c, "i0", 0, 1, np.ones(n, np.float32))
+    clock.t += 20
+    assert c.due() == []
+    push(c, "i2", 0, 1, np.ones(n, np.float32))
+    assert c.due() == [0]
+
+
+def test_carry_of_a_late_push_with_scaled_weight_and_staleness():
+    c = make(islands=2, max_base_lag=1, late_factor=0.25, outer="avg")
+    f = c.frags[0]
+    n = f.numel
+    b0 = f.t.base.copy()
+    d0 = np.full(n, 1.0, np.float32)
+    push(c, "i0", 0, 0, d0)
+    c.rs = type(c.rs)(islands=2, quorum=1, grace_s=0.0, timeout_s=10.0, lease_s=30.0)
+    assert c.due() == [0]
+    c.merge(0)
+    assert np.array_equal(f.t.base, b0 - d0)
+    # i1 was slow: its push relative to v0 arrives after v1 merged -> carried
+    assert push(c, "i1", 0, 0, np.full(n, 2.0, np.float32)) == ("carried", 1)
+    assert c.due() == []  # a carried push alone does not answer a round
+    push(c, "i0", 0, 1, np.full(n, 4.0, np.float32))
+    rec = c.merge(0)
+    w = 0.25
+    g = (np.float32(4.0) + np.float32(w) * np.float32(2.0)) / np.float32(1 + w)
+    assert np.allclose(f.t.base, b0 - d0 - g)
+    assert [(r["island"], r["lag"], r["carried"]) for r in rec.responders] == [("i0", 0, False), ("i1", 1, True)]
+    # lag 2 > max-base-lag 1: refused, telling the island to pull
+    with pytest.raises(PushRefused, match="pull") as e:
+        push(c, "i1", 0, 0, np.ones(n, np.float32) * 0 + 1)
+    assert e.value.code == "stale"
+    with pytest.raises(PushRefused, match="duplicate"):
+        push(c, "i0", 0, 1, np.ones(n, np.float32))
+    with pytest.raises(PushRefused, match="pull"):
+        push(c, "i0", 0, 0, np.ones(n, np.float32))
+
+
+def test_duplicate_and_nan_refused_state_unchanged():
+    c = make(islands=2)
+    f = c.frags[1]
+    n = f.numel
+    push(c, "i0", 1, 0, np.ones(n, np.float32))
+    with pytest.raises(PushRefused, match="duplicate"):
+        push(c, "i0", 1, 0, np.ones(n, np.float32))
+    acc_before = c.frags[1].round.acc.copy()
+    base_before = f.t.base.copy()
+    bad = np.ones(n, np.float32)
+    bad[3] = np.nan
+    body = bad.view(np.uint8)
+    with pytest.raises(PushRefused, match="non-finite") as e:
+        c.accept(Push("i1", 1, 0, "f32", 256, body))
+    assert e.value.code == "nonfinite"
+    assert np.array_equal(c.frags[1].round.acc, acc_before) and list(c.frags[1].round.contribs) == ["i0"]
+    assert np.array_equal(f.t.base, base_before)
+    # the island may push a good delta afterwards
+    push(c, "i1", 1, 0, np.ones(n, np.float32))
+    assert c.due() == [1]
+
+
+def test_lease_expiry_leaves_expected_set_and_bye():
+    clock = Clock()
+    c = Coordinator(MergeSettings(), RoundSettings(islands=2, quorum=2, grace_s=1.0, timeout_s=100.0, lease_s=5.0),
+                    ChunkRunner(1), clock=clock)
+    c.set_manifest(MAN, 1)
+    c.init_fragment(0, np.zeros(c.frags[0].numel, np.float32))
+    c.join("a", "1")
+    c.join("b", "1")
+    push(c, "a", 0, 0, np.ones(c.frags[0].numel, np.float32))
+    assert c.due() == []
+    clock.t += 6  # b silent past its lease
+    c.touch("a")
+    assert c.due() == [0]
+    with pytest.raises(PushRefused, match="expects 2"):
+        c.join("c", "1") if c.join("d", "1") else None

@@ -1,0 +1,290 @@
+"""Scripted islands over loopback: the syncer end to end (handshake, INIT, rounds, refusals, final cut)."""
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from yeto_patch.syncer.checkpoint import read_checkpoint
+from yeto_patch.wire import codecs
+from yeto_patch.wire.client import SyncerRefusal, probe
+from yeto_patch.wire.frames import AuthError, MsgType, PeerError
+from yeto_patch.wire.transport import connect
+
+from .helpers import KEY, MANIFEST, client, fragment_flat, init_values, make_server, running
+from .reference import RefFragment
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def join_all(addr, names, values=None, **kw):
+    values = values if values is not None else init_values()
+    cs = [client(addr, n, **kw) for n in names]
+    ws = [c.connect() for c in cs]
+    layout = ws[0].layout
+    src = lambda f: [values[i] for i in layout[f]]  # noqa: E731
+    bases = [c.wait_ready(20, init_source=src) for c in cs]
+    return cs, ws, layout, bases
+
+
+def test_diloco_matches_numpy_reference_over_many_rounds(tmp_path):
+    tape = tmp_path / "tape.jsonl"
+    ckpt = tmp_path / "s.bin"
+    server, addr = make_server(islands=3, fragments=3, merge={"weights": "tokens"}, tape=str(tape),
+                               checkpoint=str(ckpt), checkpoint_every=4)
+    with running(server):
+        values = init_values()
+        cs, ws, layout, bases = join_all(addr, ["a", "b", "c"], values)
+        assert ws[0].needs_init == [0, 1, 2] and ws[1].needs_init == [] and ws[2].needs_init == []
+        refs = [RefFragment(fragment_flat(values, layout, f)) for f in range(3)]
+        for c_bases in bases:  # every island starts from the same weights
+            for f in range(3):
+                assert c_bases[f].version == 0 and np.array_equal(c_bases[f].values, refs[f].base)
+        rng = np.random.default_rng(1)
+        for rnd in range(5):
+            for f in range(3):
+                n = refs[f].base.size
+                fold = []
+                for k, c in enumerate(cs):
+                    d = (rng.standard_normal(n) * 0.01).astype(np.float32)
+                    tokens = int(rng.integers(100, 1000))
+                    r = c.push(f, base_version=rnd, local_step=10 * rnd, steps=10, tokens=tokens, codec="f32",
+                               body=codecs.encode("f32", d), wait=True)
+                    assert r.status == "accepted"
+                    fold.append((d, float(tokens)))
+                refs[f].merge(fold)
+                for c in cs:
+                    b = c.wait_base(f, rnd + 1, 20)
+                    assert b.version == rnd + 1 and b.dtype == "f32"
+                    assert np.array_equal(b.values, refs[f].base)
+        for f in range(3):
+            assert np.array_equal(server.coord.frags[f].t.momentum, refs[f].m)
+        # final cut: every island reports its last step; final model f32 with versions, acknowledged
+        results = [None] * 3
+
+        def fin(k):
+            results[k] = cs[k].finish(last_step=50, timeout=20)
+
+        th = [threading.Thread(target=fin, args=(k,)) for k in range(3)]
+        [t.start() for t in th]
+        [t.join(30) for t in th]
+        for res in results:
+            assert sorted(res) == [0, 1, 2]
+            for f in range(3):
+                assert res[f].final and res[f].version == 5 and np.array_equal(res[f].values, refs[f].base)
+        assert server.wait(20) == 0
+        for c in cs:
+            c.close()
+    recs = [json.loads(line) for line in tape.read_text().splitlines()]
+    assert len(recs) == 15 and all(r["ok"] for r in recs)
+    r0 = recs[0]
+    assert {"fragment", "version", "responders", "total_weight", "bytes", "quorum_s", "merge_s",
+            "outer_grad_norm"} <= set(r0)
+    assert sorted(x["island"] for x in r0["responders"]) == ["a", "b", "c"] and r0["responders"][0]["lag"] == 0
+    meta, arrays = read_checkpoint(str(ckpt))
+    assert meta["final"] is True and [fm["version"] for fm in meta["fragments"]] == [5, 5, 5]
+    for f in range(3):
+        assert np.array_equal(arrays[f]["base"], refs[f].base) and np.array_equal(arrays[f]["momentum"], refs[f].m)
+    assert set(meta["ledger"]) == {"a", "b", "c"} and meta["ledger"]["a"]["pushes"] == 15
+
+
+def test_quorum_with_a_stalled_island_and_carry_of_its_late_push():
+    server, addr = make_server(islands=3, fragments=2, rounds={"quorum": 2, "grace_s": 0.3},
+                               merge={"outer": "avg", "late_factor": 0.5})
+    with running(server):
+        values = init_values()
+        cs, ws, layout, bases = join_all(addr, ["a", "b", "slow"], values)
+        n = ws[0].numels[0]
+        base0 = bases[0][0].values.copy()
+        t0 = time.monotonic()
+        for c, v in zip(cs[:2], (1.0, 3.0)):
+            c.push(0, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
+                   body=codecs.encode("f32", np.full(n, v, np.float32)), wait=True)
+        b = cs[0].wait_base(0, 1, 10)  # merged without the stalled island after the grace period
+        assert time.monotonic() - t0 >= 0.25
+        assert np.array_equal(b.values, base0 - np.float32(2.0))
+        rec = server.records[-1]
+        assert [r["island"] for r in rec.responders] == ["a", "b"] and "slow" in rec.expected
+        # the stalled island's push relative to v0 arrives late: carried into the next round at half weight
+        r = cs[2].push(0, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
+                       body=codecs.encode("f32", np.full(n, 8.0, np.float32)), wait=True)
+        assert (r.status, r.lag) == ("carried", 1)
+        for c in cs:
+            c.push(0, base_version=1, local_step=2, steps=1, tokens=1, codec="f32",
+                   body=codecs.encode("f32", np.full(n, 1.0, np.float32)), wait=True)
+        b2 = cs[0].wait_base(0, 2, 10)
+        g = (np.float32(3.0) + np.float32(0.5) * np.float32(8.0)) / np.float32(3.5)
+        assert np.allclose(b2.values, b.values - g, atol=1e-6)
+        rec = server.records[-1]
+        assert [(r["island"], r["lag"], r["carried"]) for r in rec.responders] == [
+            ("a", 0, False), ("b", 0, False), ("slow", 0, False), ("slow", 1, True)]
+        for c in cs:
+            c.close()
+
+
+def test_refusals_stale_duplicate_nan_surface_as_exceptions_state_unchanged():
+    server, addr = make_server(islands=2, fragments=2, merge={"max_base_lag": 1},
+                               rounds={"quorum": 1, "grace_s": 0.0})
+    with running(server):
+        cs, ws, layout, bases = join_all(addr, ["a", "b"])
+        a, b = cs
+        n = ws[0].numels[1]
+        one = codecs.encode("f32", np.ones(n, np.float32))
+        for v in range(2):  # fragment 1 to v2 with island a alone (quorum 1)
+            a.push(1, base_version=v, local_step=v, steps=1, tokens=1, codec="f32", body=one, wait=True)
+            a.wait_base(1, v + 1, 10)
+        with pytest.raises(SyncerRefusal, match="pull") as e:
+            b.push(1, base_version=0, local_step=5, steps=1, tokens=1, codec="f32", body=one, wait=True)
+        assert e.value.code == "stale"
+        frag = server.coord.frags[1]
+        before = (frag.t.base.copy(), frag.t.momentum.copy(), frag.version)
+        bad = np.ones(n, np.float32)
+        bad[7] = np.nan
+        with pytest.raises(SyncerRefusal, match="non-finite") as e:
+            b.push(1, base_version=2, local_step=5, steps=1, tokens=1, codec="f32", body=bad.view(np.uint8),
+                   wait=True)
+        assert e.value.code == "nonfinite"
+        assert np.array_equal(frag.t.base, before[0]) and np.array_equal(frag.t.momentum, before[1])
+        assert frag.version == before[2] and not frag.round.contribs
+        # an int4 push whose scales are broken is refused too
+        enc = codecs.encode("int4", np.ones(n, np.float32)).copy()
+        enc[:4] = np.frombuffer(np.float32(np.inf).tobytes(), np.uint8)
+        with pytest.raises(SyncerRefusal):
+            b.push(1, base_version=2, local_step=5, steps=1, tokens=1, codec="int4", body=enc, wait=True)
+        # a refusal of a push sent without waiting surfaces on the next call
+        b.push(1, base_version=0, local_step=5, steps=1, tokens=1, codec="f32", body=one)
+        deadline = time.monotonic() + 10
+        with pytest.raises(SyncerRefusal, match="pull"):
+            while time.monotonic() < deadline:
+                b.poll()
+                time.sleep(0.05)
+        # duplicates: same island, fragment and base
+        a.push(0, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
+               body=codecs.encode("f32", np.ones(ws[0].numels[0], np.float32)), wait=True)
+        with pytest.raises(SyncerRefusal, match="duplicate"):
+            a.push(0, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
+                   body=codecs.encode("f32", np.ones(ws[0].numels[0], np.float32)), wait=True)
+        # the connection is still usable after refusals
+        b.push(1, base_version=2, local_step=6, steps=1, tokens=1, codec="f32", body=one, wait=True)
+        assert b.wait_base(1, 3, 10).version == 3
+        for c in cs:
+            c.close()
+
+
+def test_wrong_key_replayed_handshake_and_wrong_manifest_refused():
+    server, addr = make_server(islands=2, fragments=2)
+    with running(server):
+        good = client(addr, "a")
+        good.connect()
+        # wrong key: the syncer refuses with an auth error
+        bad = client(addr, "b", key=b"x" * 32)
+        with pytest.raises(PeerError) as e:
+            bad.connect()
+        assert e.value.code == "auth"
+        # replay: record a valid HELLO for one challenge, send it against a new challenge
+        conn = connect(addr, timeout=5, retries=0)
+        conn.recv(timeout=5)
+        from yeto_patch.wire import auth
+        t, meta, _ = connect(addr, timeout=5, retries=0).recv(timeout=5)  # someone else's challenge
+        nonce = auth.new_nonce()
+        dig = auth.manifest_digest(MANIFEST)
+        hello = {"island_id": "b", "incarnation": 7, "nonce": nonce.hex(), "manifest_digest": dig.hex(),
+                 "manifest": [[n, list(s), d] for n, s, d in MANIFEST],
+                 "mac": auth.client_mac(KEY, bytes.fromhex(meta["nonce"]), nonce, "b", 7, dig).hex()}
+        conn.send(MsgType.HELLO, hello)
+        with pytest.raises(PeerError) as e:
+            conn.recv(timeout=5)
+        assert e.value.code == "auth"
+        conn.close()
+        # a manifest altered after MACing is refused as well (digest bound to the handshake)
+        # different manifest: refused naming the first differing entry
+        other = list(MANIFEST)
+        other[2] = ("decoder.layers.0.mlp.linear_fc1.weight", (33, 16), "float32")
+        c = client(addr, "b", manifest=other)
+        with pytest.raises(PeerError) as e:
+            c.connect()
+        assert e.value.code == "manifest" and "entry 2" in e.value.message and "[33, 16]" in e.value.message
+        # a third island beyond --islands 2 is refused
+        client(addr, "b").connect()
+        with pytest.raises(PeerError, match="expects 2"):
+            client(addr, "c").connect()
+        # the syncer's own MAC is checked by the island: an island with a key refuses a keyless syncer
+        info = probe(addr, KEY)
+        assert info["probe"] and info["fragments"] == 2 and sorted(info["members"]) == ["a", "b"]
+        with pytest.raises(PeerError):
+            probe(addr, b"y" * 32)
+        good.close()
+
+
+def test_disconnect_and_rejoin_gets_current_bases():
+    server, addr = make_server(islands=2, fragments=2, rounds={"quorum": 2, "grace_s": 0.1, "lease_s": 1.0})
+    with running(server):
+        cs, ws, layout, bases = join_all(addr, ["a", "b"])
+        a, b = cs
+        n0 = ws[0].numels[0]
+        b.conn.close()  # the link drops without a goodbye
+        t0 = time.monotonic()
+        a.push(0, base_version=0, local_step=1, steps=1, tokens=1, codec="int4",
+               body=codecs.encode("int4", np.full(n0, 0.5, np.float32)), wait=True)
+        assert a.wait_base(0, 1, 10).version == 1  # merged once b left the expected set (lease)
+        assert time.monotonic() - t0 >= 0.8
+        b.close()
+        b2 = client(addr, "b")  # same id, new incarnation
+        w = b2.connect()
+        assert w.needs_init == [] and w.versions == [1, 0]
+        got = b2.wait_ready(10)
+        for f in range(2):
+            assert got[f].dtype == "f32" and np.array_equal(got[f].values, server.coord.frags[f].t.base)
+        for c in (a, b2):
+            c.push(0, base_version=1, local_step=2, steps=1, tokens=1, codec="f32",
+                   body=codecs.encode("f32", np.zeros(n0, np.float32)), wait=True)
+        assert b2.wait_base(0, 2, 10).version == 2
+        assert [r["island"] for r in server.records[-1].responders] == ["a", "b"]
+        a.close()
+        b2.close()
+
+
+def test_initializer_leaving_mid_init_hands_over_and_bf16_bases():
+    server, addr = make_server(islands=2, fragments=3, base_wire="bf16", rounds={"quorum": 1, "grace_s": 0.0})
+    with running(server):
+        values = init_values(seed=3)
+        a = client(addr, "a")
+        wa = a.connect()
+        b = client(addr, "b")
+        wb = b.connect()
+        assert wa.needs_init == [0, 1, 2] and wb.needs_init == []
+        a.send_init(0, [values[i] for i in wa.layout[0]])
+        a.conn.close()
+        a.close()
+        src = lambda f: [values[i] for i in wb.layout[f]]  # noqa: E731
+        got = b.wait_ready(10, init_source=src)
+        for f in range(3):
+            assert np.array_equal(got[f].values, fragment_flat(values, wb.layout, f))
+        n = wb.numels[2]
+        b.push(2, base_version=0, local_step=1, steps=1, tokens=1, codec="bf16",
+               body=codecs.encode("bf16", np.full(n, 0.25, np.float32)), wait=True)
+        nb = b.wait_base(2, 1, 10)
+        assert nb.dtype == "bf16"
+        ref = codecs.decode("bf16", codecs.encode("bf16", server.coord.frags[2].t.base), n)
+        assert np.array_equal(nb.values, ref)
+        b.close()
+
+
+def test_total_rounds_final_cut_without_island_request():
+    server, addr = make_server(islands=1, fragments=2, rounds={"total_rounds": 1, "quorum": 1})
+    with running(server):
+        cs, ws, layout, _ = join_all(addr, ["solo"])
+        c = cs[0]
+        for f in range(2):
+            c.push(f, base_version=0, local_step=1, steps=1, tokens=1, codec="int8",
+                   body=codecs.encode("int8", np.full(ws[0].numels[f], 0.1, np.float32)), wait=True)
+        deadline = time.monotonic() + 10
+        while not c.final_cut and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.final_cut
+        res = c.finish(timeout=10)
+        assert [res[f].version for f in range(2)] == [1, 1]
+        assert server.wait(10) == 0
+        c.close()

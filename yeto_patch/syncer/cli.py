@@ -1,0 +1,196 @@
+"""``yeto-syncer``: the process every island talks to.
+
+    yeto-syncer --listen 0.0.0.0:7640 --islands 4 --fragments 8 --key-file /secrets/yeto.key \\
+                --checkpoint /ckpt/syncer.bin
+
+Exit status: 0 after the final cut (final model sent, acknowledgements awaited, final checkpoint written),
+1 on a failure, 2 on bad arguments, 130 on Ctrl-C (the last checkpoint stays).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Optional
+
+from ..wire import auth
+from ..wire.frames import AuthError
+from .checkpoint import CheckpointError
+from .outer import OUTER_KINDS
+from .rounds import WEIGHTINGS, MergeSettings, RoundSettings
+
+__all__ = ["build_parser", "main", "config_from_args"]
+
+
+def _pos_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _nonneg_int(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _pos_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+    return v
+
+
+def _nonneg_float(s: str) -> float:
+    v = float(s)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="yeto-syncer", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="DiLoCo syncer: merges the islands' fragment deltas with an outer optimizer and sends "
+                    "back the new bases. Semantics: docs/protocol.md, section 'Syncer protocol'.")
+    g = p.add_argument_group("run")
+    g.add_argument("--listen", default="0.0.0.0:7640", help="host:port to listen on")
+    g.add_argument("--islands", type=_pos_int, default=1, help="number of islands in the run (the most that may "
+                   "be members at once; the default quorum)")
+    g.add_argument("--fragments", type=_pos_int, default=1, help="number of fragments the model is split into")
+    g.add_argument("--key-file", default=None, help="shared key file (chmod 600); default: the YETO_KEY "
+                   "environment variable")
+    g.add_argument("--insecure", action="store_true", help="run without a key (allowed only on a loopback "
+                   "address)")
+    g.add_argument("--total-rounds", type=_pos_int, default=None, help="end the run (final cut) once every "
+                   "fragment merged this many rounds; default: when every island reports its last step")
+    g = p.add_argument_group("rounds")
+    g.add_argument("--quorum", type=_pos_int, default=None, help="pushes that let a round merge after the grace "
+                   "period or the timeout (default: --islands)")
+    g.add_argument("--grace", type=_nonneg_float, default=5.0, help="seconds to wait for the remaining islands "
+                   "once the quorum is reached")
+    g.add_argument("--round-timeout", type=_pos_float, default=600.0, help="seconds after a round's first push "
+                   "after which it merges with at least the quorum (below quorum it keeps waiting and logs it)")
+    g.add_argument("--lease", type=_pos_float, default=60.0, help="seconds an island may stay silent before it "
+                   "leaves the expected set of open rounds (islands send heartbeats every lease/4)")
+    g.add_argument("--max-base-lag", type=_nonneg_int, default=1, help="refuse pushes relative to a base more "
+                   "than this many versions old (the island must pull)")
+    g.add_argument("--late-factor", type=float, default=0.5, help="weight factor per version of lag for a late "
+                   "push carried into the next round")
+    g.add_argument("--weights", choices=WEIGHTINGS, default="equal", help="weight of each island's delta")
+    g.add_argument("--exact", action="store_true", help="hold pushes (encoded) and fold them in island order at "
+                   "merge time: bit-reproducible whatever the arrival order (more memory)")
+    g = p.add_argument_group("outer optimizer")
+    g.add_argument("--outer", choices=OUTER_KINDS, default="nesterov", help="outer optimizer")
+    g.add_argument("--outer-lr", type=_pos_float, default=None, help="outer learning rate (default 0.7; 1.0 for "
+                   "avg)")
+    g.add_argument("--outer-momentum", type=_nonneg_float, default=None, help="outer momentum (default 0.9; 0 for "
+                   "avg)")
+    g.add_argument("--delay", type=_pos_int, default=1, help="delayed-nesterov: apply momentum every N rounds")
+    g.add_argument("--merge-threads", type=_pos_int, default=None, help="threads for decoding and merging "
+                   "(default: CPU count, at most 32); results are bit-identical for any count")
+    g = p.add_argument_group("transfer")
+    g.add_argument("--base-wire", choices=("f32", "bf16"), default="f32", help="dtype of the merged bases sent "
+                   "after each merge (the initial, rejoin and final bases are always f32)")
+    g.add_argument("--io-timeout", type=_pos_float, default=120.0, help="seconds a socket operation may stall "
+                   "before the connection is dropped")
+    g.add_argument("--final-ack-timeout", type=_pos_float, default=60.0, help="seconds to wait for the islands' "
+                   "acknowledgements of the final model")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint", default=None, help="checkpoint file (written atomically)")
+    g.add_argument("--checkpoint-every", type=_nonneg_int, default=0, help="write a checkpoint every N merges "
+                   "(0: only at the end)")
+    g.add_argument("--background-checkpoint", action="store_true", help="write periodic checkpoints on a "
+                   "background thread from a snapshot (merging goes on; one write at a time)")
+    g.add_argument("--resume", action="store_true", help="continue the run stored in --checkpoint")
+    g = p.add_argument_group("observability")
+    g.add_argument("--metrics-port", type=_nonneg_int, default=None, help="serve Prometheus metrics on this "
+                   "port (0: any free port)")
+    g.add_argument("--metrics-addr", default="0.0.0.0", help="address for the metrics server")
+    g.add_argument("--log", default=None, help="also append the log to this file")
+    g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
+    g.add_argument("--tape", default=None, help="append one JSON record per merge to this JSONL file")
+    return p
+
+
+def config_from_args(a: argparse.Namespace):
+    from .server import ServerConfig
+
+    key = auth.load_key(a.key_file) if (a.key_file or not a.insecure) else None
+    if key is None:
+        auth.check_insecure(a.listen, a.insecure)
+    if a.resume and not a.checkpoint:
+        raise ValueError("--resume needs --checkpoint")
+    if a.background_checkpoint and not a.checkpoint:
+        raise ValueError("--background-checkpoint needs --checkpoint")
+    if a.quorum is not None and a.quorum > a.islands:
+        raise ValueError(f"--quorum {a.quorum} is larger than --islands {a.islands}")
+    if not 0.0 <= a.late_factor <= 1.0:
+        raise ValueError(f"--late-factor must be in [0, 1], got {a.late_factor}")
+    ms = MergeSettings(outer=a.outer, lr=a.outer_lr, momentum=a.outer_momentum, delay=a.delay, weights=a.weights,
+                       max_base_lag=a.max_base_lag, late_factor=a.late_factor, exact=a.exact)
+    ms.optimizer()  # validates
+    rs = RoundSettings(islands=a.islands, quorum=a.quorum, grace_s=a.grace, timeout_s=a.round_timeout,
+                       lease_s=a.lease, total_rounds=a.total_rounds)
+    return ServerConfig(listen=a.listen, islands=a.islands, fragments=a.fragments, key=key, insecure=a.insecure,
+                        merge=ms, rounds=rs, base_wire=a.base_wire, checkpoint=a.checkpoint,
+                        checkpoint_every=a.checkpoint_every, background_checkpoint=a.background_checkpoint,
+                        resume=a.resume, metrics_port=a.metrics_port, metrics_addr=a.metrics_addr, tape=a.tape,
+                        merge_threads=a.merge_threads, io_timeout_s=a.io_timeout,
+                        final_ack_timeout_s=a.final_ack_timeout)
+
+
+def _setup_logging(level: str, path: Optional[str]) -> None:
+    fmt = logging.Formatter("%(asctime)s yeto-syncer %(levelname)s %(message)s")
+    root = logging.getLogger("yeto")
+    root.setLevel(level)
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(fmt)
+    root.addHandler(h)
+    if path:
+        fh = logging.FileHandler(path)
+        fh.setFormatter(fmt)
+        root.addHandler(fh)
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    _setup_logging(a.log_level, a.log)
+    log = logging.getLogger("yeto.syncer")
+    from .server import SyncerServer
+
+    try:
+        cfg = config_from_args(a)
+        server = SyncerServer(cfg)
+        host, port = server.start()
+    except (ValueError, AuthError, CheckpointError, OSError) as e:
+        log.error("%s", e)
+        print(f"yeto-syncer: error: {e}", file=sys.stderr)
+        return 2
+    stopped = threading.Event()
+
+    def on_signal(signum, frame):
+        log.warning("signal %d: stopping (no final cut; the last checkpoint stays)", signum)
+        stopped.set()
+        server.stop()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+    print(f"yeto-syncer listening on {host}:{port}", flush=True)
+    while server.wait(0.5) is None:
+        if stopped.is_set():
+            break
+    server.wait(10)
+    if stopped.is_set():
+        return 130
+    return server.exit_code if server.exit_code is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,708 @@
+"""Rounds per fragment: accepting pushes, folding them, deciding when to merge, merging.
+
+This module holds no sockets: the server feeds it pushes and asks it which fragments are due.  Thread-safe:
+one central lock (``self.lock`` / ``self.cond``) protects the bookkeeping; decoding and folding a push into
+its round's accumulator happens outside that lock (under the round's own fold lock), and so does the merge
+arithmetic (the fragment's round is marked closed while it merges, so nothing else touches it).
+
+Semantics (see docs/protocol.md, "Syncer protocol"):
+
+* A fragment's version counts its merges.  The open round of a fragment merges onto base ``version``.
+* A push relative to base ``b`` has lag ``version - b`` (plus one while the round it belongs to is merging).
+  Lag 0 answers the open round and is folded into its accumulator as it arrives (``exact`` mode holds the
+  encoded pushes and folds them at merge time in island order).  A lag in ``1..max_base_lag`` is accepted and
+  carried, in its encoded wire form, into the next merge of that fragment, with its weight scaled by
+  ``late_factor ** lag``.  A larger lag is refused (the island must pull).  A second push for the same
+  (island, fragment, base) is refused.  A non-finite push is refused before it touches anything.
+* A round merges when every current member (alive by lease, not finished) answered, or when ``quorum``
+  answered and ``grace_s`` passed since the quorum was reached, or when ``timeout_s`` passed since the first
+  answer and at least ``quorum`` answered.  Otherwise it keeps waiting and says so in the log.
+* Weights: ``equal`` (1 per push), ``steps`` or ``tokens`` (as reported by the push).  The outer gradient is
+  ``sum(w_i * delta_i) / sum(w_i)`` in float32 (a round whose weights sum to zero merges ``g = 0``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..wire import codecs
+from ..wire.frames import CodecError
+from .layout import fragment_numels, partition
+from .merge import ChunkRunner
+from .outer import FragmentTensors, NonFiniteMerge, OuterOptimizer
+
+__all__ = ["MergeSettings", "RoundSettings", "PushRefused", "Push", "Coordinator", "MergeRecord",
+           "validate_encoded", "WEIGHTINGS", "RWLock"]
+
+log = logging.getLogger("yeto.syncer")
+WEIGHTINGS = ("equal", "steps", "tokens")
+
+
+@dataclass(frozen=True)
+class MergeSettings:
+    """Everything that changes merge results (stored in checkpoints; a resume must match)."""
+    outer: str = "nesterov"
+    lr: Optional[float] = None
+    momentum: Optional[float] = None
+    delay: int = 1
+    weights: str = "equal"
+    max_base_lag: int = 1
+    late_factor: float = 0.5
+    exact: bool = False
+
+    def optimizer(self) -> OuterOptimizer:
+        return OuterOptimizer(self.outer, self.lr, self.momentum, self.delay)
+
+    def resolved(self) -> dict:
+        o = self.optimizer()
+        return {**o.config(), "weights": self.weights, "max_base_lag": self.max_base_lag,
+                "late_factor": self.late_factor, "exact": self.exact}
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    islands: int = 1
+    quorum: Optional[int] = None  # default: islands
+    grace_s: float = 5.0
+    timeout_s: float = 600.0
+    lease_s: float = 60.0
+    total_rounds: Optional[int] = None
+
+    @property
+    def k(self) -> int:
+        return self.quorum if self.quorum is not None else self.islands
+
+
+class PushRefused(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Push:
+    island: str
+    fragment: int
+    base_version: int
+    codec: str
+    block: int
+    body: object  # bytes-like, encoded
+    local_step: int = 0
+    steps: int = 0
+    tokens: int = 0
+    final: bool = False
+    incarnation: str = ""
+    nbytes: int = 0
+
+
+@dataclass
+class _Contrib:
+    push: Push
+    weight_raw: float
+    folded: bool = False
+    lag: int = 0
+    held: bool = False  # body kept (exact mode / carried)
+
+    @property
+    def island(self):
+        return self.push.island
+
+
+@dataclass
+class _Round:
+    base_version: int
+    contribs: dict = field(default_factory=dict)  # island -> _Contrib (fresh answers)
+    acc: Optional[np.ndarray] = None
+    inflight: int = 0
+    closed: bool = False
+    t_first: Optional[float] = None
+    t_quorum: Optional[float] = None
+    next_wait_log: float = 0.0
+    fold_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class RWLock:
+    """Many readers (broadcasts streaming a base) or one writer (a merge committing); writers preferred."""
+
+    def __init__(self):
+        self._c = threading.Condition(threading.Lock())
+        self._readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    def acquire_read(self):
+        with self._c:
+            while self._writer or self._waiting_writers:
+                self._c.wait()
+            self._readers += 1
+
+    def release_read(self):
+        with self._c:
+            self._readers -= 1
+            if not self._readers:
+                self._c.notify_all()
+
+    def acquire_write(self):
+        with self._c:
+            self._waiting_writers += 1
+            while self._writer or self._readers:
+                self._c.wait()
+            self._waiting_writers -= 1
+            self._writer = True
+
+    def release_write(self):
+        with self._c:
+            self._writer = False
+            self._c.notify_all()
+
+
+class _Fragment:
+    def __init__(self, index: int, numel: int):
+        self.index = index
+        self.numel = numel
+        self.t = FragmentTensors(base=None)  # type: ignore[arg-type]
+        self.version = 0
+        self.round = _Round(0)
+        self.carry: list[_Contrib] = []
+        self.rw = RWLock()
+        self.closed = False  # total rounds reached / final cut done
+
+
+@dataclass
+class Member:
+    island: str
+    incarnation: str
+    last_seen: float
+    connected: int = 0
+    finished: bool = False
+    final_fragments: set = field(default_factory=set)
+    last_step: int = 0
+    pushes: int = 0
+    steps: int = 0
+    tokens: int = 0
+
+    def alive(self, now: float, lease: float) -> bool:
+        return now - self.last_seen <= lease
+
+
+@dataclass
+class MergeRecord:
+    fragment: int
+    version: int  # new version (or the unchanged one when ok is False)
+    ok: bool
+    responders: list
+    total_weight: float
+    bytes: int
+    quorum_s: float
+    merge_s: float
+    grad_norm: float
+    expected: list
+    reason: str = ""
+    t_wall: float = 0.0
+
+    def tape(self) -> dict:
+        return {"time": self.t_wall, "fragment": self.fragment, "version": self.version, "ok": self.ok,
+                "responders": self.responders, "total_weight": self.total_weight, "bytes": self.bytes,
+                "quorum_s": round(self.quorum_s, 6), "merge_s": round(self.merge_s, 6),
+                "outer_grad_norm": self.grad_norm, "expected": self.expected,
+                **({"reason": self.reason} if self.reason else {})}
+
+    def line(self) -> str:
+        who = " ".join(f"{r['island']}(lag {r['lag']}{', carried' if r['carried'] else ''}, w {r['weight']:g})"
+                       for r in self.responders)
+        if not self.ok:
+            return f"merge of fragment {self.fragment} at v{self.version} REFUSED: {self.reason}; from {who}"
+        return (f"merged fragment {self.fragment} -> v{self.version}: {len(self.responders)} push(es) [{who}], "
+                f"{self.bytes / 1e6:.2f} MB in, waited {self.quorum_s:.2f}s, merged in {self.merge_s:.3f}s, "
+                f"|g| {self.grad_norm:.4g}")
+
+
+def validate_encoded(codec: str, body, numel: int, block: int) -> None:
+    """Check an encoded push without decoding it: size, finite values (f32/bf16) or finite >= 0 scales."""
+    codecs.check_codec(codec, block)
+    mv = memoryview(body).cast("B")
+    want = codecs.encoded_nbytes(codec, numel, block)
+    if mv.nbytes != want:
+        raise CodecError(f"{codec} data for {numel} values (block {block}) must be {want} bytes, got {mv.nbytes}")
+    raw = np.frombuffer(mv, np.uint8)
+    step = 1 << 20
+    if codec == "f32":
+        v = raw.view(np.float32) if raw.ctypes.data % 4 == 0 else raw.copy().view(np.float32)
+        for a in range(0, v.size, step):
+            if not np.isfinite(v[a:a + step]).all():
+                raise CodecError(f"f32 data has a non-finite value near index {a}")
+    elif codec == "bf16":
+        u = raw.view(np.uint16) if raw.ctypes.data % 2 == 0 else raw.copy().view(np.uint16)
+        for a in range(0, u.size, step):
+            if ((u[a:a + step] & np.uint16(0x7F80)) == 0x7F80).any():
+                raise CodecError(f"bf16 data has a non-finite value near index {a}")
+    else:
+        nb = -(-numel // block)
+        s = raw[:4 * nb].copy().view(np.float32)
+        if nb and not (np.isfinite(s).all() and (s >= 0).all()):
+            raise CodecError(f"{codec} data has an invalid (non-finite or negative) scale")
+
+
+class Coordinator:
+    def __init__(self, merge: MergeSettings, rounds: RoundSettings, runner: Optional[ChunkRunner] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if merge.weights not in WEIGHTINGS:
+            raise ValueError(f"unknown weighting {merge.weights!r} (known: {', '.join(WEIGHTINGS)})")
+        if merge.max_base_lag < 0:
+            raise ValueError("max_base_lag must be >= 0")
+        if not 0.0 <= merge.late_factor <= 1.0:
+            raise ValueError("late_factor must be in [0, 1]")
+        self.ms = merge
+        self.rs = rounds
+        self.opt = merge.optimizer()
+        self.runner = runner or ChunkRunner()
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self.manifest: Optional[list] = None
+        self.layout: Optional[list] = None
+        self.frags: list[_Fragment] = []
+        self.members: dict[str, Member] = {}
+        self.seen: set = set()  # (island, fragment, base_version) accepted
+        self.merges_total = 0
+        self.initialized = False
+        self.protect: Optional[Callable[[int], None]] = None  # called before a fragment's state changes
+
+    # ------------------------------------------------------------------------------------------ setup
+    def set_manifest(self, manifest: list, fragments: int) -> None:
+        with self.lock:
+            layout = partition(manifest, fragments)
+            self.manifest = manifest
+            self.layout = layout
+            self.frags = [_Fragment(i, n) for i, n in enumerate(fragment_numels(manifest, layout))]
+
+    def missing_init(self) -> list[int]:
+        with self.lock:
+            return [f.index for f in self.frags if f.t.base is None]
+
+    def init_fragment(self, index: int, values: np.ndarray) -> bool:
+        """Install INIT values (float32, finite) for a fragment; True when every fragment has its base."""
+        with self.lock:
+            if self.initialized:
+                raise PushRefused("already-initialized", "the run is already initialized; INIT ignored")
+            if not 0 <= index < len(self.frags):
+                raise PushRefused("bad-fragment", f"INIT for fragment {index}, the layout has {len(self.frags)}")
+            f = self.frags[index]
+            if values.dtype != np.float32 or values.size != f.numel:
+                raise PushRefused("bad-init", f"INIT of fragment {index} must hold {f.numel} float32 values, "
+                                              f"got {values.size} {values.dtype}")
+        for a in range(0, values.size, 1 << 20):
+            if not np.isfinite(values[a:a + (1 << 20)]).all():
+                raise PushRefused("nonfinite", f"INIT of fragment {index} has a non-finite value near {a}")
+        with self.lock:
+            f.t.base = values if values.flags.writeable else values.copy()
+            if all(fr.t.base is not None for fr in self.frags):
+                for fr in self.frags:
+                    self.opt.ensure_state(fr.t)
+                self.initialized = True
+                self._check_total_rounds()
+                self.cond.notify_all()
+                return True
+            return False
+
+    def versions(self) -> list[int]:
+        with self.lock:
+            return [f.version for f in self.frags]
+
+    # ------------------------------------------------------------------------------------- membership
+    def join(self, island: str, incarnation: str) -> Member:
+        now = self.clock()
+        with self.lock:
+            m = self.members.get(island)
+            alive = [i for i, mm in self.members.items() if mm.alive(now, self.rs.lease_s) and i != island]
+            if m is None and len(alive) >= self.rs.islands:
+                raise PushRefused("too-many-islands", f"this run expects {self.rs.islands} island(s) and already has "
+                                                      f"{sorted(alive)}; refusing island {island!r}")
+            if m is None:
+                m = self.members[island] = Member(island, incarnation, now)
+            else:
+                if m.incarnation != incarnation:
+                    m.finished = False
+                    m.final_fragments = set()
+                m.incarnation = incarnation
+                m.last_seen = now
+            m.connected += 1
+            self.cond.notify_all()
+            return m
+
+    def touch(self, island: str) -> None:
+        with self.lock:
+            m = self.members.get(island)
+            if m is not None:
+                m.last_seen = self.clock()
+
+    def disconnected(self, island: str, bye: bool) -> None:
+        with self.lock:
+            m = self.members.get(island)
+            if m is None:
+                return
+            m.connected = max(0, m.connected - 1)
+            if bye and not m.connected:
+                m.last_seen = -float("inf")  # leaves the expected set now
+            self.cond.notify_all()
+
+    def finish(self, island: str, last_step: int) -> None:
+        with self.lock:
+            m = self.members.get(island)
+            if m is not None:
+                m.finished = True
+                m.last_step = max(m.last_step, int(last_step))
+                self.cond.notify_all()
+
+    def alive_members(self, now: Optional[float] = None) -> list[str]:
+        now = self.clock() if now is None else now
+        with self.lock:
+            return sorted(i for i, m in self.members.items() if m.alive(now, self.rs.lease_s))
+
+    def all_finished(self) -> bool:
+        now = self.clock()
+        with self.lock:
+            alive = [m for m in self.members.values() if m.alive(now, self.rs.lease_s)]
+            return bool(alive) and all(m.finished for m in alive)
+
+    def all_closed(self) -> bool:
+        with self.lock:
+            return self.initialized and all(f.closed for f in self.frags)
+
+    def _check_total_rounds(self) -> None:
+        tr = self.rs.total_rounds
+        if tr is not None:
+            for f in self.frags:
+                if f.version >= tr:
+                    f.closed = True
+
+    # ------------------------------------------------------------------------------------------ pushes
+    def _weight(self, p: Push) -> float:
+        if self.ms.weights == "equal":
+            return 1.0
+        w = p.steps if self.ms.weights == "steps" else p.tokens
+        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+            raise PushRefused("bad-push", f"push reports {self.ms.weights} = {w!r}; need an integer >= 0")
+        return float(w)
+
+    def accept(self, p: Push) -> tuple[str, int]:
+        """Accept a push (fold it if it answers the open round). Returns (status, lag); raises PushRefused."""
+        with self.lock:
+            if not self.initialized:
+                raise PushRefused("not-initialized", "the run has no base yet (waiting for INIT); push refused")
+            if not (isinstance(p.fragment, int) and 0 <= p.fragment < len(self.frags)):
+                raise PushRefused("bad-fragment", f"push for fragment {p.fragment!r}; the layout has "
+                                                  f"{len(self.frags)} fragments")
+            f = self.frags[p.fragment]
+            if f.closed:
+                return "closed", 0
+            if not isinstance(p.base_version, int) or p.base_version < 0 or p.base_version > f.version:
+                raise PushRefused("bad-base", f"push of fragment {f.index} relative to base v{p.base_version}, but "
+                                              f"the syncer's newest is v{f.version}")
+            try:
+                codecs.check_codec(p.codec, p.block)
+            except CodecError as e:
+                raise PushRefused("bad-codec", str(e)) from None
+            w = self._weight(p)
+            p.nbytes = memoryview(p.body).nbytes
+            key = (p.island, f.index, p.base_version)
+            r = f.round
+            lag = f.version - p.base_version + (1 if r.closed else 0)
+            if lag > self.ms.max_base_lag:
+                raise PushRefused("stale", f"push of fragment {f.index} is relative to base v{p.base_version} but the "
+                                           f"syncer is at v{f.version} (lag {lag} > max-base-lag "
+                                           f"{self.ms.max_base_lag}); pull the current base and push again")
+            if key in self.seen:
+                raise PushRefused("duplicate", f"island {p.island!r} already pushed fragment {f.index} relative to "
+                                               f"base v{p.base_version}; duplicate refused")
+            fresh = lag == 0
+            held = (not fresh) or self.ms.exact
+        if held:
+            try:
+                validate_encoded(p.codec, p.body, f.numel, p.block)
+            except CodecError as e:
+                log.warning("refused push of fragment %d from island %s: %s", f.index, p.island, e)
+                raise PushRefused("nonfinite" if "finite" in str(e) or "scale" in str(e) else "bad-push",
+                                  f"push of fragment {f.index} refused: {e}") from None
+        with self.lock:
+            # state may have moved while validating: re-check the cheap conditions
+            if key in self.seen:
+                raise PushRefused("duplicate", f"island {p.island!r} already pushed fragment {f.index} relative to "
+                                               f"base v{p.base_version}; duplicate refused")
+            r = f.round
+            lag = f.version - p.base_version + (1 if r.closed else 0)
+            if f.closed:
+                return "closed", 0
+            if lag > self.ms.max_base_lag:
+                raise PushRefused("stale", f"push of fragment {f.index} is relative to base v{p.base_version} but the "
+                                           f"syncer is at v{f.version}; pull the current base and push again")
+            c = _Contrib(p, w, lag=lag, held=held or lag != 0)
+            self.seen.add(key)
+            m = self.members.get(p.island)
+            if m is not None:
+                m.last_seen = self.clock()
+                if p.final:
+                    m.final_fragments.add(f.index)
+                m.last_step = max(m.last_step, int(p.local_step or 0))
+            if lag != 0:
+                p.body = _own(p.body)
+                f.carry.append(c)
+                self.cond.notify_all()
+                return "carried", lag
+            if not self.ms.exact:
+                c.push.body = p.body
+                r.inflight += 1
+            else:
+                p.body = _own(p.body)
+            r.contribs[p.island] = c
+            now = self.clock()
+            if r.t_first is None:
+                r.t_first = now
+            if r.t_quorum is None and len(r.contribs) >= self.rs.k:
+                r.t_quorum = now
+            if self.ms.exact:
+                c.folded = True
+                self.cond.notify_all()
+                return "accepted", 0
+        # streaming fold, outside the central lock
+        err = None
+        try:
+            with r.fold_lock:
+                if r.acc is None:
+                    r.acc = np.zeros(f.numel, np.float32)
+                codecs.decode_accumulate(p.codec, p.body, f.numel, w, r.acc, p.block,
+                                         threads=self.runner.threads)
+        except CodecError as e:
+            err = e
+        with self.lock:
+            r.inflight -= 1
+            c.push.body = None  # the decoded values live in the accumulator now
+            if err is None:
+                c.folded = True
+            else:
+                r.contribs.pop(p.island, None)
+                self.seen.discard(key)
+                if len(r.contribs) < self.rs.k:
+                    r.t_quorum = None
+                if not r.contribs:
+                    r.t_first = None
+            self.cond.notify_all()
+        if err is not None:
+            log.warning("refused push of fragment %d from island %s: %s", f.index, p.island, err)
+            raise PushRefused("nonfinite" if "finite" in str(err) or "scale" in str(err) else "bad-push",
+                              f"push of fragment {f.index} refused: {err}")
+        return "accepted", 0
+
+    # --------------------------------------------------------------------------------------- scheduling
+    def expected(self, f: _Fragment, now: float) -> set:
+        return {i for i, m in self.members.items()
+                if m.alive(now, self.rs.lease_s) and not m.finished and f.index not in m.final_fragments}
+
+    def due(self) -> list[int]:
+        """Fragments whose open round should merge now (logs rounds that wait below quorum past the timeout)."""
+        now = self.clock()
+        out = []
+        with self.lock:
+            for f in self.frags:
+                r = f.round
+                if f.closed or r.closed or not r.contribs:
+                    continue
+                answered = set(r.contribs)
+                exp = self.expected(f, now)
+                if exp <= answered:
+                    out.append(f.index)
+                elif len(answered) >= self.rs.k:
+                    if r.t_quorum is None:
+                        r.t_quorum = now
+                    if now >= r.t_quorum + self.rs.grace_s or now >= r.t_first + self.rs.timeout_s:
+                        out.append(f.index)
+                elif now >= r.t_first + self.rs.timeout_s and now >= r.next_wait_log:
+                    r.next_wait_log = now + max(self.rs.timeout_s, 1.0)
+                    log.warning("fragment %d round on v%d waits: %d of quorum %d answered (%s); missing %s",
+                                f.index, f.version, len(answered), self.rs.k, sorted(answered),
+                                sorted(exp - answered))
+        return out
+
+    def next_deadline(self) -> Optional[float]:
+        """Earliest clock time at which a round may become due by grace/timeout (None: only events matter)."""
+        with self.lock:
+            ts = []
+            for f in self.frags:
+                r = f.round
+                if f.closed or r.closed or not r.contribs:
+                    continue
+                if r.t_quorum is not None:
+                    ts.append(r.t_quorum + self.rs.grace_s)
+                ts.append(r.t_first + self.rs.timeout_s)
+            return min(ts) if ts else None
+
+    def pending(self, index: int) -> bool:
+        with self.lock:
+            f = self.frags[index]
+            return bool(f.round.contribs or f.carry)
+
+    # ------------------------------------------------------------------------------------------- merge
+    def merge(self, index: int, force: bool = False) -> Optional[MergeRecord]:
+        """Merge the open round of fragment ``index``. ``force`` (final cut) merges carried pushes alone too."""
+        f = self.frags[index]
+        with self.lock:
+            r = f.round
+            if r.closed or (f.closed and not force):
+                return None
+            r.closed = True
+            while r.inflight:
+                self.cond.wait()
+            fresh = sorted(r.contribs.values(), key=lambda c: c.island)
+            carried = sorted(f.carry, key=lambda c: (c.island, c.push.base_version))
+            if not fresh and not (force and carried):
+                r.closed = False
+                return None
+            f.carry = []
+            version = f.version
+            expected = sorted(self.expected(f, self.clock()))
+            t_first = r.t_first if r.t_first is not None else self.clock()
+        t0 = self.clock()
+        t_wall = time.time()
+        responders, weights = [], []
+        try:
+            acc = r.acc
+            if acc is None:
+                acc = np.zeros(f.numel, np.float32)
+            if self.ms.exact:
+                for c in fresh:
+                    codecs.decode_accumulate(c.push.codec, c.push.body, f.numel, c.weight_raw, acc, c.push.block,
+                                             threads=self.runner.threads)
+            for c in fresh:
+                weights.append(c.weight_raw)
+                responders.append(self._resp(c, 0, c.weight_raw, False))
+            for c in carried:
+                lag = version - c.push.base_version
+                w = c.weight_raw * (self.ms.late_factor ** lag)
+                codecs.decode_accumulate(c.push.codec, c.push.body, f.numel, w, acc, c.push.block,
+                                         threads=self.runner.threads)
+                weights.append(w)
+                responders.append(self._resp(c, lag, w, True))
+            total = 0.0
+            for w in weights:  # fixed order
+                total += w
+            if self.protect is not None:
+                self.protect(index)
+            f.rw.acquire_write()
+            try:
+                norm = self.opt.step(f.t, acc, total, version + 1, self.runner)
+            finally:
+                f.rw.release_write()
+            ok, reason = True, ""
+        except (NonFiniteMerge, CodecError) as e:
+            ok, reason, norm = False, str(e), float("nan")
+        nbytes = sum(r_["bytes"] for r_ in responders)
+        with self.lock:
+            for c in fresh + carried:
+                c.push.body = None
+            if ok:
+                f.version = version + 1
+                self.merges_total += 1
+                for c in fresh + carried:
+                    m = self.members.get(c.island)
+                    if m is not None:
+                        m.pushes += 1
+                        m.steps += int(c.push.steps or 0)
+                        m.tokens += int(c.push.tokens or 0)
+                self._check_total_rounds()
+                lo = f.version - self.ms.max_base_lag - 1
+                self.seen = {k for k in self.seen if k[1] != index or k[2] >= lo}
+            else:
+                log.error("fragment %d: merge at v%d refused (%s); pushes from %s dropped, state unchanged",
+                          index, version, reason, [x["island"] for x in responders])
+                for c in fresh + carried:
+                    self.seen.discard((c.island, index, c.push.base_version))
+            f.round = _Round(f.version)
+            self.cond.notify_all()
+        t1 = self.clock()
+        return MergeRecord(fragment=index, version=f.version, ok=ok, responders=responders, total_weight=total
+                           if ok else 0.0, bytes=nbytes, quorum_s=max(0.0, t0 - t_first), merge_s=t1 - t0,
+                           grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall)
+
+    @staticmethod
+    def _resp(c: _Contrib, lag: int, w: float, carried: bool) -> dict:
+        p = c.push
+        return {"island": p.island, "lag": lag, "weight": w, "carried": carried, "base_version": p.base_version,
+                "steps": p.steps, "tokens": p.tokens, "local_step": p.local_step, "codec": p.codec,
+                "bytes": int(p.nbytes)}
+
+
+def _own(body):
+    """Keep an encoded body (the transport's buffer is ours: no copy when it already is a bytes-like we hold)."""
+    return body
+
+
+# ------------------------------------------------------------------------------------ checkpoint state
+def capture(coord: Coordinator, extra: Optional[dict] = None):
+    """A consistent :class:`~.checkpoint.Snapshot` of the committed state (call between merges)."""
+    from ..wire import auth
+    from .checkpoint import FORMAT_VERSION, Snapshot
+    from .layout import manifest_to_json
+
+    with coord.lock:
+        frags, arrays = [], []
+        for f in coord.frags:
+            frags.append({"index": f.index, "numel": f.numel, "version": f.version})
+            d = {"base": f.t.base}
+            if f.t.momentum is not None:
+                d["momentum"] = f.t.momentum
+            if f.t.delay_buf is not None:
+                d["delay_buf"] = f.t.delay_buf
+            arrays.append(d)
+        ledger = {i: {"incarnation": m.incarnation, "pushes": m.pushes, "steps": m.steps, "tokens": m.tokens,
+                      "last_step": m.last_step, "finished": m.finished} for i, m in coord.members.items()}
+        meta = {"format": "yeto-syncer-checkpoint", "format_version": FORMAT_VERSION, "created_unix": time.time(),
+                "manifest": manifest_to_json(coord.manifest),
+                "manifest_digest": auth.manifest_digest(coord.manifest).hex(),
+                "layout": coord.layout, "merge_config": coord.ms.resolved(), "merges_total": coord.merges_total,
+                "fragments": frags, "ledger": ledger, **(extra or {})}
+    return Snapshot(meta, arrays)
+
+
+def restore(coord: Coordinator, meta: dict, arrays: list) -> None:
+    """Install a loaded checkpoint into a fresh coordinator (refuses a different merge configuration)."""
+    from ..wire import auth
+    from .checkpoint import CheckpointError
+    from .layout import normalize_manifest
+
+    want = coord.ms.resolved()
+    have = meta.get("merge_config", {})
+    diff = [k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
+    if diff:
+        raise CheckpointError("the checkpoint was written with a different merge configuration: " + ", ".join(
+            f"{k}={have.get(k)!r} (now {want.get(k)!r})" for k in diff) + "; resume with the same settings")
+    manifest = normalize_manifest(meta["manifest"])
+    if auth.manifest_digest(manifest).hex() != meta.get("manifest_digest"):
+        raise CheckpointError("checkpoint manifest digest does not match its manifest")
+    layout = meta["layout"]
+    with coord.lock:
+        coord.set_manifest(manifest, len(layout))
+        if coord.layout != layout:
+            raise CheckpointError("checkpoint layout differs from the layout this syncer computes for its manifest")
+        for f, fm, arr in zip(coord.frags, meta["fragments"], arrays):
+            if fm["numel"] != f.numel or arr.get("base") is None or arr["base"].size != f.numel:
+                raise CheckpointError(f"checkpoint fragment {f.index} has the wrong size")
+            f.t.base = arr["base"]
+            f.t.momentum = arr.get("momentum")
+            f.t.delay_buf = arr.get("delay_buf")
+            coord.opt.ensure_state(f.t)
+            f.version = int(fm["version"])
+            f.round = _Round(f.version)
+        coord.merges_total = int(meta.get("merges_total", 0))
+        for island, e in meta.get("ledger", {}).items():
+            coord.members[island] = Member(island, e.get("incarnation", ""), last_seen=-float("inf"),
+                                           finished=False, last_step=int(e.get("last_step", 0)),
+                                           pushes=int(e.get("pushes", 0)), steps=int(e.get("steps", 0)),
+                                           tokens=int(e.get("tokens", 0)))
+        coord.initialized = True
+        coord._check_total_rounds()

@@ -1,0 +1,615 @@
+"""The syncer's network side: one reader thread and one writer thread per island connection, a scheduler
+thread that merges due rounds, and a central lock/condition (the :class:`~.rounds.Coordinator`'s).
+
+Message semantics are documented in docs/protocol.md ("Syncer protocol").  Pushes are decoded and folded on
+the connection's own reader thread (never on the scheduler), bases are streamed to each island by its writer
+thread chunk by chunk from the live float32 base under the fragment's read lock (no second copy; a merge of
+that fragment waits for the streams in flight), and requests to send a fragment's base coalesce: an island
+that is slower than the merges receives the newest version only.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from ..wire import auth, codecs
+from ..wire.frames import AuthError, MsgType, PeerError, ProtocolError, WireTimeout
+from ..wire.message import encode_meta
+from ..wire.transport import Connection, listen
+from .checkpoint import CheckpointError, CheckpointWriter, read_checkpoint
+from .layout import first_difference, manifest_to_json, normalize_manifest
+from .merge import ChunkRunner
+from .metrics import Metrics, Tape
+from .rounds import Coordinator, MergeRecord, MergeSettings, Push, PushRefused, RoundSettings, capture, restore
+
+__all__ = ["ServerConfig", "SyncerServer", "aligned_meta"]
+
+log = logging.getLogger("yeto.syncer")
+SEND_CHUNK = 4 << 20  # bytes per body piece handed to the transport
+BASE_WIRE = ("f32", "bf16")
+
+
+def aligned_meta(meta: dict, align: int = 64) -> dict:
+    """Pad ``meta`` (key ``"_pad"``) so that the message body starts ``align``-aligned in the payload: the
+    receiver can then view float32 bodies in place."""
+    m = dict(meta)
+    m["_pad"] = ""
+    n = 4 + len(encode_meta(m))
+    m["_pad"] = " " * ((-n) % align)
+    return m
+
+
+@dataclass
+class ServerConfig:
+    listen: str = "127.0.0.1:7640"
+    islands: int = 1
+    fragments: int = 1
+    key: Optional[bytes] = None
+    insecure: bool = False
+    merge: MergeSettings = field(default_factory=MergeSettings)
+    rounds: RoundSettings = field(default_factory=RoundSettings)
+    base_wire: str = "f32"
+    checkpoint: Optional[str] = None
+    checkpoint_every: int = 0
+    background_checkpoint: bool = False
+    resume: bool = False
+    metrics_port: Optional[int] = None
+    metrics_addr: str = "0.0.0.0"
+    tape: Optional[str] = None
+    merge_threads: Optional[int] = None
+    heartbeat_s: Optional[float] = None  # default lease / 4
+    io_timeout_s: float = 120.0
+    handshake_timeout_s: float = 30.0
+    final_ack_timeout_s: float = 60.0
+
+
+class _Session:
+    def __init__(self, server: "SyncerServer", conn: Connection):
+        self.server = server
+        self.conn = conn
+        self.island: Optional[str] = None
+        self.incarnation = 0
+        self.cv = threading.Condition()
+        self.outbox: collections.deque = collections.deque()
+        self.bases: "collections.OrderedDict[int, tuple[str, bool]]" = collections.OrderedDict()
+        self.closed = False
+        self.bye = False
+        self.joined = False
+        self.final_acked: Optional[list] = None
+        self.writer: Optional[threading.Thread] = None
+        self.inflight = False
+
+    def drain(self, timeout: float) -> None:
+        """Wait (bounded) until everything posted so far was sent."""
+        end = time.monotonic() + timeout
+        with self.cv:
+            while (self.outbox or self.bases or self.inflight) and not self.closed:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                self.cv.wait(min(left, 0.05))
+
+    # ---------------------------------------------------------------------------------------- outbox
+    def post(self, msg_type: MsgType, meta: dict) -> None:
+        with self.cv:
+            if not self.closed:
+                self.outbox.append((msg_type, meta))
+                self.cv.notify()
+
+    def post_base(self, fragment: int, dtype: str, final: bool = False) -> None:
+        """Ask the writer to send fragment's current base (coalesces; f32 and final win over bf16)."""
+        with self.cv:
+            if self.closed:
+                return
+            old = self.bases.pop(fragment, None)
+            if old is not None:
+                dtype = "f32" if "f32" in (dtype, old[0]) else dtype
+                final = final or old[1]
+            self.bases[fragment] = (dtype, final)
+            self.cv.notify()
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+        self.conn.close()
+
+    def writer_loop(self) -> None:
+        try:
+            while True:
+                with self.cv:
+                    while not self.closed and not self.outbox and not self.bases:
+                        self.cv.wait()
+                    if self.closed:
+                        return
+                    if self.outbox:
+                        item = ("msg",) + self.outbox.popleft()
+                    else:
+                        frag, (dtype, final) = self.bases.popitem(last=False)
+                        item = ("base", frag, dtype, final)
+                    self.inflight = True
+                if item[0] == "msg":
+                    self.conn.send(item[1], item[2])
+                else:
+                    self.server._send_base(self, item[1], item[2], item[3])
+                with self.cv:
+                    self.inflight = False
+                    self.cv.notify_all()
+        except (ProtocolError, OSError) as e:
+            if not self.closed and not self.server.final_done:
+                log.warning("island %s: send failed (%s); closing its connection", self.island, e)
+            self.close()
+
+
+class SyncerServer:
+    def __init__(self, cfg: ServerConfig):
+        if cfg.base_wire not in BASE_WIRE:
+            raise ValueError(f"base wire dtype must be one of {BASE_WIRE}, got {cfg.base_wire!r}")
+        if cfg.key is None:
+            auth.check_insecure(cfg.listen, cfg.insecure)
+        if cfg.background_checkpoint and not cfg.checkpoint:
+            raise ValueError("background checkpoints need a checkpoint path")
+        self.cfg = cfg
+        self.runner = ChunkRunner(cfg.merge_threads)
+        codecs_threads = self.runner.threads
+        self.coord = Coordinator(cfg.merge, cfg.rounds, self.runner)
+        self._codec_threads = codecs_threads
+        self.metrics = Metrics()
+        self.tape = Tape(cfg.tape)
+        self.writer = CheckpointWriter(cfg.checkpoint, cfg.background_checkpoint) if cfg.checkpoint else None
+        self.coord.protect = self.writer.protect if self.writer else None
+        self.heartbeat_s = cfg.heartbeat_s or max(0.05, cfg.rounds.lease_s / 4)
+        self.sessions: dict[str, _Session] = {}
+        self.all_sessions: set = set()
+        self.initializer: Optional[_Session] = None
+        self.final_started = False
+        self.final_done = False
+        self.stopping = threading.Event()
+        self._sock = None
+        self._threads: list[threading.Thread] = []
+        self.address: Optional[tuple] = None
+        self.exit_code: Optional[int] = None
+        self.records: list[MergeRecord] = []  # kept small: last few, for tests and status
+        if cfg.checkpoint and cfg.resume:
+            meta, arrays = read_checkpoint(cfg.checkpoint)
+            if len(meta["layout"]) != cfg.fragments:
+                raise CheckpointError(f"checkpoint {cfg.checkpoint} has {len(meta['layout'])} fragments; "
+                                      f"--fragments is {cfg.fragments}")
+            restore(self.coord, meta, arrays)
+            log.info("resumed from %s: %d fragments at versions %s, %d merges so far", cfg.checkpoint,
+                     len(self.coord.frags), self.coord.versions(), self.coord.merges_total)
+        elif cfg.checkpoint and os.path.exists(cfg.checkpoint):
+            raise CheckpointError(f"checkpoint {cfg.checkpoint} already exists: pass --resume to continue that run, "
+                                  "or move it away to start a new one")
+
+    # --------------------------------------------------------------------------------------- lifecycle
+    def start(self) -> tuple:
+        self._sock = listen(self.cfg.listen)
+        self.address = self._sock.getsockname()[:2]
+        if self.cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr)
+        for target, name in ((self._accept_loop, "yeto-accept"), (self._schedule_loop, "yeto-scheduler")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info("syncer listening on %s:%d (%d islands, %d fragments, %s)", self.address[0], self.address[1],
+                 self.cfg.islands, self.cfg.fragments, self.cfg.merge.resolved())
+        return self.address
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        self._threads[1].join(timeout)
+        return self.exit_code
+
+    def stop(self) -> None:
+        """Stop without a final cut (tests, signals): no new merges; the last checkpoint stays."""
+        self.stopping.set()
+        with self.coord.cond:
+            self.coord.cond.notify_all()
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        for s in list(self.all_sessions):
+            s.close()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(5)
+        if self.writer is not None:
+            try:
+                self.writer.wait()
+            except CheckpointError as e:
+                log.error("%s", e)
+        self.metrics.close()
+        self.tape.close()
+        self.runner.close()
+
+    # ------------------------------------------------------------------------------------------ accept
+    def _accept_loop(self) -> None:
+        self._sock.settimeout(0.2)  # close() does not wake a blocked accept(): poll the stop flag
+        while not self.stopping.is_set():
+            try:
+                sock, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            sock.settimeout(None)
+            conn = Connection(sock, timeout=self.cfg.io_timeout_s)
+            s = _Session(self, conn)
+            self.all_sessions.add(s)
+            threading.Thread(target=self._session_main, args=(s,), daemon=True,
+                             name=f"yeto-conn-{conn.peer}").start()
+
+    def _refuse(self, s: _Session, code: str, message: str) -> None:
+        log.warning("refusing %s (%s): %s", s.island or s.conn.peer, code, message)
+        try:
+            s.conn.send_error(code, message)
+        except ProtocolError:
+            pass
+
+    def _session_main(self, s: _Session) -> None:
+        try:
+            if self._handshake(s):
+                s.writer = threading.Thread(target=s.writer_loop, daemon=True, name=f"yeto-send-{s.island}")
+                s.writer.start()
+                self._read_loop(s)
+        except PeerError as e:
+            log.warning("island %s sent an error: %s", s.island, e)
+        except (ProtocolError, OSError) as e:
+            if not s.closed and not self.stopping.is_set():
+                log.warning("island %s: connection lost: %s", s.island or s.conn.peer, e)
+        except Exception:  # noqa: BLE001 - a bug must not take the syncer down
+            log.exception("island %s: internal error in its connection handler", s.island)
+            self._refuse(s, "internal", "internal error in the syncer (see its log)")
+        finally:
+            self._session_closed(s)
+
+    # --------------------------------------------------------------------------------------- handshake
+    def _handshake(self, s: _Session) -> bool:
+        cfg = self.cfg
+        server_nonce = auth.new_nonce()
+        s.conn.send(MsgType.CHALLENGE, {"nonce": server_nonce.hex(), "protocol": 1,
+                                        "auth": cfg.key is not None})
+        t, meta, _ = s.conn.recv(timeout=cfg.handshake_timeout_s)
+        if t not in (MsgType.HELLO, MsgType.PROBE):
+            self._refuse(s, "protocol", f"expected HELLO or PROBE, got {t.name}")
+            return False
+        try:
+            island = meta["island_id"]
+            incarnation = meta["incarnation"]
+            client_nonce = bytes.fromhex(meta["nonce"])
+            digest = bytes.fromhex(meta["manifest_digest"])
+            mac = bytes.fromhex(meta.get("mac", ""))
+            if not isinstance(island, str) or not island or len(island) > 256:
+                raise ValueError("island_id must be a non-empty string of at most 256 characters")
+        except (KeyError, ValueError, TypeError) as e:
+            self._refuse(s, "protocol", f"malformed {t.name}: {e}")
+            return False
+        s.island = island
+        try:
+            if cfg.key is not None:
+                auth.verify(auth.client_mac(cfg.key, server_nonce, client_nonce, island, incarnation, digest), mac,
+                            what=f"{t.name} from island {island!r}")
+            elif not meta.get("insecure"):
+                raise AuthError("this syncer runs without a key (insecure, loopback only); the island must be "
+                                "configured insecure too")
+        except AuthError as e:
+            self._refuse(s, "auth", str(e))
+            return False
+        smac = auth.server_mac(cfg.key, server_nonce, client_nonce, island, incarnation, digest).hex() \
+            if cfg.key is not None else ""
+        if t == MsgType.PROBE:
+            s.conn.send(MsgType.WELCOME, {"probe": True, "server_mac": smac, **self.status()})
+            return False
+        try:
+            manifest = normalize_manifest(meta.get("manifest"))
+        except (ValueError, TypeError) as e:
+            self._refuse(s, "manifest", f"bad manifest: {e}")
+            return False
+        if auth.manifest_digest(manifest) != digest:
+            self._refuse(s, "auth", "the manifest does not match the authenticated manifest digest")
+            return False
+        coord = self.coord
+        with coord.lock:
+            if coord.manifest is None:
+                if len(manifest) < cfg.fragments:
+                    self._refuse(s, "manifest", f"the manifest has {len(manifest)} tensors, fewer than "
+                                                f"--fragments {cfg.fragments}")
+                    return False
+                coord.set_manifest(manifest, cfg.fragments)
+                log.info("manifest fixed by island %s: %d tensors, %d parameters, digest %s", island,
+                         len(manifest), sum(f.numel for f in coord.frags), digest.hex()[:16])
+            elif manifest != coord.manifest:
+                self._refuse(s, "manifest", "this island's parameter manifest differs from the run's: "
+                             + first_difference(coord.manifest, manifest))
+                return False
+            try:
+                coord.join(island, str(incarnation))
+            except PushRefused as e:
+                self._refuse(s, e.code, e.message)
+                return False
+            s.incarnation = incarnation
+            old = self.sessions.get(island)
+            self.sessions[island] = s
+            s.joined = True
+            needs_init: list = []
+            if not coord.initialized:
+                if self.initializer is None or self.initializer.closed:
+                    self.initializer = s
+                    needs_init = coord.missing_init()
+            welcome = {"island_id": island, "server_mac": smac, "layout": coord.layout,
+                       "numels": [f.numel for f in coord.frags], "fragments": len(coord.frags),
+                       "versions": coord.versions() if coord.initialized else None, "needs_init": needs_init,
+                       "base_wire": cfg.base_wire, "heartbeat_s": self.heartbeat_s,
+                       "lease_s": cfg.rounds.lease_s, "islands": cfg.islands, "quorum": cfg.rounds.k,
+                       "total_rounds": cfg.rounds.total_rounds, "manifest_digest": digest.hex(),
+                       "final": self.final_started}
+            s.conn.send(MsgType.WELCOME, welcome)
+            if coord.initialized:
+                for f in range(len(coord.frags)):
+                    s.post_base(f, "f32", final=self.final_done)
+        if old is not None and old is not s:
+            log.info("island %s reconnected (incarnation %s); closing its previous connection", island, incarnation)
+            old.close()
+        log.info("island %s joined (incarnation %s)%s", island, incarnation,
+                 " and will send INIT" if needs_init else "")
+        self.metrics.connections.set(len(self.sessions))
+        return True
+
+    def status(self) -> dict:
+        c = self.coord
+        with c.lock:
+            return {"initialized": c.initialized, "versions": c.versions() if c.frags else [],
+                    "fragments": len(c.frags) or self.cfg.fragments, "islands": self.cfg.islands,
+                    "members": c.alive_members(), "merges_total": c.merges_total,
+                    "final": self.final_started,
+                    "manifest_digest": auth.manifest_digest(c.manifest).hex() if c.manifest else None}
+
+    # ------------------------------------------------------------------------------------------ reading
+    def _read_loop(self, s: _Session) -> None:
+        coord = self.coord
+        next_hb = time.monotonic() + self.heartbeat_s
+        while not s.closed and not self.stopping.is_set():
+            now = time.monotonic()
+            if now >= next_hb:
+                s.post(MsgType.HEARTBEAT, {"t": time.time()})
+                next_hb = now + self.heartbeat_s
+            try:
+                t, meta, body = s.conn.recv(timeout=min(1.0, self.heartbeat_s))
+            except WireTimeout:
+                if s.conn.broken:
+                    raise
+                continue
+            coord.touch(s.island)
+            if t == MsgType.HEARTBEAT:
+                continue
+            if t == MsgType.PUSH:
+                self._on_push(s, meta, body)
+            elif t == MsgType.INIT:
+                self._on_init(s, meta, body)
+            elif t == MsgType.FINAL:
+                coord.finish(s.island, int(meta.get("last_step", 0) or 0))
+                log.info("island %s reached its last step (%s)", s.island, meta.get("last_step"))
+            elif t == MsgType.ACK:
+                s.final_acked = meta.get("versions")
+                with coord.cond:
+                    coord.cond.notify_all()
+            elif t == MsgType.BYE:
+                s.bye = True
+                log.info("island %s said goodbye", s.island)
+                return
+            else:
+                self._refuse(s, "protocol", f"unexpected {t.name} message")
+                return
+
+    def _on_init(self, s: _Session, meta: dict, body) -> None:
+        coord = self.coord
+        if s is not self.initializer or coord.initialized:
+            s.post(MsgType.ERROR, {"code": "init", "message": "INIT not expected from this island"})
+            return
+        try:
+            idx = int(meta["fragment"])
+            mv = memoryview(body).cast("B")
+            if meta.get("dtype", "f32") != "f32" or mv.nbytes % 4:
+                raise PushRefused("bad-init", "INIT bodies are float32")
+            arr = np.frombuffer(mv, np.float32)
+            if arr.ctypes.data % 4 or not arr.flags.writeable:
+                arr = arr.copy()
+            done = coord.init_fragment(idx, arr)
+        except (PushRefused, KeyError, ValueError, TypeError) as e:
+            msg = e.message if isinstance(e, PushRefused) else f"malformed INIT: {e}"
+            self._refuse(s, "init", msg)
+            s.close()
+            return
+        self.metrics.bytes_in.labels("init").inc(mv.nbytes)
+        if done:
+            log.info("run initialized from island %s's INIT (%d fragments)", s.island, len(coord.frags))
+            for other in list(self.sessions.values()):
+                for f in range(len(coord.frags)):
+                    other.post_base(f, "f32")
+
+    def _on_push(self, s: _Session, meta: dict, body) -> None:
+        try:
+            p = Push(island=s.island, fragment=meta["fragment"], base_version=meta["base_version"],
+                     codec=meta["codec"], block=int(meta.get("block", codecs.DEFAULT_BLOCK)), body=body,
+                     local_step=int(meta.get("local_step", 0)), steps=meta.get("steps", 0),
+                     tokens=meta.get("tokens", 0), final=bool(meta.get("final", False)),
+                     incarnation=str(s.incarnation))
+        except (KeyError, ValueError, TypeError) as e:
+            s.post(MsgType.PUSH_REPLY, {"fragment": meta.get("fragment"), "base_version": meta.get("base_version"),
+                                        "status": "refused", "code": "bad-push",
+                                        "message": f"malformed PUSH: missing or bad field {e}"})
+            return
+        nbytes = memoryview(body).nbytes
+        self.metrics.bytes_in.labels("push").inc(nbytes)
+        reply = {"fragment": p.fragment, "base_version": p.base_version}
+        try:
+            status, lag = self.coord.accept(p)
+            reply.update(status=status, lag=lag)
+            if status == "closed":
+                reply["message"] = "this fragment takes no more pushes (final cut / total rounds reached)"
+        except PushRefused as e:
+            log.warning("refused push of fragment %s (base v%s) from island %s: %s", p.fragment, p.base_version,
+                        s.island, e.message)
+            reply.update(status="refused", code=e.code, message=e.message)
+            status = "refused"
+        self.metrics.pushes.labels(status).inc()
+        if p.fragment is not None and isinstance(p.fragment, int) and 0 <= p.fragment < len(self.coord.frags):
+            reply["version"] = self.coord.frags[p.fragment].version
+        s.post(MsgType.PUSH_REPLY, reply)
+        with self.coord.cond:
+            self.coord.cond.notify_all()
+
+    def _session_closed(self, s: _Session) -> None:
+        s.close()
+        self.all_sessions.discard(s)
+        coord = self.coord
+        if s.joined:
+            with coord.lock:
+                if self.sessions.get(s.island) is s:
+                    del self.sessions[s.island]
+                coord.disconnected(s.island, s.bye)
+                if self.initializer is s and not coord.initialized:
+                    # INIT must come from one island: drop a partial INIT and ask another island
+                    for f in coord.frags:
+                        f.t.base = None
+                    self.initializer = None
+                    for other in self.sessions.values():
+                        if not other.closed:
+                            self.initializer = other
+                            log.warning("initializing island %s left before INIT completed; asking island %s",
+                                        s.island, other.island)
+                            other.post(MsgType.INIT, {"request": coord.missing_init()})
+                            break
+                coord.cond.notify_all()
+            log.info("island %s disconnected%s", s.island, " (goodbye)" if s.bye else "")
+        self.metrics.connections.set(len(self.sessions))
+
+    # ------------------------------------------------------------------------------------------ sending
+    def _send_base(self, s: _Session, frag: int, dtype: str, final: bool) -> None:
+        f = self.coord.frags[frag]
+        f.rw.acquire_read()
+        try:
+            base = f.t.base
+            n = f.numel
+            meta = aligned_meta({"fragment": frag, "version": f.version, "dtype": dtype, "numel": n,
+                                 "final": final})
+            step = SEND_CHUNK // 4
+            if dtype == "f32":
+                body_len = 4 * n
+                it = (memoryview(base[a:a + step]).cast("B") for a in range(0, n, step))
+            else:
+                body_len = 2 * n
+                it = (codecs.encode("bf16", base[a:a + step], name=f"fragment {frag}", threads=1)
+                      for a in range(0, n, step))
+            s.conn.send(MsgType.FINAL_BASE if final else MsgType.BASE, meta, body_len=body_len, body_iter=it)
+        finally:
+            f.rw.release_read()
+        self.metrics.bytes_out.labels("final" if final else "base").inc(body_len)
+
+    # ---------------------------------------------------------------------------------------- scheduling
+    def _schedule_loop(self) -> None:
+        try:
+            code = self._schedule()
+        except Exception:  # noqa: BLE001
+            log.exception("syncer scheduler failed")
+            code = 1
+        self.exit_code = code
+        self.stopping.set()
+        self._shutdown()
+
+    def _schedule(self) -> int:
+        coord = self.coord
+        while not self.stopping.is_set():
+            with coord.cond:
+                dl = coord.next_deadline()
+                wait = 0.25 if dl is None else min(0.25, max(0.0, dl - coord.clock()))
+                coord.cond.wait(wait)
+            if self.stopping.is_set():
+                return 0
+            self.metrics.members.set(len(coord.alive_members()))
+            if not coord.initialized:
+                continue
+            for idx in coord.due():
+                rec = coord.merge(idx)
+                if rec is not None:
+                    self._after_merge(rec, broadcast=True)
+            if coord.all_closed() or coord.all_finished():
+                return self._final_cut()
+        return 0
+
+    def _after_merge(self, rec: MergeRecord, broadcast: bool) -> None:
+        (log.info if rec.ok else log.error)("%s", rec.line())
+        self.tape.write(rec.tape())
+        self.metrics.record_merge(rec)
+        self.records.append(rec)
+        del self.records[:-64]
+        if not rec.ok:
+            return
+        if broadcast:
+            for s in list(self.sessions.values()):
+                s.post_base(rec.fragment, self.cfg.base_wire)
+        n = self.cfg.checkpoint_every
+        if self.writer is not None and n and self.coord.merges_total % n == 0:
+            self._checkpoint(final=False)
+
+    def _checkpoint(self, final: bool) -> None:
+        snap = capture(self.coord, {"final": final})
+        self.writer.save(snap, background=False if final else None)
+        self.metrics.checkpoint_seconds.set(self.writer.last_seconds)
+
+    def _final_cut(self) -> int:
+        coord = self.coord
+        self.final_started = True
+        why = "total rounds reached" if coord.all_closed() else "every island reached its last step"
+        log.info("final cut: %s; merging the last round of every fragment", why)
+        # wait (bounded) for pushes still being folded
+        for f in range(len(coord.frags)):
+            if coord.pending(f):
+                rec = coord.merge(f, force=True)
+                if rec is not None:
+                    self._after_merge(rec, broadcast=False)
+        with coord.lock:
+            for f in coord.frags:
+                f.closed = True
+            self.final_done = True
+            targets = [s for s in self.sessions.values() if not s.closed]
+            for s in targets:
+                for f in range(len(coord.frags)):
+                    s.post_base(f, "f32", final=True)
+        versions = coord.versions()
+        log.info("final model: versions %s; sent to %d island(s), waiting up to %.0fs for acknowledgements",
+                 versions, len(targets), self.cfg.final_ack_timeout_s)
+        deadline = time.monotonic() + self.cfg.final_ack_timeout_s
+        with coord.cond:
+            while True:
+                missing = [s.island for s in targets if s.final_acked is None and not s.closed]
+                if not missing or time.monotonic() >= deadline or self.stopping.is_set():
+                    break
+                coord.cond.wait(min(0.25, max(0.0, deadline - time.monotonic())))
+        acked = [s.island for s in targets if s.final_acked is not None]
+        bad = [s.island for s in targets if s.final_acked is not None and s.final_acked != versions]
+        if missing:
+            log.warning("final cut: no acknowledgement from %s", missing)
+        if bad:
+            log.warning("final cut: islands %s acknowledged other versions", bad)
+        log.info("final cut acknowledged by %s", acked)
+        if self.writer is not None:
+            self._checkpoint(final=True)
+        for s in targets:
+            s.post(MsgType.BYE, {"reason": "final cut done"})
+        for s in targets:  # let the goodbye go out (bounded)
+            s.drain(2.0)
+        log.info("syncer done: %d merges, final versions %s", coord.merges_total, versions)
+        return 0

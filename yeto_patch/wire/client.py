@@ -1,0 +1,534 @@
+"""Island side of the syncer protocol (stdlib + numpy + xxhash; no torch).
+
+Used by the boundary engine on an island's rank 0.  One :class:`SyncerClient` per process start (its
+incarnation); a reconnect after a failure is a new client with the same island id.
+
+API::
+
+    c = SyncerClient(address, key, island_id, manifest, *, incarnation=None, timeout=60.0, insecure=False,
+                     connect_retries=10, backoff=0.5, max_backoff=10.0)
+        manifest: ordered [(global name, full shape, dtype)]; key: bytes or None (None needs insecure=True and
+        a loopback address).
+    c.connect() -> Welcome                   # connect (bounded exponential back-off), authenticated handshake
+        Welcome: island_id, layout (fragment -> manifest indices, ascending), numels, fragments, versions
+        (None before INIT), needs_init (fragments this island must INIT), base_wire, heartbeat_s, lease_s,
+        islands, quorum, total_rounds, final.  Starts the reader and heartbeat threads.
+    c.send_init(fragment, arrays)            # float32 arrays of the fragment's tensors in layout order, streamed
+    c.wait_ready(timeout, init_source=None) -> dict[int, Base]
+        # sends INIT when the syncer asks (init_source(fragment) -> iterable of float32 arrays), then waits
+        # for the base of every fragment; returns them (the island installs them before training)
+    c.push(fragment, *, base_version, local_step, steps, tokens, codec, block=256, body=None, body_len=None,
+           body_iter=None, final=False, wait=False, timeout=None) -> Optional[PushReply]
+        # body: encoded bytes (wire.codecs.encode of the fragment's flat delta, anchor minus current) or
+        # body_iter yielding buffers with body_len.  wait=True blocks for the syncer's reply (raising
+        # SyncerRefusal if refused); otherwise a refusal is raised by the next call on this client.
+    c.poll() -> list[Base]                   # non-blocking: bases (BASE and FINAL_BASE) received since the last
+                                             # poll, newest per fragment, in arrival order
+    c.wait_base(fragment, min_version, timeout) -> Base   # bounded wait (WireTimeout naming what it waited for)
+    c.init_requested() -> list[int]          # fragments the syncer asked INIT for after the welcome
+    c.final_cut -> bool                      # the syncer started the final cut (FINAL_BASE arrived)
+    c.finish(last_step, timeout) -> dict[int, Base]
+        # final cut handshake: FINAL (after the island pushed its final deltas with final=True), wait for
+        # FINAL_BASE of every fragment (float32, with versions), ACK them; returns the final model
+    c.check()                                # re-raise a failure seen by the reader thread
+    c.close()                                # BYE (best effort) and close; idempotent
+    probe(address, key, *, timeout=10.0, insecure=False, island_id="doctor") -> dict
+        # authenticated handshake without joining a run (yeto-patch doctor): the syncer's status
+
+    Base: fragment, version, dtype ("f32" | "bf16" on the wire), values (flat float32 numpy array), final
+    PushReply: fragment, base_version, status ("accepted" | "carried" | "closed"), lag, version, message
+
+Errors: everything raised is a :class:`~.frames.ProtocolError`: :class:`SyncerRefusal` (a refused push:
+``code`` in stale / duplicate / nonfinite / bad-push / bad-base / bad-fragment / not-initialized, ``message``
+the syncer's text; ``stale`` means pull the current base and push again), :class:`~.frames.PeerError` (the
+syncer's ERROR message: auth, manifest, too-many-islands, protocol; the connection is closed),
+:class:`~.frames.AuthError`, :class:`~.frames.WireTimeout`, :class:`~.transport.ConnectError`.
+"""
+from __future__ import annotations
+
+import collections
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import numpy as np
+
+from . import auth, codecs
+from .frames import AuthError, MsgType, PeerError, ProtocolError, WireTimeout
+from .message import encode_meta
+from .transport import Connection, connect
+
+__all__ = ["SyncerClient", "SyncerRefusal", "Welcome", "Base", "PushReply", "probe"]
+
+_SEND_PIECE = 4 << 20
+
+
+class SyncerRefusal(PeerError):
+    """The syncer refused a push (the connection stays usable)."""
+
+    def __init__(self, code: str, message: str, fragment=None, base_version=None):
+        super().__init__(code, message)
+        self.fragment = fragment
+        self.base_version = base_version
+
+
+@dataclass
+class Welcome:
+    island_id: str
+    layout: list
+    numels: list
+    fragments: int
+    versions: Optional[list]
+    needs_init: list
+    base_wire: str
+    heartbeat_s: float
+    lease_s: float
+    islands: int
+    quorum: int
+    total_rounds: Optional[int]
+    final: bool
+
+
+@dataclass
+class Base:
+    fragment: int
+    version: int
+    dtype: str
+    values: np.ndarray
+    final: bool = False
+
+
+@dataclass
+class PushReply:
+    fragment: int
+    base_version: int
+    status: str
+    lag: int = 0
+    version: Optional[int] = None
+    message: str = ""
+
+
+def _aligned(meta: dict, align: int = 64) -> dict:
+    m = dict(meta)
+    m["_pad"] = ""
+    n = 4 + len(encode_meta(m))
+    m["_pad"] = " " * ((-n) % align)
+    return m
+
+
+def _norm_manifest(manifest) -> list:
+    out = []
+    for e in manifest:
+        name, shape, dtype = e
+        out.append((str(name), tuple(int(d) for d in shape), str(dtype)))
+    return out
+
+
+def _handshake(conn: Connection, key: Optional[bytes], insecure: bool, msg_type: MsgType, island_id: str,
+               incarnation: int, digest: bytes, extra: dict, timeout: float) -> dict:
+    t, meta, _ = conn.recv(timeout=timeout)
+    if t != MsgType.CHALLENGE:
+        raise ProtocolError(f"expected CHALLENGE from the syncer, got {t.name}")
+    try:
+        server_nonce = bytes.fromhex(meta["nonce"])
+    except (KeyError, ValueError, TypeError):
+        raise ProtocolError("malformed CHALLENGE from the syncer") from None
+    if meta.get("auth") and key is None:
+        raise AuthError("the syncer requires a key and this island has none (set YETO_KEY or a key file)")
+    if not meta.get("auth") and key is not None:
+        raise AuthError("the syncer runs without a key (insecure) but this island has one; refusing to talk "
+                        "to an unauthenticated syncer")
+    nonce = auth.new_nonce()
+    mac = auth.client_mac(key, server_nonce, nonce, island_id, incarnation, digest).hex() if key else ""
+    hello = {"island_id": island_id, "incarnation": incarnation, "nonce": nonce.hex(),
+             "manifest_digest": digest.hex(), "mac": mac, "insecure": key is None, **extra}
+    conn.send(msg_type, hello)
+    t, meta, _ = conn.recv(timeout=timeout)
+    if t != MsgType.WELCOME:
+        raise ProtocolError(f"expected WELCOME from the syncer, got {t.name}")
+    if key is not None:
+        want = auth.server_mac(key, server_nonce, nonce, island_id, incarnation, digest)
+        try:
+            got = bytes.fromhex(meta.get("server_mac", ""))
+        except ValueError:
+            got = b""
+        auth.verify(want, got, what="the syncer's WELCOME")
+    return meta
+
+
+def probe(address: str, key: Optional[bytes], *, timeout: float = 10.0, insecure: bool = False,
+          island_id: str = "doctor") -> dict:
+    """Authenticated handshake with the syncer without joining its run; returns its status."""
+    if key is None:
+        auth.check_insecure(address, insecure)
+    conn = connect(address, timeout=timeout, retries=0)
+    try:
+        meta = _handshake(conn, key, insecure, MsgType.PROBE, island_id, random.getrandbits(63), bytes(32), {},
+                          timeout)
+    finally:
+        conn.close()
+    meta.pop("server_mac", None)
+    return meta
+
+
+class SyncerClient:
+    def __init__(self, address: str, key: Optional[bytes], island_id: str, manifest, *,
+                 incarnation: Optional[int] = None, timeout: float = 60.0, insecure: bool = False,
+                 connect_retries: int = 10, backoff: float = 0.5, max_backoff: float = 10.0):
+        if key is None:
+            auth.check_insecure(address, insecure)
+        self.address = address
+        self.key = key
+        self.island_id = str(island_id)
+        self.manifest = _norm_manifest(manifest)
+        self.digest = auth.manifest_digest(self.manifest)
+        self.incarnation = random.getrandbits(63) if incarnation is None else int(incarnation)
+        self.timeout = float(timeout)
+        self.insecure = insecure
+        self.connect_retries = connect_retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.conn: Optional[Connection] = None
+        self.welcome: Optional[Welcome] = None
+        self.local_step = 0
+        self._cv = threading.Condition()
+        self._bases: "collections.OrderedDict[int, Base]" = collections.OrderedDict()
+        self._final: dict[int, Base] = {}
+        self._replies: dict = {}
+        self._waiting: set = set()
+        self._init_requests: list = []
+        self._error: Optional[BaseException] = None
+        self._closed = False
+        self._bye_seen = False
+        self._final_sent = False
+        self._threads: list[threading.Thread] = []
+
+    # --------------------------------------------------------------------------------------- connecting
+    def connect(self) -> Welcome:
+        if self.conn is not None:
+            raise ProtocolError("already connected")
+        conn = connect(self.address, timeout=self.timeout, retries=self.connect_retries, backoff=self.backoff,
+                       max_backoff=self.max_backoff)
+        try:
+            meta = _handshake(conn, self.key, self.insecure, MsgType.HELLO, self.island_id, self.incarnation,
+                              self.digest, {"manifest": [[n, list(s), d] for n, s, d in self.manifest]},
+                              self.timeout)
+            w = Welcome(island_id=meta["island_id"], layout=meta["layout"], numels=meta["numels"],
+                        fragments=meta["fragments"], versions=meta.get("versions"),
+                        needs_init=list(meta.get("needs_init") or []), base_wire=meta.get("base_wire", "f32"),
+                        heartbeat_s=float(meta.get("heartbeat_s", 5.0)), lease_s=float(meta.get("lease_s", 60.0)),
+                        islands=meta.get("islands", 1), quorum=meta.get("quorum", 1),
+                        total_rounds=meta.get("total_rounds"), final=bool(meta.get("final")))
+        except BaseException:
+            conn.close()
+            raise
+        self.conn = conn
+        self.welcome = w
+        for target, name in ((self._reader, "yeto-client-reader"), (self._heartbeat, "yeto-client-heartbeat")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        return w
+
+    def _need(self) -> Connection:
+        self.check()
+        if self.conn is None:
+            raise ProtocolError("not connected: call connect() first")
+        return self.conn
+
+    def check(self) -> None:
+        """Re-raise a failure seen by the reader thread (a refused push, the syncer's ERROR, a lost link)."""
+        with self._cv:
+            e = self._error
+            if e is not None and isinstance(e, SyncerRefusal):
+                self._error = None  # a refusal is reported once; the connection is still usable
+            if e is not None:
+                raise e
+
+    # ------------------------------------------------------------------------------------------ threads
+    def _fail(self, e: BaseException) -> None:
+        with self._cv:
+            if self._error is None or isinstance(self._error, SyncerRefusal):
+                self._error = e
+            self._cv.notify_all()
+
+    def _reader(self) -> None:
+        conn = self.conn
+        while not self._closed:
+            try:
+                t, meta, body = conn.recv(timeout=1.0)
+            except WireTimeout:
+                if conn.broken:
+                    self._fail(WireTimeout(f"connection to the syncer at {self.address} stalled: {conn.broken}"))
+                    return
+                continue
+            except ProtocolError as e:
+                if not self._closed and not (self._bye_seen and self.final_cut_complete()):
+                    self._fail(e if isinstance(e, PeerError) else
+                               ProtocolError(f"lost the connection to the syncer at {self.address}: {e}"))
+                return
+            try:
+                self._dispatch(t, meta, body)
+            except Exception as e:  # noqa: BLE001 - surfaced to the caller
+                self._fail(ProtocolError(f"bad {t.name} message from the syncer: {e}"))
+                return
+
+    def _dispatch(self, t: MsgType, meta: dict, body) -> None:
+        if t in (MsgType.BASE, MsgType.FINAL_BASE):
+            frag, version, dtype, numel = int(meta["fragment"]), int(meta["version"]), meta["dtype"], int(meta["numel"])
+            if self.welcome is not None and not (0 <= frag < self.welcome.fragments
+                                                 and numel == self.welcome.numels[frag]):
+                raise ProtocolError(f"base for fragment {frag} of {numel} values does not match the layout")
+            if dtype == "f32":
+                mv = memoryview(body).cast("B")
+                if mv.nbytes != 4 * numel:
+                    raise ProtocolError(f"f32 base of fragment {frag}: {mv.nbytes} bytes for {numel} values")
+                values = np.frombuffer(mv, np.float32)
+                if values.ctypes.data % 4 or not values.flags.writeable:
+                    values = values.copy()
+                if not np.isfinite(values).all():
+                    raise ProtocolError(f"base of fragment {frag} has non-finite values")
+            else:
+                values = codecs.decode(dtype, body, numel)
+            b = Base(frag, version, dtype, values, final=(t == MsgType.FINAL_BASE) or bool(meta.get("final")))
+            with self._cv:
+                if b.final:
+                    self._final[frag] = b
+                self._bases.pop(frag, None)
+                self._bases[frag] = b
+                self._cv.notify_all()
+        elif t == MsgType.PUSH_REPLY:
+            r = PushReply(meta.get("fragment"), meta.get("base_version"), meta.get("status", "?"),
+                          int(meta.get("lag", 0) or 0), meta.get("version"), meta.get("message", ""))
+            key = (r.fragment, r.base_version)
+            with self._cv:
+                if key in self._waiting:
+                    self._replies[key] = (r, meta)
+                elif r.status == "refused":
+                    self._error = SyncerRefusal(meta.get("code", "refused"), r.message, r.fragment, r.base_version)
+                self._cv.notify_all()
+        elif t == MsgType.INIT:
+            with self._cv:
+                self._init_requests = [int(f) for f in meta.get("request", [])]
+                self._cv.notify_all()
+        elif t == MsgType.BYE:
+            with self._cv:
+                self._bye_seen = True
+                if not self.final_cut_complete():
+                    self._error = ProtocolError(f"the syncer closed the session: {meta.get('reason', 'goodbye')}")
+                self._cv.notify_all()
+        # HEARTBEAT and anything else: the reader saw the syncer alive; nothing to do
+
+    def _heartbeat(self) -> None:
+        period = self.welcome.heartbeat_s if self.welcome else 5.0
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._closed, timeout=period)
+                if self._closed or self._error is not None and not isinstance(self._error, SyncerRefusal):
+                    return
+            try:
+                self.conn.send(MsgType.HEARTBEAT, {"step": self.local_step})
+            except ProtocolError as e:
+                if not self._closed:
+                    self._fail(e)
+                return
+
+    # ------------------------------------------------------------------------------------------ INIT
+    def send_init(self, fragment: int, arrays: Iterable[np.ndarray]) -> None:
+        """Stream fragment's initial float32 values: its tensors in layout order (any shape, C order)."""
+        conn = self._need()
+        numel = self.welcome.numels[fragment]
+
+        def pieces():
+            for a in arrays:
+                if not isinstance(a, np.ndarray) or a.dtype != np.float32:
+                    raise ProtocolError(f"INIT of fragment {fragment}: arrays must be float32 numpy arrays")
+                a = np.ascontiguousarray(a).reshape(-1)
+                mv = memoryview(a).cast("B")
+                for o in range(0, mv.nbytes, _SEND_PIECE):
+                    yield mv[o:o + _SEND_PIECE]
+
+        conn.send(MsgType.INIT, _aligned({"fragment": fragment, "numel": numel, "dtype": "f32"}),
+                  body_len=4 * numel, body_iter=pieces())
+        with self._cv:
+            if fragment in self._init_requests:
+                self._init_requests.remove(fragment)
+
+    def init_requested(self) -> list:
+        self.check()
+        with self._cv:
+            return list(self._init_requests)
+
+    def wait_ready(self, timeout: float, init_source: Optional[Callable[[int], Iterable[np.ndarray]]] = None
+                   ) -> dict:
+        """Send INIT when asked, then wait for the base of every fragment; returns {fragment: Base}."""
+        self._need()
+        todo = list(self.welcome.needs_init)
+        if todo and init_source is None:
+            raise ProtocolError(f"the syncer asks this island to INIT fragments {todo}; pass init_source")
+        for f in todo:
+            self.send_init(f, init_source(f))
+        deadline = time.monotonic() + timeout
+        n = self.welcome.fragments
+        while True:
+            self.check()
+            with self._cv:
+                req = list(self._init_requests)
+                have = {f for f in self._bases} | set(self._final)
+                if len(have) == n and not req:
+                    out = {}
+                    for f in range(n):
+                        out[f] = self._bases.pop(f, None) or self._final[f]
+                    return out
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WireTimeout(f"waited {timeout}s for the initial bases: have fragments {sorted(have)} "
+                                      f"of {n}")
+                if not req:
+                    self._cv.wait(min(left, 0.5))
+                    continue
+            if init_source is None:
+                raise ProtocolError(f"the syncer asks this island to INIT fragments {req}; pass init_source")
+            for f in req:
+                self.send_init(f, init_source(f))
+
+    # ------------------------------------------------------------------------------------------ pushes
+    def push(self, fragment: int, *, base_version: int, local_step: int, steps: int, tokens: int, codec: str,
+             block: int = codecs.DEFAULT_BLOCK, body=None, body_len: Optional[int] = None,
+             body_iter: Optional[Iterable] = None, final: bool = False, wait: bool = False,
+             timeout: Optional[float] = None) -> Optional[PushReply]:
+        """Send a fragment's encoded delta. See the module docstring."""
+        conn = self._need()
+        numel = self.welcome.numels[fragment]
+        want = codecs.encoded_nbytes(codec, numel, block)
+        if body_iter is None:
+            if body is None:
+                raise ProtocolError("push needs body or body_iter")
+            body_len = memoryview(body).nbytes
+        if body_len != want:
+            raise ProtocolError(f"push of fragment {fragment}: {codec} (block {block}) of {numel} values is {want} "
+                                f"bytes, got {body_len}")
+        self.local_step = max(self.local_step, int(local_step))
+        meta = _aligned({"fragment": fragment, "base_version": int(base_version), "local_step": int(local_step),
+                         "steps": int(steps), "tokens": int(tokens), "codec": codec, "block": int(block),
+                         "numel": numel, "final": bool(final)})
+        key = (fragment, int(base_version))
+        if wait:
+            with self._cv:
+                self._waiting.add(key)
+                self._replies.pop(key, None)
+        try:
+            if body_iter is not None:
+                conn.send(MsgType.PUSH, meta, body_len=body_len, body_iter=body_iter)
+            else:
+                conn.send(MsgType.PUSH, meta, body)
+            if not wait:
+                return None
+            deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+            with self._cv:
+                while key not in self._replies:
+                    if self._error is not None and not isinstance(self._error, SyncerRefusal):
+                        raise self._error
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise WireTimeout(f"no reply from the syncer to the push of fragment {fragment} "
+                                          f"(base v{base_version}) within the timeout")
+                    self._cv.wait(min(left, 0.5))
+                r, m = self._replies.pop(key)
+        finally:
+            if wait:
+                with self._cv:
+                    self._waiting.discard(key)
+        if r.status == "refused":
+            raise SyncerRefusal(m.get("code", "refused"), r.message, fragment, base_version)
+        return r
+
+    # ------------------------------------------------------------------------------------------- bases
+    def poll(self) -> list:
+        """Bases received since the last poll (newest per fragment, arrival order); never blocks."""
+        self.check()
+        with self._cv:
+            out = list(self._bases.values())
+            self._bases.clear()
+            return out
+
+    def wait_base(self, fragment: int, min_version: int, timeout: float) -> Base:
+        """Wait (bounded) for a base of ``fragment`` with version >= ``min_version``; consumes it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check()
+            with self._cv:
+                b = self._bases.get(fragment)
+                if b is not None and b.version >= min_version:
+                    return self._bases.pop(fragment)
+                fb = self._final.get(fragment)
+                if fb is not None and fb.version >= min_version:
+                    self._bases.pop(fragment, None)
+                    return fb
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    have = None if b is None else b.version
+                    raise WireTimeout(f"waited {timeout}s for the base of fragment {fragment} at version >= "
+                                      f"{min_version} (newest received: {have})")
+                self._cv.wait(min(left, 0.5))
+
+    @property
+    def final_cut(self) -> bool:
+        with self._cv:
+            return bool(self._final)
+
+    def final_cut_complete(self) -> bool:
+        return self.welcome is not None and len(self._final) == self.welcome.fragments
+
+    # --------------------------------------------------------------------------------------- final cut
+    def finish(self, last_step: Optional[int] = None, timeout: Optional[float] = None) -> dict:
+        """Final cut: FINAL, wait for every fragment's FINAL_BASE, ACK; returns {fragment: Base} (float32)."""
+        timeout = self.timeout if timeout is None else timeout
+        conn = self._need()
+        if not self._final_sent:
+            conn.send(MsgType.FINAL, {"last_step": int(self.local_step if last_step is None else last_step)})
+            self._final_sent = True
+        deadline = time.monotonic() + timeout
+        n = self.welcome.fragments
+        with self._cv:
+            while len(self._final) < n:
+                if self._error is not None:
+                    e = self._error
+                    if isinstance(e, SyncerRefusal):
+                        self._error = None
+                    raise e
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WireTimeout(f"waited {timeout}s for the final model: have fragments "
+                                      f"{sorted(self._final)} of {n}")
+                self._cv.wait(min(left, 0.5))
+            out = dict(self._final)
+        conn.send(MsgType.ACK, {"versions": [out[f].version for f in range(n)]})
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        conn = self.conn
+        if conn is not None and not conn.broken:
+            try:
+                if not self._bye_seen:
+                    conn.send(MsgType.BYE, {"reason": "island closing"})
+            except ProtocolError:
+                pass
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if conn is not None:
+            conn.close()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
