@@ -1,0 +1,378 @@
+"""Functions run on every rank of a pool by the island tests (real megatron-core on CPU, gloo)."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tests.mcore import harness
+from yeto_patch.island import IslandComm, IslandError, MasterView, build_manifest, collect_arrays, find_masters
+from yeto_patch.island.masters import leaf_optimizers
+from yeto_patch.island.names import local_params
+
+
+def _setup(cfg_kwargs, steps=2, real_vocab=None, chunk_bytes=1 << 16):
+    cfg = harness.RunCfg(**cfg_kwargs)
+    ctx = harness.build(cfg)
+    if steps:
+        ctx["losses"] = harness.train_steps(ctx, steps)
+    comm = IslandComm(timeout_s=60)
+    man = build_manifest(ctx["model"], real_vocab_size=real_vocab, comm=comm)
+    view = MasterView(ctx["model"], ctx["optimizer"], man, chunk_bytes=chunk_bytes, comm=comm)
+    return ctx, man, view
+
+
+def _wire(man):
+    return [[n, list(s), d] for n, s, d in man.wire_manifest()]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# independent reference: megatron's own DP state gathering + TP concatenation with megatron's groups
+# ---------------------------------------------------------------------------------------------------------
+def _reference_full_masters(ctx) -> dict:
+    """{global name: full fp32 array} for the parameters whose TP-rank-0 / DP-rank-0 copy lives here.
+
+    Uses megatron's own accessors (DistributedOptimizer._get_main_param_and_optimizer_states + all_reduce over
+    its data_parallel_group; main params of the non-distributed optimizers) and megatron's TP / expert-TP groups,
+    and names layers / experts from the parallel ranks, not from yeto_patch.island.names."""
+    from megatron.core import parallel_state as ps
+    cfg = ctx["cfg"]
+    opt = ctx["optimizer"]
+    main_of = {}
+    for o in leaf_optimizers(opt):
+        if hasattr(o, "model_param_group_index_map"):
+            bufs = [p for b in o.buffers for p in b.params]
+            for p in bufs:   # identical order on every DP rank
+                full = torch.zeros(p.numel(), dtype=torch.float32)
+                if p in o.model_param_group_index_map:
+                    rng = o._get_model_param_range_map(p)["param"]
+                    st = o._get_main_param_and_optimizer_states(p)
+                    full[rng.start:rng.end] = st["param"].detach().float()
+                dist.all_reduce(full, group=o.data_parallel_group)
+                main_of[p] = full.view(p.shape)
+        elif hasattr(o, "fp32_from_float16_groups"):
+            for g16, g32 in zip(o.float16_groups, o.fp32_from_float16_groups):
+                for p, m in zip(g16, g32):
+                    main_of[p] = m.detach().clone()
+            for g in o.fp32_from_fp32_groups:
+                for p in g:
+                    main_of[p] = p.detach().clone()
+        else:
+            for g in o.optimizer.param_groups:
+                for p in g["params"]:
+                    main_of[p] = p.detach().clone()
+    out = {}
+    layers_per_chunk = cfg.layers // (cfg.pp * (cfg.vpp or 1))
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    for ci, chunk in enumerate(ctx["model"]):
+        model = harness.unwrap(chunk)
+        for name, p in model.named_parameters():
+            is_expert = ".experts." in name
+            if is_expert:
+                g, tp_rank = ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_rank()
+            else:
+                g, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+            m = main_of[p]
+            assert torch.equal(m.to(p.dtype), p.detach()), f"master and param disagree for {name}"
+            if getattr(p, "tensor_model_parallel", False) and g.size() > 1:
+                assert getattr(p, "partition_stride", 1) == 1
+                parts = [torch.empty_like(m) for _ in range(g.size())]
+                dist.all_gather(parts, m.contiguous(), group=g)
+                m = torch.cat(parts, dim=p.partition_dim)
+            ref = name
+            parts_ = name.split(".")
+            if parts_[:2] == ["decoder", "layers"]:
+                vp = ci
+                glob = (vp * cfg.pp + pp_rank) * layers_per_chunk + int(parts_[2])
+                parts_[2] = str(glob)
+            if is_expert:
+                i = parts_.index("local_experts")
+                n_local = cfg.experts // cfg.ep
+                parts_[i: i + 2] = [str(ps.get_expert_model_parallel_rank() * n_local + int(parts_[i + 1]))]
+            ref = ".".join(parts_)
+            if name == "output_layer.weight" and cfg.tied:
+                continue   # the copy of the embedding; compared separately
+            dp_rank = (ps.get_expert_data_parallel_rank() if is_expert else ps.get_data_parallel_rank())
+            if tp_rank == 0 and dp_rank == 0:
+                out[ref] = m.numpy().copy()
+    return out
+
+
+def read_vs_reference(cfg_kwargs, steps=2, chunk_bytes=1 << 14):
+    ctx, man, view = _setup(cfg_kwargs, steps, chunk_bytes=chunk_bytes)
+    got = collect_arrays(view)
+    ref = _reference_full_masters(ctx)
+    # every rank sends its reference arrays through rank 0's result (test process compares)
+    res = dict(ref={k: v for k, v in ref.items()}, manifest=_wire(man), peak=view.stats["peak_buffer_bytes"],
+               rounds=view.stats["rounds"], losses=ctx["losses"])
+    if dist.get_rank() == 0:
+        res["got"] = {man.entries[e].name: a for e, a in got.items()}
+    return res
+
+
+def manifest_of(cfg_kwargs, real_vocab=None):
+    cfg = harness.RunCfg(**cfg_kwargs)
+    ctx = harness.build(cfg)
+    comm = IslandComm(timeout_s=60)
+    man = build_manifest(ctx["model"], real_vocab_size=real_vocab, comm=comm)
+    return _wire(man)
+
+
+def manifest_error_without_expert_index(cfg_kwargs):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    ctx = harness.build(harness.RunCfg(**cfg_kwargs))
+    for c in ctx["model"]:
+        for m in harness.unwrap(c).modules():
+            if isinstance(m, MoELayer):
+                for obj in (m, m.experts):
+                    if hasattr(obj, "local_expert_indices"):
+                        delattr(obj, "local_expert_indices")
+    try:
+        build_manifest(ctx["model"], comm=IslandComm(timeout_s=60))
+    except IslandError as e:
+        return str(e)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# write(read() + c)
+# ---------------------------------------------------------------------------------------------------------
+def _opt_states(optimizer):
+    out = []
+    for o in leaf_optimizers(optimizer):
+        inner = o.optimizer
+        subs = [inner] + list(getattr(inner, "sub_optimizers", []) or [])
+        for so in subs:
+            for p, st in so.state.items():
+                for k, v in st.items():
+                    if torch.is_tensor(v) and k != "master_param":
+                        out.append((k, v.detach().clone()))
+    return out
+
+
+def write_plus_constant(cfg_kwargs, c=0.125, steps=2, chunk_bytes=1 << 14, blend_alpha=None):
+    ctx, man, view = _setup(cfg_kwargs, steps, chunk_bytes=chunk_bytes)
+    masters = find_masters(ctx["optimizer"])
+    before_m = {k: m.master.clone() for k, m in masters.items()}
+    before_s = _opt_states(ctx["optimizer"])
+    assert before_s, "no optimizer state captured"
+    full = collect_arrays(view)
+    eval0 = harness.eval_loss(ctx)
+    if dist.get_rank() == 0:
+        src = {e: a + np.float32(c) for e, a in full.items()}
+    else:
+        src = None
+    if blend_alpha is None:
+        view.write(None, src)
+    else:
+        view.write(None, src, mode="blend", alpha=blend_alpha)
+    # masters changed exactly as asked; params are the cast of the masters
+    n_checked = 0
+    for lp in man.local:
+        m = masters.get(id(lp.param))
+        if m is None:
+            continue
+        old = before_m[id(lp.param)]
+        if blend_alpha is None:
+            exp = old + torch.tensor(c, dtype=torch.float32)
+        else:
+            # the owner computes alpha * current + (1 - alpha) * value; replicas receive its result
+            exp = (old + torch.tensor(c, dtype=torch.float32)) * (1.0 - blend_alpha) + old * blend_alpha
+        assert torch.equal(m.master, exp), f"master of {lp.name} not as written"
+        got = lp.param.detach().view(-1)[m.start:m.end]
+        assert torch.equal(got, exp.to(lp.param.dtype)), f"param of {lp.name} != cast(master)"
+        n_checked += 1
+    # every local param (non-owned parts too) is the cast of the new global value
+    after_s = _opt_states(ctx["optimizer"])
+    same_states = len(after_s) == len(before_s) and all(
+        k1 == k2 and torch.equal(a, b) for (k1, a), (k2, b) in zip(before_s, after_s))
+    # all DP replicas of each param agree after the write (non-owned parts came from the owner)
+    from megatron.core import parallel_state as ps
+    for c_ in ctx["model"]:
+        for name, p in harness.unwrap(c_).named_parameters():
+            g = ps.get_expert_data_parallel_group() if ".experts." in name else ps.get_data_parallel_group()
+            t = p.detach().float().clone()
+            mx, mn = t.clone(), t.clone()
+            dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=g)
+            dist.all_reduce(mn, op=dist.ReduceOp.MIN, group=g)
+            assert torch.equal(mx, mn), f"DP replicas of {name} differ after write"
+    eval1 = harness.eval_loss(ctx)
+    losses = harness.train_steps(ctx, 3)
+    eval2 = harness.eval_loss(ctx)
+    return dict(n_checked=n_checked, same_states=same_states, n_states=len(before_s), eval0=eval0, eval1=eval1,
+                eval2=eval2, losses=losses)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# two islands of different layouts
+# ---------------------------------------------------------------------------------------------------------
+def save_island(cfg_kwargs, path, steps=3, real_vocab=None):
+    ctx, man, view = _setup(cfg_kwargs, steps, real_vocab=real_vocab)
+    full = collect_arrays(view)
+    ev = harness.eval_loss(ctx)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        for e, a in full.items():
+            np.save(os.path.join(path, f"{e}.npy"), a, allow_pickle=False)
+        with open(os.path.join(path, "manifest.json"), "w") as f:
+            json.dump(_wire(man), f)
+    return dict(eval=ev, manifest=_wire(man))
+
+
+def install_island(cfg_kwargs, path, steps=1, real_vocab=None):
+    ctx, man, view = _setup(cfg_kwargs, steps, real_vocab=real_vocab)
+    ev_before = harness.eval_loss(ctx)
+    src = None
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, "manifest.json")) as f:
+            man.check_matches(json.load(f))
+        src = {e: np.load(os.path.join(path, f"{e}.npy"), allow_pickle=False) for e in range(len(man))}
+    view.write(None, src, set_anchor=True)
+    back = collect_arrays(view)
+    same = None
+    if dist.get_rank() == 0:
+        same = all(np.array_equal(back[e], src[e]) for e in range(len(man)))
+    # anchors were set to the installed values: the delta is exactly zero
+    zero = collect_arrays(view, delta=True)
+    zero_ok = None if dist.get_rank() != 0 else all(not np.any(a) for a in zero.values())
+    ev_after = harness.eval_loss(ctx)
+    losses = harness.train_steps(ctx, 2)
+    return dict(eval_before=ev_before, eval_after=ev_after, same=same, zero_delta=zero_ok, losses=losses)
+
+
+def manifest_mismatch_message(cfg_kwargs, path):
+    ctx, man, view = _setup(cfg_kwargs, 0)
+    if dist.get_rank() != 0:
+        return None
+    with open(os.path.join(path, "manifest.json")) as f:
+        other = json.load(f)
+    try:
+        man.check_matches(other)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# deltas and anchors
+# ---------------------------------------------------------------------------------------------------------
+def delta_roundtrip(cfg_kwargs, chunk_bytes=1 << 14):
+    ctx, man, view = _setup(cfg_kwargs, 1, chunk_bytes=chunk_bytes)
+    view.snapshot_anchor()
+    a = collect_arrays(view)
+    harness.train_steps(ctx, 2)
+    b = collect_arrays(view)
+    d = collect_arrays(view, delta=True)
+    ok = None
+    if dist.get_rank() == 0:
+        ok = all(np.array_equal(d[e], a[e] - b[e]) for e in a) and any(np.any(d[e]) for e in d)
+    # a fragment only: entries 1 and 3
+    sub = collect_arrays(view, [1, 3], delta=True)
+    sub_ok = None if dist.get_rank() != 0 else sorted(sub) == [1, 3] and np.array_equal(sub[3], d[3])
+    return dict(ok=ok, sub_ok=sub_ok, anchor_bytes=view.anchor_bytes())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# failures
+# ---------------------------------------------------------------------------------------------------------
+def injected_failure(cfg_kwargs, kind, chunk_bytes=1 << 12):
+    ctx, man, view = _setup(cfg_kwargs, 0, chunk_bytes=chunk_bytes)
+    calls = [0]
+
+    def sink(e, off, arr):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("injected failure in the rank-0 sink")
+
+    t0 = time.time()
+    try:
+        if kind == "sink":
+            view.read(None, sink if dist.get_rank() == 0 else None)
+        elif kind == "no_anchor":
+            if dist.get_rank() != 2:
+                view.snapshot_anchor()
+            view.read_delta(None, sink=(lambda *a: None) if dist.get_rank() == 0 else None)
+        elif kind == "mismatched_op":
+            if dist.get_rank() == 1:
+                view.write()
+            else:
+                view.read(None, (lambda *a: None) if dist.get_rank() == 0 else None)
+        elif kind == "bad_source":
+            def source(e, off, n):
+                if e == 3:
+                    return np.full(n, np.nan, dtype=np.float32)
+                return np.zeros(n, dtype=np.float32)
+            before = [p.detach().clone() for c in ctx["model"] for p in c.parameters()]
+            try:
+                view.write([3], source if dist.get_rank() == 0 else None)
+            finally:
+                after = [p.detach() for c in ctx["model"] for p in c.parameters()]
+                unchanged = all(torch.equal(x, y) for x, y in zip(before, after))
+            return dict(error=None, unchanged=unchanged)
+        else:
+            raise ValueError(kind)
+    except IslandError as e:
+        out = dict(error=str(e), seconds=time.time() - t0)
+        if kind == "bad_source":
+            after = [p.detach() for c in ctx["model"] for p in c.parameters()]
+            out["unchanged"] = all(torch.equal(x, y) for x, y in zip(before, after))
+        # the island still works after an agreed error
+        collect_arrays(view, [0])
+        return out
+    return dict(error=None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bounded memory
+# ---------------------------------------------------------------------------------------------------------
+class _RssPeak:
+    def __init__(self):
+        import psutil
+        self.proc = psutil.Process()
+        self.base = self.proc.memory_info().rss
+        self.peak = self.base
+        self._stop = False
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self):
+        while not self._stop:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.0005)
+
+    def stop(self):
+        self._stop = True
+        self.t.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        return self.peak - self.base
+
+
+def bounded_memory(cfg_kwargs, chunk_bytes):
+    ctx, man, view = _setup(cfg_kwargs, 0, chunk_bytes=chunk_bytes)
+    import gc
+    gc.collect()
+    model_bytes = 4 * man.total_numel()
+    digest = [0.0]
+
+    def sink(e, off, arr):
+        digest[0] += float(arr.sum(dtype=np.float64))
+
+    def source(e, off, n):
+        return np.full(n, 0.5, dtype=np.float32)
+
+    mon = _RssPeak()
+    view.read(None, sink if dist.get_rank() == 0 else None)
+    read_rss = mon.stop()
+    read_peak = view.stats["peak_buffer_bytes"]
+    view.stats["peak_buffer_bytes"] = 0
+    mon = _RssPeak()
+    view.write(None, source if dist.get_rank() == 0 else None)
+    write_rss = mon.stop()
+    write_peak = view.stats["peak_buffer_bytes"]
+    return dict(model_bytes=model_bytes, read_peak=read_peak, write_peak=write_peak, read_rss=read_rss,
+                write_rss=write_rss, rounds=view.stats["rounds"])

@@ -1,0 +1,662 @@
+"""FP32 master read / write for a Megatron island, streamed in bounded chunks over gloo.
+
+`MasterView(model_chunks, optimizer, manifest)` finds, on every rank, the FP32 master of each local parameter
+(DistributedOptimizer shards, Float16OptimizerWithFloat16Params main params, FP32Optimizer params,
+HybridDeviceOptimizer host masters, any of them inside a ChainedOptimizer) and agrees island-wide on:
+- the read owner of every element of every entry (exactly one rank; replicas: the lowest rank),
+- the holders of every tensor-parallel shard (every rank with a copy: DP replicas, the tied output-layer copy),
+  with one gloo group per distinct holder set (these are host mirrors of Megatron's data-parallel, expert
+  data-parallel and embedding groups, derived from what each rank actually holds).
+
+Operations (collective: every rank calls the same operation; rank 0's arguments are broadcast as a JSON plan,
+the others may pass None, and a rank that passes different arguments makes every rank raise):
+- `read(indices, sink)`: rank 0 gets `sink(entry_index, offset, array)` calls with float32 numpy chunks of
+  the full tensors, in order (offset = flat element offset in the full tensor). Each owner sends only what it
+  owns straight to rank 0.
+- `read_delta(indices, sink)`: the same with `anchor - current`, computed where the data lives.
+- `write(indices, source, mode="replace"|"blend", alpha=None, set_anchor=False)`: rank 0's
+  `source(entry_index, offset, count)` values (or a dict of full arrays) go to each element's owner, which
+  (blend) computes `alpha * current + (1 - alpha) * value`, and are broadcast to every holder, which installs
+  them into its FP32 masters and its model parameters (cast to their dtype). Adam moments and step counts are
+  not touched. With `set_anchor` the owners' anchors become the installed values.
+- `snapshot_anchor(indices)` / `set_anchor_from_current(indices)`: local, no communication.
+
+Memory: per round at most `chunk_bytes` of payload; rank 0 holds at most ~2 chunks (assembly of interleaved
+tensor-parallel shards), other ranks at most ~1 chunk, plus the anchors (one float32 copy of the elements a
+rank owns). Nothing is allocated on an accelerator. `stats["peak_buffer_bytes"]` records the peak.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from yeto_patch.island.collective import IslandComm, IslandError
+from yeto_patch.island.names import LocalParam, Manifest
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+_F32 = 4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# where the FP32 masters live
+# ---------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class MasterRef:
+    """The FP32 master of local flat elements [start, end) of one model parameter, on this rank."""
+    start: int
+    end: int
+    master: torch.Tensor                 # 1-D, length end-start (float32, possibly host)
+    extra_fp32: List[torch.Tensor]       # other FP32 copies to keep equal (1-D, same length)
+    extra_lowp: List[torch.Tensor]       # low-precision shard copies not sharing the model param's storage
+    kind: str
+
+
+def leaf_optimizers(optimizer) -> list:
+    subs = getattr(optimizer, "chained_optimizers", None)
+    if subs is None:
+        return [optimizer]
+    out = []
+    for o in subs:
+        out.extend(leaf_optimizers(o))
+    return out
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().view(-1)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except Exception:
+        return False
+
+
+def find_masters(optimizer) -> Dict[int, MasterRef]:
+    """id(model param) -> MasterRef for every parameter this rank holds a master for."""
+    out: Dict[int, MasterRef] = {}
+    for o in leaf_optimizers(optimizer):
+        cls = type(o).__name__
+        if hasattr(o, "model_param_group_index_map") and hasattr(o, "_get_model_param_range_map"):
+            precision_aware = bool(getattr(o.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
+                                           getattr(o.config, "use_precision_aware_optimizer", False)))
+            inner = o.optimizer
+            is_hdo = type(inner).__name__ == "HybridDeviceOptimizer"
+            for p, (gi, go) in o.model_param_group_index_map.items():
+                rng = o._get_model_param_range_map(p)["param"]
+                start, end = int(rng.start), int(rng.end)
+                opt_param = inner.param_groups[gi]["params"][go]
+                if precision_aware:
+                    if not is_hdo:
+                        raise IslandError(
+                            "DistributedOptimizer with the precision-aware optimizer keeps its FP32 masters inside "
+                            f"{type(inner).__name__}'s state; yeto-patch supports that layout only with "
+                            "HybridDeviceOptimizer (--optimizer-cpu-offload)")
+                    master = inner.param_to_inner_param.get(opt_param, opt_param)
+                    extras = []
+                    for cand in (inner.param_to_fp32_param.get(opt_param),
+                                 inner.gpu_params_map_cpu_copy.get(opt_param),
+                                 inner.state.get(opt_param, {}).get("master_param")):
+                        if torch.is_tensor(cand) and cand is not master and not _same_storage(cand, master) \
+                                and all(not _same_storage(cand, x) for x in extras):
+                            extras.append(_flat(cand))
+                    lowp = [] if _same_storage(opt_param, p) or opt_param is master else [_flat(opt_param)]
+                    out[id(p)] = MasterRef(start, end, _flat(master), extras, lowp, "HybridDeviceOptimizer")
+                else:
+                    if opt_param.numel() != end - start:
+                        raise IslandError(f"internal: DistributedOptimizer shard of {tuple(p.shape)} has "
+                                          f"{opt_param.numel()} elements, range says {end - start}")
+                    out[id(p)] = MasterRef(start, end, _flat(opt_param), [], [], "DistributedOptimizer")
+        elif cls == "Float16OptimizerWithFloat16Params" or hasattr(o, "fp32_from_float16_groups"):
+            for g16, g32 in zip(o.float16_groups, o.fp32_from_float16_groups):
+                for p, m in zip(g16, g32):
+                    out[id(p)] = MasterRef(0, p.numel(), _flat(m), [], [], "Float16Optimizer")
+            for g in o.fp32_from_fp32_groups:
+                for p in g:
+                    out[id(p)] = MasterRef(0, p.numel(), _flat(p), [], [], "Float16Optimizer(fp32 param)")
+        elif cls == "FP32Optimizer" or hasattr(o, "optimizer"):
+            for g in o.optimizer.param_groups:
+                for p in g["params"]:
+                    if p.dtype != torch.float32:
+                        raise IslandError(f"{cls}: parameter of dtype {p.dtype} has no FP32 master")
+                    out[id(p)] = MasterRef(0, p.numel(), _flat(p), [], [], "FP32Optimizer")
+        else:
+            raise IslandError(f"unsupported optimizer {cls}: cannot find its FP32 masters")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# layout: shards, owners, holders
+# ---------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ShardLayout:
+    owners: List[Tuple[int, int, int]]   # (x, y, rank): read owner of local flat [x, y), disjoint, covering
+    holders: Tuple[int, ...]             # every rank with a copy of the shard
+
+
+@dataclasses.dataclass
+class EntryLayout:
+    padded_shape: Tuple[int, ...]
+    full_numel: int                      # kept elements (real vocabulary rows)
+    nshards: int
+    partition_dim: int
+    stride: int
+    shards: List[ShardLayout]
+
+    @property
+    def geometry(self):
+        """(outer, s, T, seg): full flat = [outer, s, T, seg]; shard r's local flat = [outer, s, seg]."""
+        P, d, T, s = self.padded_shape, self.partition_dim, self.nshards, self.stride
+        if d < 0:
+            n = int(np.prod(P)) if P else 1
+            return 1, 1, 1, n
+        outer = int(np.prod(P[:d])) if d > 0 else 1
+        inner = int(np.prod(P[d + 1:])) if d + 1 < len(P) else 1
+        return outer, s, T, (P[d] // T // s) * inner
+
+    @property
+    def local_numel(self) -> int:
+        outer, s, _T, seg = self.geometry
+        return outer * s * seg
+
+
+@dataclasses.dataclass
+class Item:
+    """A piece of one entry's full tensor moved in one round: full flat [offset, offset+count)."""
+    entry: int
+    offset: int
+    count: int
+    rows: Optional[Tuple[int, int]]      # (o0, o1) outer rows interleaving all shards, or None
+    shard: int                           # for non-row items: the shard and its local offset
+    local_offset: int
+
+    def parts(self, lay: EntryLayout):
+        """[(shard r, local start a, local end b)]: the local ranges of each shard this item covers."""
+        if self.rows is None:
+            return [(self.shard, self.local_offset, self.local_offset + self.count)]
+        outer, s, T, seg = lay.geometry
+        o0, o1 = self.rows
+        return [(r, o0 * s * seg, o1 * s * seg) for r in range(T)]
+
+
+def _build_items(e: int, lay: EntryLayout, chunk: int) -> List[Item]:
+    outer, s, T, seg = lay.geometry
+    row = s * T * seg
+    items = []
+    truncated = lay.full_numel < outer * row
+    if not truncated and row <= chunk:
+        k = max(1, chunk // row)
+        for o0 in range(0, outer, k):
+            o1 = min(outer, o0 + k)
+            items.append(Item(e, o0 * row, (o1 - o0) * row, (o0, o1), 0, 0))
+        return items
+    for kseg in range(outer * s * T):
+        f = kseg * seg
+        if f >= lay.full_numel:
+            break
+        r, q = kseg % T, kseg // T
+        length = min(seg, lay.full_numel - f)
+        for off in range(0, length, chunk):
+            n = min(chunk, length - off)
+            items.append(Item(e, f + off, n, None, r, q * seg + off))
+    return items
+
+
+def _rounds(items: List[Item], chunk: int) -> List[List[Item]]:
+    rounds, cur, n = [], [], 0
+    for it in items:
+        if cur and n + it.count > chunk:
+            rounds.append(cur)
+            cur, n = [], 0
+        cur.append(it)
+        n += it.count
+    if cur:
+        rounds.append(cur)
+    return rounds
+
+
+# ---------------------------------------------------------------------------------------------------------
+class MasterView:
+    """See the module docstring. Construction is collective (every rank of the island)."""
+
+    def __init__(self, model_chunks, optimizer, manifest: Manifest, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 comm: Optional[IslandComm] = None):
+        self.chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        self.optimizer = optimizer
+        self.manifest = manifest
+        self.comm = comm or IslandComm()
+        self.rank, self.world = self.comm.rank, self.comm.world
+        if chunk_bytes < 1024:
+            raise ValueError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
+        self.chunk_elems = int(chunk_bytes) // _F32
+        self.stats = {"peak_buffer_bytes": 0, "rounds": 0}
+        self._seq = 0
+        self.anchors: Dict[Tuple[int, int], Tuple[int, int, torch.Tensor]] = {}
+        err = None
+        rows = []
+        self._local: Dict[Tuple[int, int], LocalParam] = {}
+        self._master: Dict[Tuple[int, int], Optional[MasterRef]] = {}
+        try:
+            masters = find_masters(optimizer)
+            for lp in manifest.local:
+                key = (lp.entry, lp.shard)
+                if key in self._local:
+                    raise IslandError(f"rank {self.rank} holds two copies of shard {lp.shard} of "
+                                      f"'{lp.name}' ({self._local[key].local_name}, {lp.local_name})")
+                self._local[key] = lp
+                m = masters.get(id(lp.param))
+                self._master[key] = m
+                own = (m.start, m.end) if m is not None and m.end > m.start else (0, 0)
+                rows.append([lp.entry, lp.shard, lp.nshards, lp.partition_dim, lp.stride, list(lp.padded_shape),
+                             int(np.prod(lp.full_shape)), own[0], own[1], lp.local_numel])
+        except Exception as e:  # noqa: BLE001
+            err = e
+        self.comm.agree(err, "MasterView: find FP32 masters")
+        table = self.comm.all_gather_json(rows, "MasterView: layout table")
+        err = None
+        try:
+            self.layout = self._layout_from(table)
+        except Exception as e:  # noqa: BLE001
+            err = e
+        self.comm.agree(err, "MasterView: layout")
+        self.comm.subgroups([sh.holders for lay in self.layout.values() for sh in lay.shards])
+
+    # -- layout ---------------------------------------------------------------------------------------------
+    def _layout_from(self, table) -> Dict[int, EntryLayout]:
+        per_entry: Dict[int, dict] = {}
+        for rank, rows in enumerate(table):
+            for e, r, T, d, s, padded, kept, own_s, own_e, n_local in rows:
+                info = per_entry.setdefault(e, dict(geo=(tuple(padded), kept, T, d, s, n_local), shards={}))
+                if info["geo"] != (tuple(padded), kept, T, d, s, n_local):
+                    raise IslandError(f"'{self.manifest.entries[e].name}': ranks disagree on its sharding "
+                                      f"{info['geo']} vs {(tuple(padded), kept, T, d, s, n_local)} (rank {rank})")
+                info["shards"].setdefault(r, []).append((rank, own_s, own_e))
+        layout = {}
+        for e, entry in enumerate(self.manifest.entries):
+            if e not in per_entry:
+                raise IslandError(f"'{entry.name}' is held by no rank")
+            (padded, kept, T, d, s, n_local), shards = per_entry[e]["geo"], per_entry[e]["shards"]
+            if sorted(shards) != list(range(T)):
+                raise IslandError(f"'{entry.name}': tensor-parallel shards {sorted(shards)} of {T} are held")
+            out = []
+            for r in range(T):
+                holders = tuple(sorted({x[0] for x in shards[r]}))
+                out.append(ShardLayout(_cover(entry.name, r, n_local, shards[r]), holders))
+            layout[e] = EntryLayout(padded, kept, T, d, s, out)
+            if kept != entry.numel:
+                raise IslandError(f"internal: '{entry.name}' keeps {kept} elements, manifest says {entry.numel}")
+        return layout
+
+    # -- plan -------------------------------------------------------------------------------------------------
+    def _plan(self, op: str, indices, **kw) -> dict:
+        """Rank 0's plan, broadcast as JSON; a rank that asked for something else makes every rank raise."""
+        self._seq += 1
+        plan = None
+        if self.rank == 0:
+            try:
+                idx = [int(i) for i in indices] if indices is not None else list(range(len(self.manifest)))
+                bad = [i for i in idx if not 0 <= i < len(self.manifest)]
+                if bad:
+                    raise IslandError(f"{op}: entry indices {bad[:5]} outside the manifest of {len(self.manifest)}")
+                if len(set(idx)) != len(idx):
+                    raise IslandError(f"{op}: repeated entry indices")
+                plan = dict(op=op, entries=idx, chunk_elems=self.chunk_elems, seq=self._seq, **kw)
+            except Exception as e:  # noqa: BLE001
+                plan = dict(op=op, error=str(e), seq=self._seq)
+        plan = self.comm.broadcast_plan(plan, what=f"{op}: plan")
+        if "error" in plan:
+            raise IslandError(plan["error"] + " [island rank 0]", 0)
+        err = None
+        if plan["op"] != op or plan["seq"] != self._seq:
+            err = IslandError(f"rank {self.rank} called {op} (#{self._seq}) while rank 0 called "
+                              f"{plan['op']} (#{plan['seq']})")
+        elif indices is not None and self.rank != 0 and [int(i) for i in indices] != plan["entries"]:
+            err = IslandError(f"rank {self.rank} asked to {op} entries different from rank 0's")
+        else:
+            for k, v in kw.items():
+                if self.rank != 0 and v is not None and plan.get(k) != v:
+                    err = IslandError(f"rank {self.rank}: {op} argument {k}={v!r} differs from rank 0's {plan.get(k)!r}")
+        self.comm.agree(err, f"{op}: plan check")
+        return plan
+
+    def _items(self, plan) -> List[List[Item]]:
+        items = []
+        for e in plan["entries"]:
+            items.extend(_build_items(e, self.layout[e], plan["chunk_elems"]))
+        return _rounds(items, plan["chunk_elems"])
+
+    def _transfers(self, it: Item):
+        """[(r, x, y, owner, a)] for the item: owner's local [x, y) of shard r; a = start of the part."""
+        lay = self.layout[it.entry]
+        out = []
+        for r, a, b in it.parts(lay):
+            for x, y, o in lay.shards[r].owners:
+                lo, hi = max(a, x), min(b, y)
+                if lo < hi:
+                    out.append((r, lo, hi, o, a))
+        return out
+
+    def _note(self, nbytes):
+        self.stats["peak_buffer_bytes"] = max(self.stats["peak_buffer_bytes"], nbytes)
+
+    # -- local helpers -----------------------------------------------------------------------------------------
+    def _master_slice(self, e, r, x, y) -> torch.Tensor:
+        m = self._master.get((e, r))
+        if m is None or not (m.start <= x and y <= m.end):
+            raise IslandError(f"internal: rank {self.rank} has no master for "
+                              f"'{self.manifest.entries[e].name}' shard {r} [{x}, {y})")
+        return m.master[x - m.start: y - m.start]
+
+    def _anchor_slice(self, e, r, x, y) -> torch.Tensor:
+        a = self.anchors.get((e, r))
+        if a is None or not (a[0] <= x and y <= a[1]):
+            raise IslandError(f"no anchor for '{self.manifest.entries[e].name}' on rank {self.rank}: "
+                              f"call snapshot_anchor (or write with set_anchor=True) before read_delta")
+        return a[2][x - a[0]: y - a[0]]
+
+    def _owned(self, indices):
+        """(e, r, x, y) read-owned by this rank."""
+        for e in indices:
+            for r, sh in enumerate(self.layout[e].shards):
+                for x, y, o in sh.owners:
+                    if o == self.rank:
+                        yield e, r, x, y
+
+    # -- anchors (local) ---------------------------------------------------------------------------------------
+    def snapshot_anchor(self, indices: Optional[Sequence[int]] = None) -> None:
+        """Anchor := current FP32 master, for the elements this rank owns (no communication)."""
+        idx = range(len(self.manifest)) if indices is None else indices
+        hull: Dict[Tuple[int, int], List[int]] = {}
+        for e, r, x, y in self._owned(idx):
+            h = hull.setdefault((e, r), [x, y])
+            h[0], h[1] = min(h[0], x), max(h[1], y)
+        for (e, r), (x0, y0) in hull.items():
+            a = self.anchors.get((e, r))
+            if a is None or a[0] != x0 or a[1] != y0:
+                a = (x0, y0, torch.empty(y0 - x0, dtype=torch.float32))
+                self.anchors[(e, r)] = a
+        for e, r, x, y in self._owned(idx):
+            self._anchor_slice(e, r, x, y).copy_(self._master_slice(e, r, x, y))
+
+    set_anchor_from_current = snapshot_anchor
+
+    def anchor_bytes(self) -> int:
+        return sum(a[2].numel() * _F32 for a in self.anchors.values())
+
+    # -- read ----------------------------------------------------------------------------------------------
+    def read(self, indices: Optional[Sequence[int]] = None, sink: Optional[Callable] = None) -> None:
+        """Stream full float32 tensors of `indices` (default: all) to `sink(index, offset, array)` on rank 0."""
+        self._read("read", indices, sink, delta=False)
+
+    def read_delta(self, indices: Optional[Sequence[int]] = None, sink: Optional[Callable] = None) -> None:
+        """Like read, with anchor - current (the pseudo-gradient) computed by each owner."""
+        self._read("read_delta", indices, sink, delta=True)
+
+    def _read(self, op, indices, sink, delta):
+        if self.rank == 0 and sink is None:
+            raise IslandError(f"{op}: rank 0 needs a sink")
+        plan = self._plan(op, indices)
+        err = None
+        if delta:
+            try:
+                for e, r, x, y in self._owned(plan["entries"]):
+                    self._anchor_slice(e, r, x, y)
+            except Exception as ex:  # noqa: BLE001
+                err = ex
+            self.comm.agree(err, f"{op}: anchors")
+        pending_err = None
+        for rnd in self._items(plan):
+            self.stats["rounds"] += 1
+            works, keep, nbytes = [], [], 0
+            assembled = []   # rank 0: (item, out tensor, per-shard bufs or None)
+            for it in rnd:
+                lay = self.layout[it.entry]
+                outer, s, T, seg = lay.geometry
+                interleave = it.rows is not None and T > 1
+                out = bufs = None
+                if self.rank == 0:
+                    out = torch.zeros(it.count, dtype=torch.float32)
+                    nbytes += it.count * _F32
+                    if interleave:
+                        n_o = it.rows[1] - it.rows[0]
+                        bufs = [torch.zeros(n_o * s * seg, dtype=torch.float32) for _ in range(T)]
+                        nbytes += it.count * _F32
+                    assembled.append((it, out, bufs))
+                for r, x, y, o, a in self._transfers(it):
+                    if self.rank == 0:
+                        dst = (bufs[r] if interleave else out)[x - a: y - a]
+                    if o == self.rank:
+                        try:
+                            if pending_err is not None:
+                                raise pending_err
+                            src = self._master_slice(it.entry, r, x, y)
+                            if delta:
+                                src = self._anchor_slice(it.entry, r, x, y) - src
+                                nbytes += src.numel() * _F32
+                            elif src.dtype != torch.float32:
+                                src = src.float()
+                                nbytes += src.numel() * _F32
+                        except Exception as ex:  # noqa: BLE001 - keep the transfers going, agree below
+                            pending_err = pending_err or ex
+                            src = torch.zeros(y - x, dtype=torch.float32)
+                        if self.rank == 0:
+                            dst.copy_(src)
+                        else:
+                            src = src.contiguous()
+                            keep.append(src)
+                            works.append(self.comm.isend(src, 0))
+                    elif self.rank == 0:
+                        works.append(self.comm.irecv(dst, o))
+            self._note(nbytes)
+            self.comm.wait_all(works, f"{op}: gather")
+            self.comm.agree(pending_err, f"{op}: gather")
+            if self.rank == 0:
+                try:
+                    for it, out, bufs in assembled:
+                        if bufs is not None:
+                            n_o = it.rows[1] - it.rows[0]
+                            outer, s, T, seg = self.layout[it.entry].geometry
+                            view = out.view(n_o, s, T, seg)
+                            for r, b in enumerate(bufs):
+                                view[:, :, r, :].copy_(b.view(n_o, s, seg))
+                        sink(it.entry, it.offset, out.numpy())
+                except Exception as ex:  # noqa: BLE001
+                    pending_err = ex
+            del assembled, keep, works
+            if pending_err is not None:
+                break   # rank 0 failed in its sink: everyone learns it at the agreement below
+            # other ranks cannot know rank 0 broke out; agree each round instead
+            self.comm.agree(None, f"{op}: sink")
+        if pending_err is not None:
+            self.comm.agree(pending_err, f"{op}: sink")
+
+    # -- write ---------------------------------------------------------------------------------------------
+    def write(self, indices: Optional[Sequence[int]] = None, source=None, *, mode: Optional[str] = None,
+              alpha: Optional[float] = None, set_anchor: Optional[bool] = None) -> None:
+        """Install rank 0's full float32 values into FP32 masters and model params on every holder.
+
+        `source(index, offset, count) -> float32 array` or a dict {index: full array} (rank 0 only).
+        mode "replace": new = value; mode "blend": new = alpha * current + (1 - alpha) * value (owner's master).
+        set_anchor: the owners' anchors become the new values.
+        Ranks other than 0 may pass None for everything; what they pass is checked against rank 0's plan."""
+        if self.rank == 0:
+            mode = mode or "replace"
+            set_anchor = bool(set_anchor)
+        if mode is not None and mode not in ("replace", "blend"):
+            raise IslandError(f"write: mode must be 'replace' or 'blend', got {mode!r}")
+        if mode == "blend" and (alpha is None or not 0.0 <= float(alpha) <= 1.0):
+            if self.rank == 0 or alpha is not None:
+                raise IslandError(f"write: blend needs 0 <= alpha <= 1, got {alpha!r}")
+        if self.rank == 0 and source is None:
+            raise IslandError("write: rank 0 needs a source")
+        plan = self._plan("write", indices, mode=mode, alpha=None if alpha is None else float(alpha),
+                          set_anchor=set_anchor)
+        mode, alpha, set_anchor = plan["mode"], plan["alpha"], plan["set_anchor"]
+        if isinstance(source, dict):
+            arrays = source
+            source = lambda e, off, n: np.asarray(arrays[e], dtype=np.float32).reshape(-1)[off: off + n]  # noqa: E731
+        self._quiesce_param_gather()
+        if set_anchor:
+            hull = {}
+            for e, r, x, y in self._owned(plan["entries"]):
+                h = hull.setdefault((e, r), [x, y])
+                h[0], h[1] = min(h[0], x), max(h[1], y)
+            for (e, r), (x0, y0) in hull.items():
+                a = self.anchors.get((e, r))
+                if a is None or a[0] != x0 or a[1] != y0:
+                    self.anchors[(e, r)] = (x0, y0, torch.empty(y0 - x0, dtype=torch.float32))
+        pending_err = None
+        for rnd in self._items(plan):
+            self.stats["rounds"] += 1
+            works, nbytes = [], 0
+            vals = []     # (item, r, x, y, owner, tensor) in plan order, on ranks that hold or own it
+            for it in rnd:
+                lay = self.layout[it.entry]
+                outer, s, T, seg = lay.geometry
+                interleave = it.rows is not None and T > 1
+                chunk = bufs = None
+                if self.rank == 0:
+                    try:
+                        if pending_err is not None:
+                            raise pending_err
+                        arr = np.ascontiguousarray(np.asarray(source(it.entry, it.offset, it.count),
+                                                              dtype=np.float32).reshape(-1))
+                        if arr.size != it.count:
+                            raise IslandError(f"write: source gave {arr.size} values for "
+                                              f"'{self.manifest.entries[it.entry].name}' at offset {it.offset}, "
+                                              f"expected {it.count}")
+                        if not np.isfinite(arr).all():
+                            raise IslandError(f"write: non-finite values for '{self.manifest.entries[it.entry].name}'"
+                                              f" at offset {it.offset}")
+                        chunk = torch.from_numpy(arr)
+                    except Exception as ex:  # noqa: BLE001
+                        pending_err = pending_err or ex
+                        chunk = torch.zeros(it.count, dtype=torch.float32)
+                    nbytes += it.count * _F32
+                    if interleave:
+                        n_o = it.rows[1] - it.rows[0]
+                        view = chunk.view(n_o, s, T, seg)
+                        bufs = [view[:, :, r, :].contiguous().view(-1) for r in range(T)]
+                        nbytes += it.count * _F32
+                for r, x, y, o, a in self._transfers(it):
+                    holders = lay.shards[r].holders
+                    if self.rank == 0:
+                        src = (bufs[r] if interleave else chunk)[x - a: y - a]
+                        if o == 0:
+                            vals.append((it, r, x, y, o, src.clone() if mode == "blend" else src))
+                        else:
+                            works.append(self.comm.isend(src, o))
+                    if self.rank == o and o != 0:
+                        t = torch.empty(y - x, dtype=torch.float32)
+                        nbytes += t.numel() * _F32
+                        works.append(self.comm.irecv(t, 0))
+                        vals.append((it, r, x, y, o, t))
+                    elif self.rank in holders and self.rank != o:
+                        t = torch.empty(y - x, dtype=torch.float32)
+                        nbytes += t.numel() * _F32
+                        vals.append((it, r, x, y, o, t))
+            self._note(nbytes)
+            self.comm.wait_all(works, "write: scatter to owners")
+            # owners blend, then every holder gets the owner's values
+            bworks = []
+            for it, r, x, y, o, t in vals:
+                if self.rank == o and mode == "blend":
+                    try:
+                        t.mul_(1.0 - alpha).add_(self._master_slice(it.entry, r, x, y), alpha=alpha)
+                    except Exception as ex:  # noqa: BLE001
+                        pending_err = pending_err or ex
+                w = self.comm.broadcast(t, o, self.layout[it.entry].shards[r].holders, async_op=True)
+                if w is not None:
+                    bworks.append(w)
+            self.comm.wait_all(bworks, "write: broadcast to holders")
+            self.comm.agree(pending_err, "write: transfer")   # nothing installed unless every rank is fine
+            try:
+                for it, r, x, y, o, t in vals:
+                    self._install(it.entry, r, x, y, t, anchor=set_anchor and o == self.rank)
+            except Exception as ex:  # noqa: BLE001
+                pending_err = ex
+            self.comm.agree(pending_err, "write: install")
+            del vals, works, bworks
+
+    def _install(self, e, r, x, y, t, anchor):
+        lp = self._local.get((e, r))
+        if lp is None:
+            raise IslandError(f"internal: rank {self.rank} is a holder of '{self.manifest.entries[e].name}' "
+                              f"shard {r} but has no local parameter")
+        _flat(lp.param.data)[x:y].copy_(t)
+        m = self._master.get((e, r))
+        if m is not None:
+            lo, hi = max(x, m.start), min(y, m.end)
+            if lo < hi:
+                v = t[lo - x: hi - x]
+                sl = slice(lo - m.start, hi - m.start)
+                if not _same_storage(m.master, lp.param):
+                    m.master[sl].copy_(v)
+                for c in m.extra_fp32:
+                    c[sl].copy_(v)
+                for c in m.extra_lowp:
+                    c[sl].copy_(v)
+        if anchor:
+            self._anchor_slice(e, r, x, y).copy_(t)
+
+    def _quiesce_param_gather(self):
+        """Wait for any in-flight overlapped parameter all-gather, so it cannot overwrite what we install."""
+        for c in self.chunks:
+            for bg in list(getattr(c, "bucket_groups", []) or []) + \
+                    list(getattr(c, "expert_parallel_bucket_groups", []) or []):
+                h = getattr(bg, "param_gather_handle", None)
+                if h is not None:
+                    h.wait()
+
+
+def _cover(name, r, n_local, rows) -> List[Tuple[int, int, int]]:
+    """Pick one read owner per local element: the lowest rank owning it."""
+    owners = []
+    covered = []   # disjoint sorted intervals already assigned
+    for rank, s, e in sorted(rows):
+        if e <= s:
+            continue
+        # subtract covered intervals from [s, e)
+        segs = [(s, e)]
+        for cs, ce in covered:
+            nxt = []
+            for a, b in segs:
+                if ce <= a or cs >= b:
+                    nxt.append((a, b))
+                    continue
+                if a < cs:
+                    nxt.append((a, cs))
+                if ce < b:
+                    nxt.append((ce, b))
+            segs = nxt
+        for a, b in segs:
+            owners.append((a, b, rank))
+            covered.append((a, b))
+    owners.sort()
+    pos = 0
+    for a, b, _ in owners:
+        if a != pos:
+            break
+        pos = b
+    if pos != n_local:
+        raise IslandError(f"'{name}' shard {r}: local elements [{pos}, ...) of {n_local} have no FP32 master on "
+                          f"any rank (is the parameter frozen on some ranks, or outside the optimizer?)")
+    return owners
+
+
+def collect_arrays(view: MasterView, indices: Optional[Sequence[int]] = None, delta: bool = False) -> dict:
+    """Convenience for tests and small tools: full arrays {index: ndarray(full_shape)} on rank 0 ({} elsewhere).
+    Holds the whole selection in memory: the streaming `read` is what the sync uses."""
+    out = {}
+
+    def sink(e, off, arr):
+        if e not in out:
+            out[e] = np.empty(view.manifest.entries[e].numel, dtype=np.float32)
+        out[e][off: off + arr.size] = arr
+
+    (view.read_delta if delta else view.read)(indices, sink if view.rank == 0 else None)
+    return {e: a.reshape(view.manifest.entries[e].full_shape) for e, a in out.items()}
