@@ -22,8 +22,7 @@ class Clock:
 
 
 def make(islands=2, clock=None, **ms):
-    c = Coordinator(MergeSettings(**ms), RoundSettings(islands=islands, quorum=ms.pop("quorum", None) if False else None,
-                                                       grace_s=2.0, timeout_s=10.0, lease_s=30.0),
+    c = Coordinator(MergeSettings(**ms), RoundSettings(islands=islands, grace_s=2.0, timeout_s=10.0, lease_s=30.0),
                     ChunkRunner(2, chunk=64), clock=clock or Clock())
     c.set_manifest(MAN, 2)
     rng = np.random.default_rng(0)
@@ -154,3 +153,30 @@ def test_lease_expiry_leaves_expected_set_and_bye():
     assert c.due() == [0]
     with pytest.raises(PushRefused, match="expects 2"):
         c.join("c", "1") if c.join("d", "1") else None
+
+
+def test_fold_and_merge_bit_identical_for_1_and_n_threads():
+    rng = np.random.default_rng(11)
+    man = [("w", (300_001,), "float32"), ("v", (70_000,), "float32")]
+    pushes = [[(k, codec, codecs.encode(codec, (rng.standard_normal(f_n) * 0.1).astype(np.float32)))
+               for k, codec in enumerate(("int4", "int8", "bf16", "f32"))] for f_n in (300_001, 70_000)]
+    init = [rng.standard_normal(n).astype(np.float32) for n in (300_001, 70_000)]
+    results = []
+    for threads in (1, 3, 4):
+        c = Coordinator(MergeSettings(weights="tokens"), RoundSettings(islands=4),
+                        ChunkRunner(threads, chunk=1 << 14), clock=Clock())
+        c.set_manifest(man, 2)
+        for i, f in enumerate(c.frags):
+            assert f.numel == init[i].size
+            c.init_fragment(i, init[i].copy())
+        for k in range(4):
+            c.join(f"i{k}", "x")
+        for rnd in range(2):
+            for fi, f in enumerate(c.frags):
+                src = pushes[0] if f.numel == 300_001 else pushes[1]
+                for k, codec, body in src:
+                    c.accept(Push(f"i{k}", fi, rnd, codec, 256, body, tokens=10 + k))
+                assert c.merge(fi).ok
+        results.append([(f.t.base.tobytes(), f.t.momentum.tobytes()) for f in c.frags])
+        c.runner.close()
+    assert results[0] == results[1] == results[2]

@@ -52,9 +52,17 @@ def _nonneg_float(s: str) -> float:
     return v
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" unless the help already states its default in words."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        return h if "(default" in h else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="yeto-syncer", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="yeto-syncer", formatter_class=_Formatter,
         description="DiLoCo syncer: merges the islands' fragment deltas with an outer optimizer and sends "
                     "back the new bases. Semantics: docs/protocol.md, section 'Syncer protocol'.")
     g = p.add_argument_group("run")
@@ -62,15 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--islands", type=_pos_int, default=1, help="number of islands in the run (the most that may "
                    "be members at once; the default quorum)")
     g.add_argument("--fragments", type=_pos_int, default=1, help="number of fragments the model is split into")
-    g.add_argument("--key-file", default=None, help="shared key file (chmod 600); default: the YETO_KEY "
-                   "environment variable")
+    g.add_argument("--key-file", default=None, help="shared key file (chmod 600) (default: the YETO_KEY "
+                   "environment variable)")
     g.add_argument("--insecure", action="store_true", help="run without a key (allowed only on a loopback "
                    "address)")
     g.add_argument("--total-rounds", type=_pos_int, default=None, help="end the run (final cut) once every "
-                   "fragment merged this many rounds; default: when every island reports its last step")
+                   "fragment merged this many rounds (default: none; the run ends when every island reports its last "
+                   "step)")
     g = p.add_argument_group("rounds")
     g.add_argument("--quorum", type=_pos_int, default=None, help="pushes that let a round merge after the grace "
-                   "period or the timeout (default: --islands)")
+                   "period or the timeout (default: the value of --islands)")
     g.add_argument("--grace", type=_nonneg_float, default=5.0, help="seconds to wait for the remaining islands "
                    "once the quorum is reached")
     g.add_argument("--round-timeout", type=_pos_float, default=600.0, help="seconds after a round's first push "
@@ -86,13 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "merge time: bit-reproducible whatever the arrival order (more memory)")
     g = p.add_argument_group("outer optimizer")
     g.add_argument("--outer", choices=OUTER_KINDS, default="nesterov", help="outer optimizer")
-    g.add_argument("--outer-lr", type=_pos_float, default=None, help="outer learning rate (default 0.7; 1.0 for "
+    g.add_argument("--outer-lr", type=_pos_float, default=None, help="outer learning rate (default: 0.7; 1.0 for "
                    "avg)")
-    g.add_argument("--outer-momentum", type=_nonneg_float, default=None, help="outer momentum (default 0.9; 0 for "
+    g.add_argument("--outer-momentum", type=_nonneg_float, default=None, help="outer momentum (default: 0.9; 0 for "
                    "avg)")
     g.add_argument("--delay", type=_pos_int, default=1, help="delayed-nesterov: apply momentum every N rounds")
-    g.add_argument("--merge-threads", type=_pos_int, default=None, help="threads for decoding and merging "
-                   "(default: CPU count, at most 32); results are bit-identical for any count")
+    g.add_argument("--merge-threads", type=_pos_int, default=None, help="threads for decoding and merging"
+                   "; results are bit-identical for any count (default: the CPU count, at most 32)")
     g = p.add_argument_group("transfer")
     g.add_argument("--base-wire", choices=("f32", "bf16"), default="f32", help="dtype of the merged bases sent "
                    "after each merge (the initial, rejoin and final bases are always f32)")
@@ -101,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--final-ack-timeout", type=_pos_float, default=60.0, help="seconds to wait for the islands' "
                    "acknowledgements of the final model")
     g = p.add_argument_group("checkpoints")
-    g.add_argument("--checkpoint", default=None, help="checkpoint file (written atomically)")
+    g.add_argument("--checkpoint", default=None, help="checkpoint file, written atomically (default: none, "
+                   "no checkpoints)")
     g.add_argument("--checkpoint-every", type=_nonneg_int, default=0, help="write a checkpoint every N merges "
                    "(0: only at the end)")
     g.add_argument("--background-checkpoint", action="store_true", help="write periodic checkpoints on a "
@@ -109,11 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", action="store_true", help="continue the run stored in --checkpoint")
     g = p.add_argument_group("observability")
     g.add_argument("--metrics-port", type=_nonneg_int, default=None, help="serve Prometheus metrics on this "
-                   "port (0: any free port)")
+                   "port, 0 for any free port (default: none, no metrics server)")
     g.add_argument("--metrics-addr", default="0.0.0.0", help="address for the metrics server")
-    g.add_argument("--log", default=None, help="also append the log to this file")
-    g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="log level")
-    g.add_argument("--tape", default=None, help="append one JSON record per merge to this JSONL file")
+    g.add_argument("--log", default=None, help="also append the log to this file (default: none, "
+                   "stderr only)")
+    g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="verbosity of the log")
+    g.add_argument("--tape", default=None, help="append one JSON record per merge to this JSONL file "
+                   "(default: none)")
     return p
 
 
@@ -183,6 +195,8 @@ def main(argv: Optional[list] = None) -> int:
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
     print(f"yeto-syncer listening on {host}:{port}", flush=True)
+    if cfg.metrics_port is not None:
+        print(f"yeto-syncer metrics on http://{cfg.metrics_addr}:{server.metrics_port}/metrics", flush=True)
     while server.wait(0.5) is None:
         if stopped.is_set():
             break

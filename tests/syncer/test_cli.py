@@ -1,0 +1,98 @@
+"""The yeto-syncer command line: --help documents every flag, bad arguments fail clearly, a real process runs."""
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from yeto_patch.syncer.cli import build_parser, main
+from yeto_patch.wire import codecs
+from yeto_patch.wire.client import SyncerClient
+
+from .helpers import MANIFEST, init_values
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_help_lists_every_flag_with_its_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    flat = " ".join(text.split())
+    p = build_parser()
+    opts = [a for a in p._actions if a.option_strings and a.dest != "help"]
+    assert len(opts) >= 30
+    for a in opts:
+        assert a.option_strings[-1] in text, a.option_strings
+        assert a.help and len(a.help) > 10, a.dest
+    assert flat.count("(default:") == len(opts)
+    for flag in ("--listen", "--islands", "--fragments", "--key-file", "--checkpoint", "--quorum", "--grace",
+                 "--round-timeout", "--outer", "--outer-lr", "--outer-momentum", "--delay", "--weights",
+                 "--max-base-lag", "--late-factor", "--base-wire", "--checkpoint-every", "--background-checkpoint",
+                 "--resume", "--metrics-port", "--log", "--tape", "--merge-threads", "--total-rounds", "--lease",
+                 "--insecure"):
+        assert flag in text
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--islands", "2", "--quorum", "3", "--insecure", "--listen", "127.0.0.1:0"], "quorum"),
+    (["--insecure", "--listen", "0.0.0.0:0"], "loopback"),
+    (["--listen", "127.0.0.1:0"], "no key"),
+    (["--resume", "--insecure", "--listen", "127.0.0.1:0"], "--resume needs --checkpoint"),
+])
+def test_bad_arguments_exit_2_with_a_clear_message(args, msg, capsys, monkeypatch):
+    monkeypatch.delenv("YETO_KEY", raising=False)
+    assert main(args) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_key_file_must_be_private(tmp_path, capsys):
+    k = tmp_path / "k"
+    k.write_text("s" * 40)
+    os.chmod(k, 0o644)
+    assert main(["--key-file", str(k), "--listen", "127.0.0.1:0"]) == 2
+    assert "chmod 600" in capsys.readouterr().err
+
+
+def test_cli_process_runs_a_small_run_with_metrics_tape_and_checkpoint(tmp_path):
+    key = tmp_path / "yeto.key"
+    key.write_text("0123456789abcdef0123456789abcdef\n")
+    os.chmod(key, 0o600)
+    ckpt, tape, logf = tmp_path / "s.bin", tmp_path / "tape.jsonl", tmp_path / "syncer.log"
+    cmd = [sys.executable, "-m", "yeto_patch.syncer", "--listen", "127.0.0.1:0", "--islands", "1", "--fragments",
+           "2", "--key-file", str(key), "--checkpoint", str(ckpt), "--checkpoint-every", "1", "--metrics-port", "0",
+           "--metrics-addr", "127.0.0.1", "--tape", str(tape), "--log", str(logf), "--merge-threads", "2",
+           "--final-ack-timeout", "10"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        addr = proc.stdout.readline().strip().rsplit(" ", 1)[-1]
+        murl = proc.stdout.readline().strip().rsplit(" ", 1)[-1]
+        c = SyncerClient(addr, b"0123456789abcdef0123456789abcdef", "solo", MANIFEST, timeout=20)
+        w = c.connect()
+        values = init_values()
+        c.wait_ready(20, init_source=lambda f: [values[i] for i in w.layout[f]])
+        for f in range(2):
+            c.push(f, base_version=0, local_step=10, steps=10, tokens=1000, codec="int4", final=True,
+                   body=codecs.encode("int4", np.full(w.numels[f], 0.01, np.float32)), wait=True)
+        c.wait_base(0, 1, 20)
+        body = urllib.request.urlopen(murl, timeout=10).read().decode()
+        assert 'yeto_syncer_merges_total{fragment="0"} 1.0' in body
+        assert "yeto_syncer_members 1.0" in body
+        final = c.finish(last_step=10, timeout=20)
+        assert [final[f].version for f in range(2)] == [1, 1]
+        c.close()
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    recs = [json.loads(x) for x in tape.read_text().splitlines()]
+    assert [r["fragment"] for r in sorted(recs, key=lambda r: r["fragment"])] == [0, 1]
+    text = logf.read_text()
+    assert "merged fragment 0 -> v1" in text and "final cut" in text
+    assert ckpt.exists() and not os.path.exists(str(ckpt) + ".tmp")
