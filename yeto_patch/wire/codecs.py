@@ -48,6 +48,8 @@ _MAGIC = np.float32(12582912.0)
 _MAGIC_BITS = np.int32(0x4B400000)
 # int4 (linear): nibble = q + 8, so add 8 before the magic rounding (exact: integers are exact there).
 _MAGIC8 = np.float32(12582912.0 + 8.0)
+_C120 = np.full(_PIECE, 120, np.int32)  # read-only constant operand (see _enc_int4log)
+_C120.flags.writeable = False
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -194,13 +196,18 @@ def _block_absmax_bits(absbits: np.ndarray, block: int, out: np.ndarray) -> None
 
 
 def _block_mul(a: np.ndarray, f: np.ndarray, block: int, out: np.ndarray) -> None:
-    """``out = a * f[block index]`` (per-block factor)."""
-    af, at = _blocks(a, block)
-    of, ot = _blocks(out, block)
-    if af.size:
-        np.multiply(af, f[: af.shape[0], None], out=of)
-    if at.size:
-        np.multiply(at, f[-1], out=ot)
+    """``out = a * f[block index]`` (per-block factor).
+
+    The factors are first expanded to one per element (a broadcast copy) so that the multiply runs on two
+    contiguous operands: numpy's broadcast multiply over (nblocks, block) rows is ~2x slower."""
+    m = a.size
+    e = _scratch("expand", m, np.float32)
+    ef, et = _blocks(e, block)
+    if ef.size:
+        np.copyto(ef, f[: ef.shape[0], None])
+    if et.size:
+        et[...] = f[-1]
+    np.multiply(a, e, out=out)
 
 
 def _tiny(k: float) -> np.float32:
@@ -309,13 +316,15 @@ def _pack_nibbles(nib32: np.ndarray, dst: np.ndarray) -> None:
     """dst[i] = nib[2i] | nib[2i+1] << 4 for int32 nibbles 0..15 (odd length: last high nibble = 0)."""
     m = nib32.size
     even = m - (m & 1)
-    v = nib32[:even].view(np.int64)  # low word = element 2i, high word = element 2i+1
-    w = _scratch("i64", v.size, np.int64)
-    np.right_shift(v, 28, out=w)
+    u = _scratch("pk8", m, np.uint8)
+    np.copyto(u, nib32, casting="unsafe")
+    v = u[:even].view(np.uint16)  # little-endian: low byte = value 2i, high byte = value 2i+1
+    w = _scratch("pk16", even // 2, np.uint16)
+    np.right_shift(v, 4, out=w)  # high value's nibble lands in bits 4..7 (the low value, <= 15, shifts out)
     w |= v
     np.copyto(dst[: even // 2], w, casting="unsafe")  # keeps the low byte
     if m & 1:
-        dst[even // 2] = nib32[-1]
+        dst[even // 2] = u[m - 1]
 
 
 def _enc_int4(x, scales, codes, a, b, block, name):
@@ -334,7 +343,8 @@ def _enc_int4log(x, scales, codes, a, b, block, name):
     _block_mul(t, inv, block, t)
     ti = t.view(np.int32)
     ti >>= 23  # biased exponent (t >= 0, no sign bit); t <= 4/3 (1 + eps) so exponent <= 127
-    np.maximum(ti, 120, out=ti)
+    # an array operand: numpy's maximum with a scalar is ~4x slower (pieces over _PIECE: huge blocks only)
+    np.maximum(ti, _C120[: ti.size] if ti.size <= _C120.size else np.int32(120), out=ti)
     ti -= 113  # level + 7, level = clamp(exponent - 127 + 7, 0, 7): 7..14
     s = _scratch("sgn", xs.size, np.int32)
     np.right_shift(xs.view(np.int32), 28, out=s)  # arithmetic: ...1111_1xxx for negative, 0..7 for positive
