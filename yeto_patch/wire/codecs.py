@@ -45,11 +45,10 @@ _FLT_MAX = float(np.finfo(np.float32).max)
 # Adding 1.5 * 2**23 to a float32 in [-2**22, 2**22] rounds it to the nearest integer (ties to even) and
 # leaves that integer in the low mantissa bits: bits(v + MAGIC) - bits(MAGIC) == rint(v).
 _MAGIC = np.float32(12582912.0)
-_MAGIC_BITS = np.int32(0x4B400000)
 # int4 (linear): nibble = q + 8, so add 8 before the magic rounding (exact: integers are exact there).
 _MAGIC8 = np.float32(12582912.0 + 8.0)
-_C120 = np.full(_PIECE, 120, np.int32)  # read-only constant operand (see _enc_int4log)
-_C120.flags.writeable = False
+_C120_U8 = np.full(_PIECE, 120, np.uint8)  # read-only constant operand (see _enc_int4log)
+_C120_U8.flags.writeable = False
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -312,12 +311,10 @@ def _enc_int8(x, scales, codes, a, b, block, name):
     np.copyto(codes[a:b].view(np.int8), ti, casting="unsafe")  # low byte of bits = rint(v) (two's complement)
 
 
-def _pack_nibbles(nib32: np.ndarray, dst: np.ndarray) -> None:
-    """dst[i] = nib[2i] | nib[2i+1] << 4 for int32 nibbles 0..15 (odd length: last high nibble = 0)."""
-    m = nib32.size
+def _pack_nibbles(u: np.ndarray, dst: np.ndarray) -> None:
+    """dst[i] = u[2i] | u[2i+1] << 4 for uint8 nibbles 0..15 (odd length: the last high nibble is 0)."""
+    m = u.size
     even = m - (m & 1)
-    u = _scratch("pk8", m, np.uint8)
-    np.copyto(u, nib32, casting="unsafe")
     v = u[:even].view(np.uint16)  # little-endian: low byte = value 2i, high byte = value 2i+1
     w = _scratch("pk16", even // 2, np.uint16)
     np.right_shift(v, 4, out=w)  # high value's nibble lands in bits 4..7 (the low value, <= 15, shifts out)
@@ -330,29 +327,32 @@ def _pack_nibbles(nib32: np.ndarray, dst: np.ndarray) -> None:
 def _enc_int4(x, scales, codes, a, b, block, name):
     xs, t, inv = _enc_prologue(x, scales, a, b, block, name, 7.0, 7.0)
     _block_mul(xs, inv, block, t)  # in [-7, 7]
-    t += _MAGIC8
-    ti = t.view(np.int32)
-    ti -= _MAGIC_BITS  # q + 8 in [1, 15]
-    _pack_nibbles(ti, codes[a // 2: (b + 1) // 2])
+    t += _MAGIC8  # low byte of the bits = rint(v) + 8 (the magic's low byte is 0)
+    u = _scratch("pk8", t.size, np.uint8)
+    np.copyto(u, t.view(np.int32), casting="unsafe")
+    _pack_nibbles(u, codes[a // 2: (b + 1) // 2])
 
 
 def _enc_int4log(x, scales, codes, a, b, block, name):
     # level = clamp(floor(log2(4/3 * |x| / absmax)) + 7, 0, 7): value levels absmax * 2**(L-7), L >= 1,
     # with thresholds at 3/4 of each level (nearest level in linear distance between neighbours).
     xs, t, inv = _enc_prologue(x, scales, a, b, block, name, 4.0 / 3.0, 1.0)
+    m = xs.size
     _block_mul(t, inv, block, t)
     ti = t.view(np.int32)
-    ti >>= 23  # biased exponent (t >= 0, no sign bit); t <= 4/3 (1 + eps) so exponent <= 127
-    # an array operand: numpy's maximum with a scalar is ~4x slower (pieces over _PIECE: huge blocks only)
-    np.maximum(ti, _C120[: ti.size] if ti.size <= _C120.size else np.int32(120), out=ti)
-    ti -= 113  # level + 7, level = clamp(exponent - 127 + 7, 0, 7): 7..14
-    s = _scratch("sgn", xs.size, np.int32)
-    np.right_shift(xs.view(np.int32), 28, out=s)  # arithmetic: ...1111_1xxx for negative, 0..7 for positive
-    s &= ti  # bit 3 of level + 7 is set iff level >= 1: the sign bit is only kept on non-zero levels
-    s &= 8
-    ti -= 7
-    ti |= s
-    _pack_nibbles(ti, codes[a // 2: (b + 1) // 2])
+    ti >>= 23  # biased exponent E (t >= 0); t <= 4/3 (1 + eps) so E <= 127: fits a byte
+    e = _scratch("pk8", m, np.uint8)
+    np.copyto(e, ti, casting="unsafe")
+    # the rest on bytes (4x less traffic); array operands: numpy's scalar maximum is several times slower
+    np.maximum(e, _C120_U8[:m] if m <= _C120_U8.size else np.uint8(120), out=e)
+    e -= np.uint8(113)  # level + 7: 7..14; bit 3 set iff level >= 1
+    sg = _scratch("sgn", m, np.bool_).view(np.uint8)
+    np.signbit(xs, out=sg.view(np.bool_))
+    sg <<= np.uint8(3)
+    sg &= e  # keep the sign only on non-zero levels
+    e -= np.uint8(7)
+    e |= sg
+    _pack_nibbles(e, codes[a // 2: (b + 1) // 2])
 
 
 # ----------------------------------------------------------------------------------------------- decode
