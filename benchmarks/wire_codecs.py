@@ -86,6 +86,13 @@ def best(fn, repeat):
     return min(t)
 
 
+def timed(fn):
+    """(wall seconds, process CPU seconds of all threads) of one call."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=float, default=256.0, help="size of the float32 input in MiB (default 256)")
@@ -111,8 +118,11 @@ def main(argv=None):
     print(f"input: {mib:g} MiB float32 ({n} values), block {args.block}, codec threads {codecs._threads}, "
           f"best of {repeat}; cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}")
     print("memcpy = np.copyto of the float32 input (single thread), measured in the same rounds as each row")
+    print("cpu columns: the same ratios in GB per CPU-second (all threads), robust when other processes load "
+          "the machine")
     hdr = (f"{'codec':9} {'B/value':>7} {'memcpy':>7} {'enc GB/s':>8} {'dec GB/s':>8} {'enc/mcpy':>8} "
-           f"{'dec/mcpy':>8} {'naive enc':>9} {'naive dec':>9} {'enc/naive':>9} {'dec/naive':>9} {'max err':>9}")
+           f"{'dec/mcpy':>8} {'cpu enc':>7} {'cpu dec':>7} {'naive enc':>9} {'naive dec':>9} {'enc/naive':>9} "
+           f"{'dec/naive':>9} {'max err':>9}")
     print(hdr)
     print("-" * len(hdr))
     ok = True
@@ -125,10 +135,11 @@ def main(argv=None):
         codecs.decode(codec, enc, n, args.block, out=dst)
         tm, te, td = [], [], []
         for _ in range(repeat):  # interleaved so that load changes hit all three alike
-            tm.append(best(lambda: np.copyto(dst, x), 1))
-            te.append(best(lambda: codecs.encode(codec, x, args.block, out=enc), 1))
-            td.append(best(lambda: codecs.decode(codec, enc, n, args.block, out=dst), 1))
-        memcpy, e, d = gb / min(tm), gb / min(te), gb / min(td)
+            tm.append(timed(lambda: np.copyto(dst, x)))
+            te.append(timed(lambda: codecs.encode(codec, x, args.block, out=enc)))
+            td.append(timed(lambda: codecs.decode(codec, enc, n, args.block, out=dst)))
+        memcpy, e, d = (gb / min(w for w, _ in v) for v in (tm, te, td))
+        cm, ce, cd = (gb / max(1e-9, min(c for _, c in v)) for v in (tm, te, td))
         mcpy_all.append(memcpy)
         err = float(np.abs(dst - x).max() / np.abs(x).max())
         if args.no_naive:
@@ -145,7 +156,7 @@ def main(argv=None):
                 ok = False
             del ref
         print(f"{codec:9} {nbytes / n:7.3f} {memcpy:7.2f} {e:8.2f} {d:8.2f} {e / memcpy:8.2f} {d / memcpy:8.2f} "
-              f"{ne:9.2f} {nd:9.2f} {e / ne:9.1f} {d / nd:9.1f} {err:9.2e}")
+              f"{ce / cm:7.2f} {cd / cm:7.2f} {ne:9.2f} {nd:9.2f} {e / ne:9.1f} {d / nd:9.1f} {err:9.2e}")
         if codec in TARGETS:
             if e < 0.5 * memcpy or d < 0.7 * memcpy or (not args.no_naive and (e < 3 * ne or d < 3 * nd)):
                 below.append(codec)
