@@ -79,6 +79,23 @@ def test_non_finite_result_leaves_state_unchanged():
     with pytest.raises(NonFiniteMerge):
         opt.step(t, acc, 1.0 / 1e10, 2, r)
     assert np.array_equal(t.base, before[0]) and np.array_equal(t.momentum, before[1])
+    # a finite gradient whose update overflows a huge base: caught by the second (would-be values) pass
+    t.base[17] = np.float32(3.3e38)
+    t.bound = None
+    before = (t.base.copy(), t.momentum.copy())
+    acc = np.zeros(n, np.float32)
+    acc[17] = np.float32(-1e38)
+    with pytest.raises(NonFiniteMerge, match="overflow"):
+        opt.step(t, acc, 1.0, 2, r)
+    assert np.array_equal(t.base, before[0]) and np.array_equal(t.momentum, before[1])
+    # large but safe values take the checked path and give the same bits as the fast path
+    t2 = FragmentTensors(before[0].copy(), before[1].copy())
+    g = np.full(n, 1e-3, np.float32)
+    opt.step(t, g.copy(), 1.0, 2, r)
+    t2.base[17] = 1.0
+    opt.step(t2, g.copy(), 1.0, 2, r)
+    mask = np.arange(n) != 17
+    assert np.array_equal(t.base[mask], t2.base[mask])
 
 
 def test_bad_settings():

@@ -38,14 +38,14 @@ class ChunkRunner:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def scratch(self, name: str, n: int) -> np.ndarray:
-        """A per-thread float32 buffer of ``n`` elements (reused across chunks)."""
+    def scratch(self, name: str, n: int, dtype=np.float32) -> np.ndarray:
+        """A per-thread buffer of ``n`` elements (reused across chunks)."""
         d = getattr(self._tls, "bufs", None)
         if d is None:
             d = self._tls.bufs = {}
         a = d.get(name)
-        if a is None or a.size < n:
-            a = d[name] = np.empty(max(n, self.chunk), np.float32)
+        if a is None or a.size < n or a.dtype != dtype:
+            a = d[name] = np.empty(max(n, self.chunk), dtype)
         return a[:n]
 
     def map(self, n: int, fn: Callable[[int, int], T]) -> list[T]:

@@ -36,6 +36,7 @@ class FragmentTensors:
     base: np.ndarray
     momentum: Optional[np.ndarray] = None
     delay_buf: Optional[np.ndarray] = None
+    bound: Optional[float] = None  # max |x| over base, momentum, delay buffer (None: unknown)
 
 
 class OuterOptimizer:
@@ -74,9 +75,23 @@ class OuterOptimizer:
         if self.uses_momentum and self.kind == "delayed-nesterov" and self.delay > 1 and t.delay_buf is None:
             t.delay_buf = np.zeros(n, np.float32)
 
+    def _bound(self, t: FragmentTensors, runner: ChunkRunner) -> float:
+        arrays = [x for x in (t.base, t.momentum, t.delay_buf) if x is not None]
+
+        def amax(a: int, b: int) -> float:
+            return max(float(np.max(np.abs(x[a:b]))) if b > a else 0.0 for x in arrays)
+
+        return max(runner.map(t.base.size, amax), default=0.0)
+
     def step(self, t: FragmentTensors, acc: np.ndarray, total_weight: float, new_version: int,
              runner: ChunkRunner) -> float:
-        """``g = acc / total_weight`` (in place in ``acc``), check, apply. Returns ||g||_2 (float64)."""
+        """``g = acc / total_weight``, check, apply. Returns ||g||_2 (float64). ``acc`` is scratch.
+
+        Pass 1 reads only ``acc``: ``g`` finite, max |g| and sum of squares.  When max |g| and the cached
+        bound of |base|, |momentum|, |delay buffer| (kept by the previous commit) are both below
+        ``FLT_MAX / (1 + 4 lr)``, the update provably cannot overflow and the commit pass follows directly;
+        otherwise a second check pass computes the would-be values first.  Either way nothing is written
+        before the result is known to be finite, and the bits are the same."""
         self.ensure_state(t)
         n = t.base.size
         assert acc.size == n and acc.dtype == np.float32
@@ -88,6 +103,23 @@ class OuterOptimizer:
         invN = np.float32(1.0 / self.delay)
         base, m, d = t.base, t.momentum, t.delay_buf
         use_m = m is not None and momentum_round
+        limit = float(np.finfo(np.float32).max) / (1.0 + 4.0 * self.lr)
+        if t.bound is None:
+            t.bound = self._bound(t, runner)
+
+        def scan(a: int, b: int):
+            s1 = runner.scratch("s1", b - a)
+            if W != 0:
+                np.divide(acc[a:b], W, out=s1)
+            else:
+                s1[...] = acc[a:b]
+            if not np.isfinite(s1).all():
+                return False, 0.0, 0.0
+            s64 = runner.scratch("sq64", b - a, np.float64)
+            np.square(s1, out=s64, dtype=np.float64)
+            sq = float(s64.sum())
+            np.abs(s1, out=s1)
+            return True, float(s1.max()) if b > a else 0.0, sq
 
         def check(a: int, b: int):
             g = acc[a:b]
@@ -117,24 +149,42 @@ class OuterOptimizer:
             if ok and dn and not momentum_round:
                 np.add(d[a:b], g, out=s2)
                 ok = bool(np.isfinite(s2).all())
-            g64 = g.astype(np.float64) if ok else None
-            return ok, (float(np.dot(g64, g64)) if ok else 0.0)
+            return ok
 
-        def checked(a: int, b: int):
-            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                return check(a, b)
+        def quiet(fn):
+            def run(a: int, b: int):
+                with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                    return fn(a, b)
+            return run
 
-        parts = runner.map(n, checked)
-        bad = [i for i, (ok, _) in enumerate(parts) if not ok]
+        parts = runner.map(n, quiet(scan))
+        bad = [i for i, (ok, _, _) in enumerate(parts) if not ok]
         if bad:
-            c = bad[0] * runner.chunk
-            raise NonFiniteMerge(f"merged result is not finite (first bad chunk at element {c}); state unchanged")
+            raise NonFiniteMerge(f"merged outer gradient is not finite (first bad chunk at element "
+                                 f"{bad[0] * runner.chunk}); state unchanged")
         sq = 0.0
-        for _, s in parts:  # fixed order: bit-identical for any thread count
+        gmax = 0.0
+        for _, mx, s in parts:  # fixed order: bit-identical for any thread count
             sq += s
+            gmax = max(gmax, mx)
+        divided = False
+        if not (gmax < limit and t.bound < limit):
+            oks = runner.map(n, quiet(check))
+            divided = True
+            if not all(oks):
+                c = oks.index(False) * runner.chunk
+                raise NonFiniteMerge(f"merged result would overflow (first bad chunk at element {c}); "
+                                     "state unchanged")
 
-        def commit(a: int, b: int):
-            g = acc[a:b]
+        def commit(a: int, b: int) -> float:
+            if divided:
+                g = acc[a:b]
+            else:
+                g = runner.scratch("g", b - a)
+                if W != 0:
+                    np.divide(acc[a:b], W, out=g)
+                else:
+                    g[...] = acc[a:b]
             s1 = runner.scratch("s1", b - a)
             if use_m:
                 if dn:
@@ -154,6 +204,14 @@ class OuterOptimizer:
                 s1[...] = g
             np.multiply(s1, lr, out=s1)
             np.subtract(base[a:b], s1, out=base[a:b])
+            if b <= a:
+                return 0.0
+            mx = 0.0
+            for x in (base, m, d):
+                if x is not None:
+                    np.abs(x[a:b], out=s1)
+                    mx = max(mx, float(s1.max()))
+            return mx
 
-        runner.map(n, commit)
+        t.bound = max(runner.map(n, commit), default=0.0)
         return float(np.sqrt(sq))

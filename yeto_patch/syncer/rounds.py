@@ -535,8 +535,8 @@ class Coordinator:
             ts = []
             for f in self.frags:
                 r = f.round
-                if f.closed or r.closed or not r.contribs:
-                    continue
+                if f.closed or r.closed or len(r.contribs) < self.rs.k:
+                    continue  # below quorum only events (pushes, lease expiry) can make a round due
                 if r.t_quorum is not None:
                     ts.append(r.t_quorum + self.rs.grace_s)
                 ts.append(r.t_first + self.rs.timeout_s)

@@ -440,12 +440,17 @@ class SyncerServer:
                     other.post_base(f, "f32")
 
     def _on_push(self, s: _Session, meta: dict, body) -> None:
+        def count(name):
+            v = meta.get(name, 0)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name}={v!r} (need an integer >= 0)")
+            return v
+
         try:
             p = Push(island=s.island, fragment=meta["fragment"], base_version=meta["base_version"],
-                     codec=meta["codec"], block=int(meta.get("block", codecs.DEFAULT_BLOCK)), body=body,
-                     local_step=int(meta.get("local_step", 0)), steps=meta.get("steps", 0),
-                     tokens=meta.get("tokens", 0), final=bool(meta.get("final", False)),
-                     incarnation=str(s.incarnation))
+                     codec=str(meta["codec"]), block=count("block") or codecs.DEFAULT_BLOCK, body=body,
+                     local_step=count("local_step"), steps=count("steps"), tokens=count("tokens"),
+                     final=bool(meta.get("final", False)), incarnation=str(s.incarnation))
         except (KeyError, ValueError, TypeError) as e:
             s.post(MsgType.PUSH_REPLY, {"fragment": meta.get("fragment"), "base_version": meta.get("base_version"),
                                         "status": "refused", "code": "bad-push",

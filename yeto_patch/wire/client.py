@@ -199,6 +199,7 @@ class SyncerClient:
         self._replies: dict = {}
         self._waiting: set = set()
         self._init_requests: list = []
+        self._init_sent: set = set()
         self._error: Optional[BaseException] = None
         self._closed = False
         self._bye_seen = False
@@ -264,7 +265,7 @@ class SyncerClient:
                     self._fail(WireTimeout(f"connection to the syncer at {self.address} stalled: {conn.broken}"))
                     return
                 continue
-            except ProtocolError as e:
+            except (ProtocolError, OSError) as e:
                 if not self._closed and not (self._bye_seen and self.final_cut_complete()):
                     self._fail(e if isinstance(e, PeerError) else
                                ProtocolError(f"lost the connection to the syncer at {self.address}: {e}"))
@@ -330,7 +331,7 @@ class SyncerClient:
                     return
             try:
                 self.conn.send(MsgType.HEARTBEAT, {"step": self.local_step})
-            except ProtocolError as e:
+            except (ProtocolError, OSError) as e:
                 if not self._closed:
                     self._fail(e)
                 return
@@ -353,6 +354,7 @@ class SyncerClient:
         conn.send(MsgType.INIT, _aligned({"fragment": fragment, "numel": numel, "dtype": "f32"}),
                   body_len=4 * numel, body_iter=pieces())
         with self._cv:
+            self._init_sent.add(fragment)
             if fragment in self._init_requests:
                 self._init_requests.remove(fragment)
 
@@ -365,7 +367,7 @@ class SyncerClient:
                    ) -> dict:
         """Send INIT when asked, then wait for the base of every fragment; returns {fragment: Base}."""
         self._need()
-        todo = list(self.welcome.needs_init)
+        todo = [f for f in self.welcome.needs_init if f not in self._init_sent]
         if todo and init_source is None:
             raise ProtocolError(f"the syncer asks this island to INIT fragments {todo}; pass init_source")
         for f in todo:
