@@ -95,7 +95,8 @@ def timed(fn):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mib", type=float, default=256.0, help="size of the float32 input in MiB (default 256)")
+    ap.add_argument("--mib", type=float, default=None, help="size of the float32 input in MiB (default 256, "
+                    "16 with --quick)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 16 MiB, one repeat (unless given)")
     ap.add_argument("--repeat", type=int, default=None, help="timed repeats, best kept (default 3)")
     ap.add_argument("--block", type=int, default=codecs.DEFAULT_BLOCK)
@@ -103,7 +104,7 @@ def main(argv=None):
     ap.add_argument("--codecs", default=",".join(codecs.CODECS))
     ap.add_argument("--no-naive", action="store_true", help="skip the naive implementations")
     args = ap.parse_args(argv)
-    mib = 16.0 if args.quick and "--mib" not in " ".join(sys.argv) else args.mib
+    mib = args.mib if args.mib is not None else (16.0 if args.quick else 256.0)
     repeat = args.repeat or (1 if args.quick else 3)
     if args.threads:
         codecs.set_threads(args.threads)
