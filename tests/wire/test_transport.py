@@ -275,3 +275,8 @@ def test_send_refuses_chunk_type_and_oversized(pair):
         c.send(MsgType.CHUNK, {})
     with pytest.raises(FrameError, match="exceeds"):
         c.send(MsgType.ERROR, {"m": "x" * (70 << 10)})
+    with pytest.raises(FrameError, match="either body or body_iter"):
+        c.send(MsgType.PUSH, {}, np.ones(3, np.float32), body_iter=iter([b"x"]), body_len=1)
+    with pytest.raises(FrameError, match="needs body_len"):
+        c.send(MsgType.PUSH, {}, body_iter=iter([b"x"]))
+    assert not c.broken  # refusals before anything was written leave the connection usable

@@ -176,7 +176,7 @@ class Connection:
         if body_iter is not None:
             if body_len is None:
                 raise FrameError("body_iter needs body_len up front")
-            if body:
+            if body is not None and not (isinstance(body, (bytes, bytearray, memoryview)) and len(body) == 0):
                 raise FrameError("give either body or body_iter, not both")
             source = body_iter
         else:
