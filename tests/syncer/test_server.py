@@ -288,3 +288,80 @@ def test_total_rounds_final_cut_without_island_request():
         assert [res[f].version for f in range(2)] == [1, 1]
         assert server.wait(10) == 0
         c.close()
+
+
+def test_concurrent_pushes_exact_mode_is_bit_exact_and_final_pushes_end_the_run():
+    server, addr = make_server(islands=4, fragments=2, merge={"exact": True, "weights": "steps"})
+    with running(server):
+        values = init_values(seed=4)
+        names = ["d", "b", "a", "c"]
+        cs, ws, layout, bases = join_all(addr, names, values)
+        refs = [RefFragment(fragment_flat(values, layout, f)) for f in range(2)]
+        rng = np.random.default_rng(8)
+        for rnd in range(3):
+            last = rnd == 2
+            for f in range(2):
+                n = refs[f].base.size
+                deltas = {nm: ((rng.standard_normal(n) * 0.01).astype(np.float32), int(rng.integers(1, 20)))
+                          for nm in names}
+                errs = []
+
+                def go(c, nm):
+                    try:
+                        d, st = deltas[nm]
+                        c.push(f, base_version=rnd, local_step=rnd, steps=st, tokens=0, codec="f32",
+                               body=codecs.encode("f32", d), final=last, wait=True)
+                    except Exception as e:  # noqa: BLE001
+                        errs.append(e)
+
+                th = [threading.Thread(target=go, args=(c, nm)) for c, nm in zip(cs, names)]
+                [t.start() for t in th]
+                [t.join(20) for t in th]
+                assert not errs
+                refs[f].merge([(deltas[nm][0], float(deltas[nm][1])) for nm in sorted(names)])
+                for c in cs:
+                    assert np.array_equal(c.wait_base(f, rnd + 1, 20).values, refs[f].base)
+        # every island pushed its final deltas; FINAL from each ends the run with the same model
+        out = {}
+        th = [threading.Thread(target=lambda c=c: out.__setitem__(c.island_id, c.finish(last_step=3, timeout=20)))
+              for c in cs]
+        [t.start() for t in th]
+        [t.join(30) for t in th]
+        assert sorted(out) == sorted(names)
+        for res in out.values():
+            assert [res[f].version for f in range(2)] == [3, 3]
+            assert all(np.array_equal(res[f].values, refs[f].base) for f in range(2))
+        assert server.wait(20) == 0
+        for c in cs:
+            c.close()
+
+
+def test_hostile_peers_do_not_disturb_the_run():
+    import socket
+    server, addr = make_server(islands=1, fragments=1, rounds={"quorum": 1})
+    server.cfg.handshake_timeout_s = 0.5
+    with running(server):
+        host, port = addr.rsplit(":", 1)
+        junk = socket.create_connection((host, int(port)))
+        junk.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 100)
+        silent = socket.create_connection((host, int(port)))  # connects and never speaks
+        big = socket.create_connection((host, int(port)))
+        from yeto_patch.wire.frames import encode_header
+        big.sendall(encode_header(MsgType.HELLO, 16 << 20, 0))  # announces a large HELLO, sends nothing more
+        cs, ws, layout, _ = join_all(addr, ["solo"])
+        c = cs[0]
+        n = ws[0].numels[0]
+        c.push(0, base_version=0, local_step=1, steps=1, tokens=1, codec="int4",
+               body=codecs.encode("int4", np.full(n, 0.1, np.float32)), wait=True)
+        assert c.wait_base(0, 1, 10).version == 1
+        silent.settimeout(5)
+        got = b""
+        while True:  # the CHALLENGE, then the syncer closes after its handshake timeout
+            piece = silent.recv(1 << 16)
+            if not piece:
+                break
+            got += piece
+        assert got[:4] == b"YETO"
+        for s in (junk, silent, big):
+            s.close()
+        c.close()

@@ -415,8 +415,13 @@ class SyncerServer:
 
     def _on_init(self, s: _Session, meta: dict, body) -> None:
         coord = self.coord
-        if s is not self.initializer or coord.initialized:
-            s.post(MsgType.ERROR, {"code": "init", "message": "INIT not expected from this island"})
+        if coord.initialized:
+            log.info("island %s sent INIT of fragment %s after the run was initialized; ignored", s.island,
+                     meta.get("fragment"))
+            return
+        if s is not self.initializer:
+            self._refuse(s, "init", "INIT not expected from this island (another island initializes the run)")
+            s.close()
             return
         try:
             idx = int(meta["fragment"])

@@ -26,6 +26,7 @@ API::
                                              # poll, newest per fragment, in arrival order
     c.wait_base(fragment, min_version, timeout) -> Base   # bounded wait (WireTimeout naming what it waited for)
     c.init_requested() -> list[int]          # fragments the syncer asked INIT for after the welcome
+    c.wait_event(timeout)                    # block until the reader received anything (or timeout); check()
     c.final_cut -> bool                      # the syncer started the final cut (FINAL_BASE arrived)
     c.finish(last_step, timeout) -> dict[int, Base]
         # final cut handshake: FINAL (after the island pushed its final deltas with final=True), wait for
@@ -341,6 +342,9 @@ class SyncerClient:
         """Stream fragment's initial float32 values: its tensors in layout order (any shape, C order)."""
         conn = self._need()
         numel = self.welcome.numels[fragment]
+        with self._cv:  # no longer requested once it is being sent (a poller must not send it twice)
+            if fragment in self._init_requests:
+                self._init_requests.remove(fragment)
 
         def pieces():
             for a in arrays:
@@ -355,8 +359,6 @@ class SyncerClient:
                   body_len=4 * numel, body_iter=pieces())
         with self._cv:
             self._init_sent.add(fragment)
-            if fragment in self._init_requests:
-                self._init_requests.remove(fragment)
 
     def init_requested(self) -> list:
         self.check()
@@ -475,6 +477,14 @@ class SyncerClient:
                     raise WireTimeout(f"waited {timeout}s for the base of fragment {fragment} at version >= "
                                       f"{min_version} (newest received: {have})")
                 self._cv.wait(min(left, 0.5))
+
+    def wait_event(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds or until the reader received something (a base, a reply, an INIT
+        request, an error); then re-raise a failure if there is one."""
+        with self._cv:
+            if self._error is None:
+                self._cv.wait(max(0.0, timeout))
+        self.check()
 
     @property
     def final_cut(self) -> bool:
