@@ -210,7 +210,8 @@ class MergeRecord:
         return {"time": self.t_wall, "fragment": self.fragment, "version": self.version, "ok": self.ok,
                 "responders": self.responders, "total_weight": self.total_weight, "bytes": self.bytes,
                 "quorum_s": round(self.quorum_s, 6), "merge_s": round(self.merge_s, 6),
-                "outer_grad_norm": self.grad_norm, "expected": self.expected,
+                "outer_grad_norm": self.grad_norm if np.isfinite(self.grad_norm) else None,
+                "expected": self.expected,
                 **({"reason": self.reason} if self.reason else {})}
 
     def line(self) -> str:
@@ -421,56 +422,70 @@ class Coordinator:
             if key in self.seen:
                 raise PushRefused("duplicate", f"island {p.island!r} already pushed fragment {f.index} relative to "
                                                f"base v{p.base_version}; duplicate refused")
-            fresh = lag == 0
-            held = (not fresh) or self.ms.exact
-        if held:
-            try:
-                validate_encoded(p.codec, p.body, f.numel, p.block)
-            except CodecError as e:
-                log.warning("refused push of fragment %d from island %s: %s", f.index, p.island, e)
-                raise PushRefused("nonfinite" if "finite" in str(e) or "scale" in str(e) else "bad-push",
-                                  f"push of fragment {f.index} refused: {e}") from None
-        with self.lock:
-            # state may have moved while validating: re-check the cheap conditions
-            if key in self.seen:
-                raise PushRefused("duplicate", f"island {p.island!r} already pushed fragment {f.index} relative to "
-                                               f"base v{p.base_version}; duplicate refused")
-            r = f.round
-            lag = f.version - p.base_version + (1 if r.closed else 0)
-            if f.closed:
-                return "closed", 0
-            if lag > self.ms.max_base_lag:
-                raise PushRefused("stale", f"push of fragment {f.index} is relative to base v{p.base_version} but the "
-                                           f"syncer is at v{f.version}; pull the current base and push again")
-            c = _Contrib(p, w, lag=lag, held=held or lag != 0)
-            self.seen.add(key)
-            m = self.members.get(p.island)
-            if m is not None:
-                m.last_seen = self.clock()
-                if p.final:
-                    m.final_fragments.add(f.index)
-                m.last_step = max(m.last_step, int(p.local_step or 0))
-            if lag != 0:
-                p.body = _own(p.body)
-                f.carry.append(c)
-                self.cond.notify_all()
-                return "carried", lag
-            if not self.ms.exact:
-                c.push.body = p.body
-                r.inflight += 1
-            else:
-                p.body = _own(p.body)
-            r.contribs[p.island] = c
-            now = self.clock()
-            if r.t_first is None:
-                r.t_first = now
-            if r.t_quorum is None and len(r.contribs) >= self.rs.k:
-                r.t_quorum = now
-            if self.ms.exact:
-                c.folded = True
-                self.cond.notify_all()
-                return "accepted", 0
-        # streaming fold, outside the central lock
+            held = lag != 0 or self.ms.exact
+        validated = False
+        while True:
+            if held and not validated:  # a held push is validated now: it is decoded only at merge time
+                try:
+                    validate_encoded(p.codec, p.body, f.numel, p.block)
+                except CodecError as e:
+                    log.warning("refused push of fragment %d from island %s: %s", f.index, p.island, e)
+                    raise PushRefused("nonfinite" if "finite" in str(e) or "scale" in str(e) else "bad-push",
+                                      f"push of fragment {f.index} refused: {e}") from None
+                validated = True
+            with self.lock:
+                # state may have moved meanwhile: re-check
+                if key in self.seen:
+                    raise PushRefused("duplicate", f"island {p.island!r} already pushed fragment {f.index} "
+                                                   f"relative to base v{p.base_version}; duplicate refused")
+                r = f.round
+                lag = f.version - p.base_version + (1 if r.closed else 0)
+                if f.closed:
+                    return "closed", 0
+                if lag > self.ms.max_base_lag:
+                    raise PushRefused("stale", f"push of fragment {f.index} is relative to base v{p.base_version} "
+                                               f"but the syncer is at v{f.version}; pull the current base and push "
+                                               "again")
+                held = lag != 0 or self.ms.exact
+                if held and not validated:
+                    continue  # the round merged while we looked: validate, then decide again
+                c = self._register(p, f, r, w, lag, held, key)
+                if c is None:
+                    return ("carried", lag) if lag else ("accepted", 0)
+                break
+        return self._fold(p, f, r, c, w, key)
+
+    def _register(self, p: Push, f: _Fragment, r: _Round, w: float, lag: int, held: bool,
+                  key) -> Optional[_Contrib]:
+        """(lock held) Record an accepted push; returns the contribution when it still has to be folded."""
+        c = _Contrib(p, w, lag=lag, held=held)
+        self.seen.add(key)
+        m = self.members.get(p.island)
+        if m is not None:
+            m.last_seen = self.clock()
+            if p.final:
+                m.final_fragments.add(f.index)
+            m.last_step = max(m.last_step, int(p.local_step or 0))
+        if lag != 0:
+            f.carry.append(c)
+            self.cond.notify_all()
+            return None
+        if not self.ms.exact:
+            r.inflight += 1
+        r.contribs[p.island] = c
+        now = self.clock()
+        if r.t_first is None:
+            r.t_first = now
+        if r.t_quorum is None and len(r.contribs) >= self.rs.k:
+            r.t_quorum = now
+        if self.ms.exact:
+            c.folded = True
+            self.cond.notify_all()
+            return None
+        return c
+
+    def _fold(self, p: Push, f: _Fragment, r: _Round, c: _Contrib, w: float, key) -> tuple[str, int]:
+        """Streaming fold of an accepted push into its round's accumulator, outside the central lock."""
         err = None
         try:
             with r.fold_lock:
@@ -584,8 +599,12 @@ class Coordinator:
             for c in carried:
                 lag = version - c.push.base_version
                 w = c.weight_raw * (self.ms.late_factor ** lag)
-                codecs.decode_accumulate(c.push.codec, c.push.body, f.numel, w, acc, c.push.block,
-                                         threads=self.runner.threads)
+                try:
+                    codecs.decode_accumulate(c.push.codec, c.push.body, f.numel, w, acc, c.push.block,
+                                             threads=self.runner.threads)
+                except CodecError as e:  # validated on arrival, so not expected; never poisons the round
+                    log.error("fragment %d: carried push from island %s dropped: %s", index, c.island, e)
+                    continue
                 weights.append(w)
                 responders.append(self._resp(c, lag, w, True))
             total = 0.0
@@ -636,10 +655,6 @@ class Coordinator:
                 "steps": p.steps, "tokens": p.tokens, "local_step": p.local_step, "codec": p.codec,
                 "bytes": int(p.nbytes)}
 
-
-def _own(body):
-    """Keep an encoded body (the transport's buffer is ours: no copy when it already is a bytes-like we hold)."""
-    return body
 
 
 # ------------------------------------------------------------------------------------ checkpoint state
