@@ -43,6 +43,9 @@ def _reference_full_masters(ctx) -> dict:
     from megatron.core import parallel_state as ps
     cfg = ctx["cfg"]
     opt = ctx["optimizer"]
+    if cfg.overlap_param_gather:   # model params are only current after the (deferred) all-gather
+        for c in ctx["model"]:
+            c.start_param_sync(force_sync=True)
     main_of = {}
     for o in leaf_optimizers(opt):
         if hasattr(o, "model_param_group_index_map"):
@@ -202,7 +205,7 @@ def write_plus_constant(cfg_kwargs, c=0.125, steps=2, chunk_bytes=1 << 14, blend
             dist.all_reduce(mn, op=dist.ReduceOp.MIN, group=g)
             assert torch.equal(mx, mn), f"DP replicas of {name} differ after write"
     eval1 = harness.eval_loss(ctx)
-    losses = harness.train_steps(ctx, 3)
+    losses = harness.train_steps(ctx, 3, batch_step=0)   # the evaluation batch: its loss must fall
     eval2 = harness.eval_loss(ctx)
     return dict(n_checked=n_checked, same_states=same_states, n_states=len(before_s), eval0=eval0, eval1=eval1,
                 eval2=eval2, losses=losses)
@@ -343,7 +346,7 @@ class _RssPeak:
     def _run(self):
         while not self._stop:
             self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.0005)
+            time.sleep(0.002)
 
     def stop(self):
         self._stop = True
@@ -365,6 +368,10 @@ def bounded_memory(cfg_kwargs, chunk_bytes):
     def source(e, off, n):
         return np.full(n, 0.5, dtype=np.float32)
 
+    # warm up the transfer paths (gloo buffers, allocator arenas) on one entry, then measure the whole model
+    view.read([0], sink if dist.get_rank() == 0 else None)
+    view.write([0], source if dist.get_rank() == 0 else None)
+    view.stats["peak_buffer_bytes"] = 0
     mon = _RssPeak()
     view.read(None, sink if dist.get_rank() == 0 else None)
     read_rss = mon.stop()

@@ -176,8 +176,9 @@ def _loss_func(loss_mask, output_tensor):
     return loss, ntok, {"lm loss": report}
 
 
-def train_steps(ctx: dict, steps: int, forward_only: bool = False) -> list:
+def train_steps(ctx: dict, steps: int, forward_only: bool = False, batch_step: Optional[int] = None) -> list:
     """Run `steps` optimizer steps (or forward-only evaluations of the current step's batch).
+    `batch_step` pins the data to that step's batch (e.g. to see the loss of one batch fall).
 
     Returns the global mean loss per step on every rank (broadcast from the last pipeline stage)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -192,7 +193,7 @@ def train_steps(ctx: dict, steps: int, forward_only: bool = False) -> list:
     fb = get_forward_backward_func()
     losses = []
     for _ in range(steps):
-        batches = ctx["data"].step_batches(ctx["step"])
+        batches = ctx["data"].step_batches(ctx["step"] if batch_step is None else batch_step)
         its = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
         if not forward_only:
             for c in chunks:
@@ -239,3 +240,15 @@ def rank_info() -> dict:
     from megatron.core import parallel_state as ps
     return dict(rank=dist.get_rank(), tp=ps.get_tensor_model_parallel_rank(),
                 pp=ps.get_pipeline_model_parallel_rank(), dp=ps.get_data_parallel_rank())
+
+
+def megatron_core_version() -> tuple:
+    """Installed megatron-core version without importing it (usable in the test process)."""
+    from importlib.metadata import version
+    return tuple(int(x) for x in version("megatron-core").split(".")[:2])
+
+
+def hdo_supported() -> bool:
+    """HybridDeviceOptimizer needs the precision-aware optimizer, which megatron-core 0.16.1 only allows with
+    Transformer Engine installed (OptimizerConfig asks TE for its version); 0.17+ runs it on plain torch."""
+    return megatron_core_version() >= (0, 17)
