@@ -1,5 +1,4 @@
 """Checkpoint format, atomicity, background snapshots, and bit-exact resume over loopback."""
-import json
 import os
 import threading
 

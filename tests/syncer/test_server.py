@@ -1,6 +1,5 @@
 """Scripted islands over loopback: the syncer end to end (handshake, INIT, rounds, refusals, final cut)."""
 import json
-import os
 import threading
 import time
 
@@ -10,7 +9,7 @@ import pytest
 from yeto_patch.syncer.checkpoint import read_checkpoint
 from yeto_patch.wire import codecs
 from yeto_patch.wire.client import SyncerRefusal, probe
-from yeto_patch.wire.frames import AuthError, MsgType, PeerError
+from yeto_patch.wire.frames import MsgType, PeerError
 from yeto_patch.wire.transport import connect
 
 from .helpers import KEY, MANIFEST, client, fragment_flat, init_values, make_server, running
@@ -198,7 +197,17 @@ def test_wrong_key_replayed_handshake_and_wrong_manifest_refused():
             conn.recv(timeout=5)
         assert e.value.code == "auth"
         conn.close()
-        # a manifest altered after MACing is refused as well (digest bound to the handshake)
+        # a manifest altered after MACing is refused as well (its digest is what the MAC covers)
+        conn = connect(addr, timeout=5, retries=0)
+        t, meta, _ = conn.recv(timeout=5)
+        altered = [[n, list(s), d] for n, s, d in MANIFEST]
+        altered[0][1] = [65, 16]
+        hello2 = dict(hello, nonce=nonce.hex(), manifest=altered,
+                      mac=auth.client_mac(KEY, bytes.fromhex(meta["nonce"]), nonce, "b", 7, dig).hex())
+        conn.send(MsgType.HELLO, hello2)
+        with pytest.raises(PeerError, match="authenticated manifest digest"):
+            conn.recv(timeout=5)
+        conn.close()
         # different manifest: refused naming the first differing entry
         other = list(MANIFEST)
         other[2] = ("decoder.layers.0.mlp.linear_fc1.weight", (33, 16), "float32")
@@ -210,7 +219,6 @@ def test_wrong_key_replayed_handshake_and_wrong_manifest_refused():
         client(addr, "b").connect()
         with pytest.raises(PeerError, match="expects 2"):
             client(addr, "c").connect()
-        # the syncer's own MAC is checked by the island: an island with a key refuses a keyless syncer
         info = probe(addr, KEY)
         assert info["probe"] and info["fragments"] == 2 and sorted(info["members"]) == ["a", "b"]
         with pytest.raises(PeerError):
@@ -365,3 +373,33 @@ def test_hostile_peers_do_not_disturb_the_run():
         for s in (junk, silent, big):
             s.close()
         c.close()
+
+
+def test_island_verifies_the_syncer():
+    """An impostor syncer without the key cannot produce a valid WELCOME; a keyless syncer is refused too."""
+    from yeto_patch.wire import auth
+    from yeto_patch.wire.transport import Connection, listen
+    srv = listen("127.0.0.1:0")
+    addr = "127.0.0.1:%d" % srv.getsockname()[1]
+
+    def impostor(keyed):
+        s, _ = srv.accept()
+        c = Connection(s, timeout=5)
+        c.send(MsgType.CHALLENGE, {"nonce": auth.new_nonce().hex(), "protocol": 1, "auth": keyed})
+        try:
+            c.recv(timeout=5)
+            c.send(MsgType.WELCOME, {"island_id": "a", "server_mac": "00" * 32, "layout": [[0]], "numels": [1],
+                                     "fragments": 1})
+            c.recv(timeout=5)
+        except Exception:  # noqa: BLE001 - the island hangs up
+            pass
+        c.close()
+
+    from yeto_patch.wire.frames import AuthError
+    for keyed, match in ((True, "WELCOME"), (False, "without a key")):
+        th = threading.Thread(target=impostor, args=(keyed,), daemon=True)
+        th.start()
+        with pytest.raises(AuthError, match=match):
+            client(addr, "a", connect_retries=0).connect()
+        th.join(10)
+    srv.close()

@@ -24,7 +24,7 @@ from ..wire.frames import AuthError, MsgType, PeerError, ProtocolError, WireTime
 from ..wire.message import encode_meta
 from ..wire.transport import Connection, listen
 from .checkpoint import CheckpointError, CheckpointWriter, read_checkpoint
-from .layout import first_difference, manifest_to_json, normalize_manifest
+from .layout import first_difference, normalize_manifest
 from .merge import ChunkRunner
 from .metrics import Metrics, Tape
 from .rounds import Coordinator, MergeRecord, MergeSettings, Push, PushRefused, RoundSettings, capture, restore
