@@ -1,0 +1,157 @@
+"""Test helpers: start a real syncer and islands (torchrun of an ordinary training script) as subprocesses with
+only PYTHONPATH and YETO_* variables, wait for them with a deadline, and read the results."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ISLAND_SCRIPT = os.path.join(ROOT, "tests", "shim", "scripts", "island_train.py")
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def key_file(tmp_path, name="yeto.key", value="0123456789abcdef0123456789abcdef"):
+    p = tmp_path / name
+    p.write_text(value)
+    os.chmod(p, 0o600)
+    return str(p)
+
+
+def base_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_") and k != "PYTHONPATH"}
+    env.update(PYTHONPATH=ROOT, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+class Proc:
+    def __init__(self, name, args, env, log_path, cwd=ROOT):
+        self.name, self.log_path = name, log_path
+        self.log = open(log_path, "w")
+        self.p = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd,
+                                  start_new_session=True)
+
+    def poll(self):
+        return self.p.poll()
+
+    def text(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def kill(self):
+        """Stop the process and everything it started (torchrun puts its workers in sessions of their own)."""
+        import psutil
+        try:
+            kids = psutil.Process(self.p.pid).children(recursive=True)
+        except psutil.Error:
+            kids = []
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)      # torchrun forwards it to its workers
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        for k in kids + [self.p]:
+            try:
+                k.kill()
+            except (psutil.Error, ProcessLookupError, OSError):
+                pass
+        self.p.wait(10)
+        if not self.log.closed:
+            self.log.close()
+
+
+def start_syncer(tmp_path, port, islands=2, fragments=2, key=None, extra=()):
+    """A syncer whose rounds wait for every island (quorum = islands), as a test needs."""
+    args = [sys.executable, "-m", "yeto_patch.syncer", "--listen", f"127.0.0.1:{port}", "--islands", str(islands),
+            "--quorum", str(islands), "--fragments", str(fragments), "--checkpoint", str(tmp_path / "syncer.ckpt"),
+            "--tape", str(tmp_path / "tape.jsonl"), *extra]
+    args += ["--key-file", key] if key else ["--insecure"]
+    return Proc("syncer", args, base_env(), str(tmp_path / "syncer.log"))
+
+
+def start_island(tmp_path, name, port, layout_args, steps, env_extra, nproc=2):
+    out = tmp_path / name
+    out.mkdir(exist_ok=True)
+    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), ISLAND_SCRIPT, *layout_args,
+            "--steps", str(steps), "--out", str(out)]
+    env = base_env(YETO_DILOCO_SYNCER=f"127.0.0.1:{port}", YETO_DILOCO_ISLAND_ID=name,
+                   YETO_DILOCO_METRICS=str(out / "metrics.jsonl"), YETO_DILOCO_TOTAL_STEPS=steps, **env_extra)
+    return Proc(name, args, env, str(tmp_path / f"{name}.log"))
+
+
+def wait_all(procs, timeout):
+    """Wait until every process exits; kill everything at the deadline or when one fails. Returns rcs."""
+    deadline = time.time() + timeout
+    try:
+        while time.time() < deadline:
+            rcs = [p.poll() for p in procs]
+            if all(rc is not None for rc in rcs):
+                return rcs
+            if any(rc not in (None, 0) for rc in rcs):
+                time.sleep(3)   # let the others report their side
+                return [p.poll() for p in procs]
+            time.sleep(0.2)
+        return [p.poll() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def logs(procs) -> str:
+    return "\n".join(f"===== {p.name} =====\n{p.text()[-6000:]}" for p in procs)
+
+
+def island_model(out_dir) -> dict:
+    model = {}
+    for path in sorted(glob.glob(os.path.join(out_dir, "model.rank*.npz"))):
+        with np.load(path) as z:
+            for k in z.files:
+                assert k not in model, f"{k} dumped twice"
+                model[k] = z[k]
+    return model
+
+
+def island_result(out_dir) -> dict:
+    with open(os.path.join(out_dir, "result.json")) as f:
+        return json.load(f)
+
+
+def metrics(out_dir) -> list:
+    path = os.path.join(out_dir, "metrics.jsonl")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def syncer_model(ckpt_path) -> tuple:
+    """({name: float32 array of its full shape}, {fragment: version}) from the syncer's final checkpoint."""
+    from yeto_patch.syncer.checkpoint import read_checkpoint
+    meta, arrays = read_checkpoint(ckpt_path)
+    manifest = meta["manifest"]
+    out = {}
+    for f, idx in enumerate(meta["layout"]):
+        base, off = arrays[f]["base"], 0
+        for i in idx:
+            name, shape, _ = manifest[i]
+            n = int(np.prod(shape))
+            out[name] = base[off:off + n].reshape(shape)
+            off += n
+    return out, {fm["index"]: fm["version"] for fm in meta["fragments"]}

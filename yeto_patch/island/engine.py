@@ -1,0 +1,668 @@
+"""The boundary engine: turns an island's optimizer steps into DiLoCo / Streaming DiLoCo rounds with the syncer.
+
+The shim's hooks drive it (``yeto_patch.hooks``); nothing here names Megatron's training loop. One ``Engine`` per
+process, on every rank of the island; island rank 0 talks to the syncer, and every decision is rank 0's, sent
+to the other ranks as a JSON plan, so every rank runs the same collectives in the same order.
+
+Life of an island:
+- Start (first ``train_step`` before its forward, or else the first optimizer step before its update): the
+  ranks build the global manifest and the master view; rank 0 connects, authenticates and says hello with the
+  manifest; every rank learns the syncer's fragment layout; fragments the syncer asks for are sent as INIT
+  (read from the FP32 masters, streamed); then the base of every fragment is installed (masters and model
+  parameters) and becomes that fragment's anchor, before the first update.
+- Every optimizer step calls ``on_optimizer_step`` once (a skipped update counts as a step with zero tokens).
+  Fragment f reaches a boundary every H steps, the fragments spread evenly over H (``schedule.py``). At a
+  boundary the fragment's delta (anchor minus current FP32 masters) is computed where the data lives, streamed
+  to rank 0 in bounded chunks, encoded there (``push_encoder.py``, with error feedback if on) and handed to a
+  background sender: training goes on without waiting for the network.
+- A merged base arriving in the background is installed at the first step boundary after it arrived:
+  ``alpha * local + (1 - alpha) * base`` when tau > 0, the base itself when tau = 0; the base becomes the
+  fragment's anchor. If tau steps pass after a push without its base, the island waits for it (bounded by
+  YETO_DILOCO_TIMEOUT, with a log line saying what it waits for).
+- Final cut, at the last step: pending bases are awaited and installed, every fragment's final delta is
+  pushed, the syncer's final model is awaited and installed exactly (replace), and ``finished`` turns True.
+  The train_step hook then makes Megatron save and stop. A custom loop that has only the optimizer hook asks
+  ``yeto_patch.island.engine.finished()`` after each step and stops when it is True; a step after the final
+  cut raises.
+
+Errors: anything that goes wrong on rank 0 (a refused push, a lost syncer, a timeout, a bad key) is raised on
+every rank with rank 0's message; errors inside collectives are agreed island-wide by ``IslandComm``. After a
+failure the engine stays failed and every later step raises the same error.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+
+log = logging.getLogger("yeto_patch")
+
+_current: Optional["Engine"] = None
+
+
+def finished() -> bool:
+    """True once this process's island installed the syncer's final model (for custom training loops)."""
+    return _current is not None and _current.finished
+
+
+def current() -> Optional["Engine"]:
+    return _current
+
+
+class EngineError(RuntimeError):
+    """A DiLoCo boundary failed; raised on every rank of the island with the cause."""
+
+
+class Engine:
+    def __init__(self, settings, optimizer=None, model=None):
+        global _current
+        self.settings = settings
+        self.optimizer = optimizer
+        self.model = model
+        self.started = False
+        self.finished = False
+        self.failed: Optional[BaseException] = None
+        self.step = 0                 # optimizer steps done (Megatron's iteration when it tells us)
+        self.total: Optional[int] = None
+        self.train_iters: Optional[int] = None
+        self.vocab_size: Optional[int] = settings.vocab_size
+        self.client = None
+        self.sender = None
+        self.log = None
+        self._warned_tokens = False
+        _current = self
+
+    # ================================================================================ hook entry points
+    def on_train_step_start(self, iteration=None, train_iters=None, tokens=None, vocab_size=None):
+        self._alive()
+        if train_iters is not None:
+            self.train_iters = int(train_iters)
+        if vocab_size is not None and self.settings.vocab_size is None:
+            self.vocab_size = int(vocab_size)
+        if iteration is not None:
+            self.step = int(iteration)
+        if not self.started:
+            self._guarded(self._start)
+
+    def before_optimizer_step(self, optimizer=None):
+        self._alive()
+        if self.finished:
+            self._fail_local(EngineError(
+                f"yeto-patch: an optimizer step after the final cut (step {self.step}); the global model was "
+                f"installed at step {self.total}. Stop the training loop when "
+                f"yeto_patch.island.engine.finished() is True"))
+        if not self.started:
+            if optimizer is not None and self.optimizer is None:
+                self.optimizer = optimizer
+            self._guarded(self._start)
+
+    def on_optimizer_step(self, update_successful=True, tokens=None):
+        self._alive()
+        if tokens is None and update_successful and not self._warned_tokens:
+            self._warned_tokens = True
+            if getattr(self, "rank", 0) == 0:
+                log.warning("yeto-patch: tokens per step are unknown here (no train_step hook): pushes report 0 "
+                            "tokens; weight islands by 'equal' or 'steps' on the syncer")
+        self.step += 1
+        n = 0 if not update_successful else int(tokens or 0)
+        for f in range(self.P):
+            self.steps_since[f] += 1
+            self.tokens_since[f] += n
+        self._guarded(self._boundary)
+
+    def close(self):
+        """Stop talking to the syncer (BYE); idempotent. Called at exit and by tests."""
+        sender, client, self.sender, self.client = self.sender, self.client, None, None
+        if sender is not None and self.failed is None:
+            try:
+                sender.close(5.0)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001
+                pass
+        if self.log is not None:
+            self.log.close()
+
+    # ================================================================================ error handling
+    def _alive(self):
+        if self.failed is not None:
+            raise self.failed
+
+    def _fail_local(self, err):
+        self.failed = err
+        raise err
+
+    def _guarded(self, fn):
+        try:
+            fn()
+        except BaseException as e:
+            if self.failed is None:
+                self.failed = e if isinstance(e, Exception) else EngineError(str(e))
+                self._shutdown_quietly()
+            raise
+
+    def _shutdown_quietly(self):
+        try:
+            if self.client is not None:
+                self.client.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _rank0(self, fn, what):
+        """Run fn on rank 0 and broadcast its JSON result (or its error) to every rank."""
+        out = None
+        if self.rank == 0:
+            try:
+                out = {"ok": fn()}
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                out = {"error": _describe(e, what)}
+        out = self.comm.broadcast_plan(out, what=f"yeto-patch: {what}")
+        if "error" in out:
+            raise EngineError(out["error"] + ("" if self.rank == 0 else " [island rank 0]"))
+        return out["ok"]
+
+    # ================================================================================ start
+    def _start(self):
+        from yeto_patch.island.collective import IslandComm
+        from yeto_patch.island.masters import MasterView
+        from yeto_patch.island.names import build_manifest
+        s = self.settings
+        t0 = time.time()
+        chunks = self._model_chunks()
+        self.comm = IslandComm(timeout_s=s.timeout + 60.0)
+        self.rank = self.comm.rank
+        self.manifest = build_manifest(chunks, real_vocab_size=self.vocab_size, comm=self.comm)
+        self.view = MasterView(chunks, self.optimizer, self.manifest, chunk_bytes=s.chunk_bytes, comm=self.comm)
+        self.total = self._resolve_total()
+        if self.rank == 0:
+            from yeto_patch.island.boundary_log import BoundaryLog
+            self.log = BoundaryLog(s.metrics_path, s.island_id)
+        welcome = self._rank0(self._connect, f"connect to the syncer at {s.syncer}")
+        self._adopt_layout(welcome)
+        if welcome["final"]:
+            raise EngineError(f"the syncer at {s.syncer} has already ended its run (final cut done); start a new "
+                              f"syncer run for this training")
+        for f in welcome["needs_init"]:
+            self._send_init(f)
+        self._await(lambda: self._have_all_bases(), "the initial base of every fragment", init_ok=True)
+        v = self._rank0(lambda: {str(f): self.arrived[f].version for f in range(self.P)}, "initial versions")
+        for f in range(self.P):
+            self._install(f, int(v[str(f)]), mode="replace", why="start")
+        self.started = True
+        if self.rank == 0:
+            log.info("yeto-patch: island %s joined the syncer at %s: %d tensors (%.1f M values) in %d fragments, "
+                     "H=%d, push %s, tau=%d, final cut at step %d; start took %.1fs", s.island_id, s.syncer,
+                     len(self.manifest), self.manifest.total_numel() / 1e6, self.P, s.sync_every, s.push_dtype,
+                     s.overlap_steps, self.total, time.time() - t0)
+            self.log.write("start", step=self.step, fragments=self.P, versions=[self.anchor_version[f]
+                                                                                for f in range(self.P)],
+                           init=welcome["needs_init"], seconds=round(time.time() - t0, 3))
+            atexit.register(self.close)
+
+    def _model_chunks(self):
+        chunks = self.model
+        if chunks is None and self.optimizer is not None:
+            chunks = getattr(self.optimizer, "model_chunks", None) or None
+        if chunks is None:
+            raise EngineError("yeto-patch cannot find the model: the optimizer has no model_chunks and no "
+                              "train_step hook told it. Use Megatron's train_step, or a megatron-core optimizer "
+                              "built by get_megatron_optimizer (which knows its model chunks)")
+        if self.optimizer is None:
+            raise EngineError("yeto-patch cannot find the optimizer of this training run")
+        return list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+
+    def _resolve_total(self) -> int:
+        s = self.settings
+        total = s.total_steps if s.total_steps is not None else self.train_iters
+        if total is None:
+            raise EngineError("YETO_DILOCO_TOTAL_STEPS is not set and the training loop does not say how many "
+                              "steps it runs: set YETO_DILOCO_TOTAL_STEPS to the step of the final cut")
+        if self.train_iters is not None and total > self.train_iters:
+            raise EngineError(f"YETO_DILOCO_TOTAL_STEPS={total} is beyond Megatron's train_iters="
+                              f"{self.train_iters}: the final cut would never happen")
+        if total <= self.step:
+            raise EngineError(f"this run resumes at step {self.step}, at or past the final cut at step {total} "
+                              f"(YETO_DILOCO_TOTAL_STEPS or train_iters)")
+        return int(total)
+
+    def _connect(self):
+        from yeto_patch.wire import auth
+        from yeto_patch.wire.client import SyncerClient
+        from yeto_patch.wire.sender import BackgroundSender
+        s = self.settings
+        key = auth.load_key(s.key_file) if (s.key_file or s.key_from_env) else None
+        if key is None and not s.insecure:
+            raise EngineError("no key: set YETO_DILOCO_KEY_FILE (or YETO_KEY)")
+        retries, spent, b = 0, 0.0, 0.5   # connection back-off bounded by half the timeout
+        while spent + b <= s.timeout / 2 and retries < 30:
+            spent += b
+            b = min(b * 2, 10.0)
+            retries += 1
+        self.client = SyncerClient(s.syncer, key, s.island_id, self.manifest.wire_manifest(),
+                                   timeout=s.timeout, insecure=s.insecure, connect_retries=retries,
+                                   backoff=0.5, max_backoff=10.0)
+        w = self.client.connect()
+        self.sender = BackgroundSender(s.send_queue_bytes, name="yeto-push-sender")
+        return dict(layout=w.layout, numels=w.numels, fragments=w.fragments, versions=w.versions,
+                    needs_init=list(w.needs_init), final=bool(w.final))
+
+    def _adopt_layout(self, w):
+        n = len(self.manifest)
+        layout = [[int(i) for i in frag] for frag in w["layout"]]
+        seen = sorted(i for frag in layout for i in frag)
+        if seen != list(range(n)):
+            raise EngineError(f"the syncer's fragment layout does not cover this island's {n} tensors exactly "
+                              f"once")
+        self.P = int(w["fragments"])
+        if len(layout) != self.P:
+            raise EngineError(f"the syncer announced {self.P} fragments but sent {len(layout)}")
+        self.layout = layout
+        self.frag_offsets: List[Dict[int, int]] = []
+        self.frag_numel: List[int] = []
+        self.frag_starts: List[List[int]] = []
+        for f, idx in enumerate(layout):
+            off, offs, starts = 0, {}, []
+            for e in idx:
+                offs[e] = off
+                starts.append(off)
+                off += self.manifest.entries[e].numel
+            if off != int(w["numels"][f]):
+                raise EngineError(f"fragment {f}: the syncer counts {w['numels'][f]} values, this island "
+                                  f"{off}")
+            self.frag_offsets.append(offs)
+            self.frag_numel.append(off)
+            self.frag_starts.append(starts)
+        self.anchor_version = [-1] * self.P
+        self.steps_since = [0] * self.P
+        self.tokens_since = [0] * self.P
+        self.pending: Dict[int, dict] = {}   # fragment -> the push awaiting its base (rank 0 keeps the timings)
+        self.arrived: Dict[int, object] = {}  # rank 0: newest base received per fragment, not yet installed
+        self.residual: Dict[int, np.ndarray] = {}
+
+    def _have_all_bases(self):
+        self._poll()
+        return len(self.arrived) == self.P
+
+    # ================================================================================ collective pieces
+    def _poll(self):
+        """Rank 0: move what the client received into `arrived` (newest per fragment); surface failures."""
+        if self.sender is not None:
+            self.sender.check()
+        for b in self.client.poll():
+            cur = self.arrived.get(b.fragment)
+            if cur is None or b.version >= cur.version:
+                self.arrived[b.fragment] = b
+
+    def _slice(self):
+        """Longest time rank 0 blocks before the island's other ranks hear from it again (they wait in a gloo
+        collective whose own timeout is YETO_DILOCO_TIMEOUT + 60 s)."""
+        return max(1.0, min(30.0, self.settings.timeout / 4))
+
+    def _await(self, ready, what, init_ok=False):
+        """Every rank: loop until rank 0's `ready()` is True, bounded by YETO_DILOCO_TIMEOUT. Rank 0 also answers
+        the syncer's INIT requests meanwhile (init_ok), and logs once what it waits for."""
+        s = self.settings
+        t_end = time.monotonic() + s.timeout
+        logged = False
+        while True:
+            def probe():
+                nonlocal logged
+                t_slice = time.monotonic() + self._slice()
+                while True:
+                    if ready():
+                        return {"done": True}
+                    if init_ok:
+                        req = self.client.init_requested()
+                        if req:
+                            return {"init": req}
+                    now = time.monotonic()
+                    if now >= t_end:
+                        raise EngineError(f"yeto-patch: timed out after {s.timeout:.0f}s (YETO_DILOCO_TIMEOUT) "
+                                          f"waiting for {what} from the syncer at {s.syncer}")
+                    if now >= t_slice:
+                        return {"wait": True}
+                    if not logged:
+                        log.info("yeto-patch: step %d: waiting for %s (up to %.0fs)", self.step, what, t_end - now)
+                        logged = True
+                    self._wait_any(min(t_end, t_slice) - now)
+            out = self._rank0(probe, f"wait for {what}")
+            if out.get("done"):
+                return
+            for f in out.get("init", []):
+                self._send_init(int(f))
+
+    def _wait_any(self, timeout):
+        """Rank 0: block up to `timeout` for the next message from the syncer (bases, INIT requests)."""
+        c = self.client
+        cv = getattr(c, "_cv", None)   # the client notifies it on every message; fall back to a short nap
+        if cv is not None:
+            with cv:
+                cv.wait(min(timeout, 0.5))
+        else:
+            time.sleep(min(timeout, 0.05))
+        c.check()
+
+    def _send_init(self, f):
+        """Every rank: read fragment f's FP32 masters; rank 0 streams them to the syncer as INIT."""
+        idx = self.layout[f]
+        if self.rank != 0:
+            self.view.read(idx, None)
+            return
+        bridge = _StreamBridge(lambda it: self.client.send_init(f, it), self.settings.timeout,
+                               f"INIT of fragment {f}")
+        try:
+            self.view.read(idx, lambda e, off, arr: bridge.put(arr))
+        except BaseException:
+            bridge.abort()
+            raise
+        bridge.close()
+        log.info("yeto-patch: sent INIT of fragment %d (%.1f M values)", f, self.frag_numel[f] / 1e6)
+
+    def _install(self, f, version, mode, why, answered=None):
+        """Every rank: install the base of fragment f held by rank 0 (version `version`)."""
+        s = self.settings
+        t0 = time.perf_counter()
+        idx = self.layout[f]
+        base = None
+        if self.rank == 0:
+            base = self.arrived.pop(f)
+            if base.version != version:
+                raise EngineError(f"internal: fragment {f} base v{base.version} is not the planned v{version}")
+            values, offs = base.values, self.frag_offsets[f]
+
+            def source(e, off, n):
+                a = offs[e] + off
+                return values[a:a + n]
+        else:
+            source = None
+        if mode == "replace":
+            self.view.write(idx, source, mode="replace", set_anchor=True)
+        else:
+            self._install_blend(idx, source, s.merge_alpha)
+        self.anchor_version[f] = int(version)
+        self.steps_since[f] = 0
+        self.tokens_since[f] = 0
+        if self.rank == 0:
+            ms = (time.perf_counter() - t0) * 1000
+            rec = self.pending.pop(f, None) if answered is None else answered
+            if rec is not None:
+                rec.update(version=int(version), installed=True, mode=mode, install_ms=round(ms, 2),
+                           pull_lag=self.step - rec["step"])
+                rec["send_ms"] = rec.pop("_send", {}).get("ms")
+                self.log.write("boundary", **rec)
+                log.info("yeto-patch: step %d: installed fragment %d v%d (%s, pushed at step %d, lag %d steps, "
+                         "waited %.0f ms)", self.step, f, version, mode, rec["step"], rec["pull_lag"],
+                         rec.get("wait_ms", 0.0))
+            elif why != "start":
+                self.log.write("install", step=self.step, fragment=f, version=int(version), mode=mode,
+                               install_ms=round(ms, 2), reason=why)
+        elif f in self.pending:
+            self.pending.pop(f)
+
+    def _install_blend(self, idx, source, alpha):
+        """masters := alpha * local + (1 - alpha) * base, anchor := base (exactly).
+
+        Uses MasterView.write(anchor="value") when the island core offers it; otherwise three passes with the
+        public API: read the local values to rank 0, install the base as anchor, install the blend."""
+        import inspect
+        if "anchor" in inspect.signature(self.view.write).parameters:
+            self.view.write(idx, source, mode="blend", alpha=alpha, set_anchor=True, anchor="value")
+            return
+        local = {}
+        if self.rank == 0:
+            ent = self.manifest.entries
+
+            def sink(e, off, arr):
+                if e not in local:
+                    local[e] = np.empty(ent[e].numel, dtype=np.float32)
+                local[e][off:off + arr.size] = arr
+            self.view.read(idx, sink)
+        else:
+            self.view.read(idx, None)
+        self.view.write(idx, source, mode="replace", set_anchor=True)
+        if self.rank == 0:
+            def blend(e, off, n):
+                out = local[e][off:off + n] * np.float32(alpha)
+                out += np.float32(1.0 - alpha) * np.asarray(source(e, off, n), dtype=np.float32)
+                return out
+        else:
+            blend = None
+        self.view.write(idx, blend, mode="replace", set_anchor=False)
+
+    def _push(self, f, final=False):
+        """Every rank: stream fragment f's delta to rank 0, which encodes it and queues the push."""
+        s = self.settings
+        idx = self.layout[f]
+        if self.rank != 0:
+            self.view.read_delta(idx, None)
+            self.pending[f] = {"step": self.step}
+            return
+        from yeto_patch.island.push_encoder import PushEncoder
+        residual = None
+        if s.error_feedback:
+            residual = self.residual.get(f)
+            if residual is None:
+                residual = self.residual[f] = np.zeros(self.frag_numel[f], dtype=np.float32)
+        enc = PushEncoder(s.push_dtype, s.block, self.frag_numel[f], piece_elems=max(s.chunk_bytes // 4, s.block),
+                          residual=residual, what=f"fragment {f} delta",
+                          entry_starts=self.frag_starts[f],
+                          entry_names=[self.manifest.entries[e].name for e in idx])
+        t0 = time.perf_counter()
+        self.view.read_delta(idx, lambda e, off, arr: enc.feed(arr))
+        body = enc.finish()
+        gather_ms = (time.perf_counter() - t0 - enc.encode_s) * 1000
+        base_version, step = self.anchor_version[f], self.step
+        steps, tokens = self.steps_since[f], self.tokens_since[f]
+        timing = {}
+        client = self.client
+
+        def send():
+            t = time.perf_counter()
+            client.push(f, base_version=base_version, local_step=step, steps=steps, tokens=tokens,
+                        codec=s.push_dtype, block=s.block, body=body, final=final)
+            timing["ms"] = round((time.perf_counter() - t) * 1000, 2)
+
+        self.sender.submit(send, int(body.nbytes), timeout=s.timeout)
+        self.pending[f] = {"step": step, "fragment": f, "base_version": base_version, "bytes": int(body.nbytes),
+                           "codec": s.push_dtype, "gather_ms": round(gather_ms, 2),
+                           "encode_ms": round(enc.encode_s * 1000, 2), "wait_ms": 0.0, "installed": False,
+                           "final": final, "_send": timing}
+        log.debug("yeto-patch: step %d: pushed fragment %d (base v%d, %d bytes %s, gather %.0f ms, encode %.0f ms)",
+                  step, f, base_version, body.nbytes, s.push_dtype, gather_ms, enc.encode_s * 1000)
+
+    # ================================================================================ per step
+    def _boundary(self):
+        s = self.settings
+        tau = s.overlap_steps
+        mode = "blend" if tau > 0 else "replace"
+
+        def decide():
+            self._poll()
+            by_syncer = self.client.final_cut
+            installs = [] if by_syncer else [[f, b.version] for f, b in sorted(self.arrived.items())
+                                             if b.version > self.anchor_version[f]]
+            final = self.step >= self.total or by_syncer
+            due = [] if final else self._due()
+            return {"install": installs, "push": due, "final": final, "by_syncer": by_syncer}
+        plan = self._rank0(decide, f"plan step {self.step}")
+        for f, v in plan["install"]:
+            self._install(int(f), int(v), mode, why="arrived")
+        if plan["final"]:
+            self._final_cut(by_syncer=plan["by_syncer"])
+            return
+        for f in plan["push"]:
+            f = int(f)
+            if f in self.pending:   # its previous base never came within H steps (tau < H guarantees time)
+                self._await_answers([f], "the base answering fragment %d's previous push" % f)
+            self._push(f)
+        overdue = [f for f, p in sorted(self.pending.items()) if self.step - p["step"] >= tau]
+        if overdue:
+            self._await_answers(overdue, None)
+
+    def _due(self):
+        from yeto_patch.island.schedule import due_fragments
+        return due_fragments(self.step, self.settings.sync_every, self.P)
+
+    def _await_answers(self, frags, what):
+        """Every rank: wait until rank 0 holds a base newer than each pending push's base, then install it."""
+        s = self.settings
+        mode = "blend" if s.overlap_steps > 0 else "replace"
+        need = {f: (self.pending[f]["step"] if f in self.pending else self.step) for f in frags}
+        if self.rank == 0:
+            want = {f: self.pending[f]["base_version"] for f in frags}
+            desc = what or ", ".join(f"the base of fragment {f} newer than v{want[f]} (pushed at step {need[f]})"
+                                     for f in frags) + f" [tau={s.overlap_steps}]"
+        else:
+            want, desc = {}, what or "bases"
+        t0 = time.perf_counter()
+
+        def ready():
+            self._poll()
+            return all(f in self.arrived and self.arrived[f].version > want[f] for f in frags)
+        self._await(ready, desc)
+        waited = (time.perf_counter() - t0) * 1000
+        v = self._rank0(lambda: {str(f): self.arrived[f].version for f in frags}, "answered versions")
+        for f in frags:
+            if self.rank == 0 and f in self.pending:
+                self.pending[f]["wait_ms"] = round(waited, 2)
+            self._install(f, int(v[str(f)]), mode, why="answer")
+
+    # ================================================================================ final cut
+    def _final_cut(self, by_syncer=False):
+        s = self.settings
+        t0 = time.perf_counter()
+        if by_syncer:
+            if self.rank == 0:
+                log.warning("yeto-patch: step %d: the syncer ended the run (its final cut) before this island's "
+                            "last step %d; installing its final model and stopping here", self.step, self.total)
+        else:
+            if self.pending:
+                self._await_answers(sorted(self.pending), None)
+            for f in range(self.P):
+                self._push(f, final=True)
+            if self.rank == 0:
+                log.info("yeto-patch: step %d: final cut: pushed the final deltas of %d fragments; waiting for "
+                         "the final model", self.step, self.P)
+        from yeto_patch.wire.frames import WireTimeout
+        got = {}
+        t_end = time.monotonic() + s.timeout
+        while True:
+            def finish():
+                now = time.monotonic()
+                if now >= t_end:
+                    raise EngineError(f"yeto-patch: timed out after {s.timeout:.0f}s (YETO_DILOCO_TIMEOUT) waiting "
+                                      f"for the final model from the syncer at {s.syncer}")
+                sl = min(self._slice(), t_end - now)
+                try:
+                    if self.sender is not None and not by_syncer:
+                        self.sender.drain(sl)
+                    got.update(self.client.finish(last_step=self.step, timeout=max(0.1, sl)))
+                except WireTimeout:
+                    return None
+                self.arrived = dict(got)
+                return {str(f): got[f].version for f in range(self.P)}
+            versions = self._rank0(finish, "the final model")
+            if versions is not None:
+                break
+        finals = {}
+        if self.rank == 0:
+            finals = dict(self.pending)
+        for f in range(self.P):
+            rec = finals.get(f)
+            if rec is not None:
+                self.pending.pop(f, None)
+            self._install(f, int(versions[str(f)]), "replace", why="final", answered=rec)
+        self.finished = True
+        if self.rank == 0:
+            secs = time.perf_counter() - t0
+            self.log.write("final", step=self.step, versions=[int(versions[str(f)]) for f in range(self.P)],
+                           seconds=round(secs, 3))
+            log.info("yeto-patch: step %d: installed the syncer's final model (versions %s) in %.1fs; training "
+                     "ends here", self.step, [int(versions[str(f)]) for f in range(self.P)], secs)
+        self.close()
+
+
+class _StreamBridge:
+    """Feeds arrays produced on this thread (a collective read's sink) to `consume(iterator)` on another
+    thread, holding at most two chunks; a failure on either side ends both."""
+    _END = object()
+
+    def __init__(self, consume, timeout, what):
+        self.q = queue.Queue(maxsize=2)
+        self.timeout, self.what = timeout, what
+        self.error: Optional[BaseException] = None
+        self.t = threading.Thread(target=self._run, args=(consume,), name="yeto-stream", daemon=True)
+        self.t.start()
+
+    def _items(self):
+        while True:
+            item = self.q.get(timeout=self.timeout)
+            if item is self._END:
+                return
+            yield item
+
+    def _run(self, consume):
+        try:
+            consume(self._items())
+        except BaseException as e:  # noqa: BLE001 - handed to the producer
+            self.error = e
+            while True:   # unblock a producer waiting on a full queue
+                try:
+                    self.q.get_nowait()
+                except queue.Empty:
+                    break
+
+    def put(self, arr):
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self.error is not None:
+                raise self.error
+            if not self.t.is_alive():
+                raise EngineError(f"{self.what}: the sender stopped")
+            try:
+                self.q.put(arr, timeout=0.5)
+                return
+            except queue.Full:
+                if time.monotonic() > deadline:
+                    raise EngineError(f"{self.what}: the syncer did not take data for {self.timeout:.0f}s")
+
+    def close(self):
+        if self.error is None:
+            self.q.put(self._END, timeout=self.timeout)
+        self.t.join(self.timeout)
+        if self.error is not None:
+            raise self.error
+        if self.t.is_alive():
+            raise EngineError(f"{self.what}: not finished within {self.timeout:.0f}s")
+
+    def abort(self):
+        try:
+            self.q.put_nowait(self._END)
+        except queue.Full:
+            pass
+
+
+def _describe(e: BaseException, what: str) -> str:
+    text = str(e) or type(e).__name__
+    name = type(e).__name__
+    if name in ("SyncerRefusal",):
+        code = getattr(e, "code", "refused")
+        hint = " (the island's base is too old: it must pull the current base)" if code == "stale" else ""
+        return f"yeto-patch: the syncer refused a push ({code}): {text}{hint}"
+    if name in ("AuthError",):
+        return f"yeto-patch: authentication with the syncer failed: {text} (check YETO_DILOCO_KEY_FILE / YETO_KEY)"
+    if name in ("PeerError",):
+        return f"yeto-patch: the syncer reported an error while trying to {what}: {text}"
+    if name in ("ConnectError",):
+        return f"yeto-patch: cannot {what}: {text} (is the syncer running? check YETO_DILOCO_SYNCER)"
+    if text.startswith("yeto-patch"):
+        return text
+    return f"yeto-patch: failed to {what}: {name}: {text}"

@@ -1,0 +1,101 @@
+"""Encode a fragment's delta as it streams in, in bounded pieces, into the push body (wire.codecs layout).
+
+The island's delta arrives on rank 0 in chunks (entry by entry, in layout order). Encoding needs the whole
+fragment only for its final byte layout (block codecs put every block scale first, then the codes), not its
+float32 values: each piece of whole blocks is encoded on its own and its scales and codes are copied to their
+places in the body, which is bit-identical to encoding the whole vector at once. Memory: the body (what the
+background sender must hold anyway) plus one staging piece, plus the error-feedback residual when on.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Optional, Sequence
+
+import numpy as np
+
+from yeto_patch.wire import codecs
+from yeto_patch.wire.frames import CodecError
+
+
+class PushEncoder:
+    def __init__(self, codec: str, block: int, numel: int, *, piece_elems: int = 1 << 20,
+                 residual: Optional[np.ndarray] = None, what: str = "fragment",
+                 entry_starts: Sequence[int] = (), entry_names: Sequence[str] = ()):
+        codecs.check_codec(codec, block)
+        self.codec, self.block, self.numel = codec, int(block), int(numel)
+        self.body = np.empty(codecs.encoded_nbytes(codec, numel, block), dtype=np.uint8)
+        self.blockwise = codec in ("int8", "int4", "int4-log")
+        self.nblocks = -(-numel // block) if self.blockwise else 0
+        unit = self.block if self.blockwise else 2
+        self.piece = max(unit, (int(piece_elems) // unit) * unit)
+        self.stage = np.empty(min(self.piece, max(numel, 1)), dtype=np.float32)
+        self.fill = 0
+        self.pos = 0          # elements encoded so far
+        self.received = 0     # elements fed so far
+        self.residual = residual
+        if residual is not None and (residual.dtype != np.float32 or residual.size != numel):
+            raise ValueError("error-feedback residual must be float32 of the fragment's size")
+        self.what = what
+        self.entry_starts, self.entry_names = list(entry_starts), list(entry_names)
+        self.encode_s = 0.0
+
+    def feed(self, arr: np.ndarray) -> None:
+        a = np.asarray(arr, dtype=np.float32).reshape(-1)
+        if self.received + a.size > self.numel:
+            raise CodecError(f"{self.what}: more values than the fragment's {self.numel}")
+        self.received += a.size
+        i = 0
+        while i < a.size:
+            n = min(a.size - i, self.stage.size - self.fill)
+            self.stage[self.fill:self.fill + n] = a[i:i + n]
+            self.fill += n
+            i += n
+            if self.fill == self.stage.size:
+                self._emit()
+
+    def finish(self) -> np.ndarray:
+        if self.fill:
+            self._emit()
+        if self.pos != self.numel:
+            raise CodecError(f"{self.what}: got {self.pos} values, the fragment has {self.numel}")
+        return self.body
+
+    def _names(self, a: int, b: int) -> str:
+        if not self.entry_starts:
+            return ""
+        i = max(0, bisect.bisect_right(self.entry_starts, a) - 1)
+        j = max(0, bisect.bisect_left(self.entry_starts, b) - 1)
+        names = self.entry_names[i:j + 1]
+        return " (" + ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "") + ")"
+
+    def _emit(self) -> None:
+        import time
+        t0 = time.perf_counter()
+        x = self.stage[:self.fill]
+        n, pos = x.size, self.pos
+        if self.residual is not None:
+            x += self.residual[pos:pos + n]
+        try:
+            enc = codecs.encode(self.codec, x, self.block, name=f"{self.what}{self._names(pos, pos + n)}")
+        except CodecError as e:
+            raise CodecError(f"{e}: the local model holds NaN/inf; refusing to push it") from None
+        if self.residual is not None:
+            self.residual[pos:pos + n] = x - codecs.decode(self.codec, enc, n, self.block)
+        enc = np.frombuffer(enc, dtype=np.uint8) if not isinstance(enc, np.ndarray) else enc.view(np.uint8)
+        body = self.body
+        if self.codec == "f32":
+            body[4 * pos:4 * (pos + n)] = enc
+        elif self.codec == "bf16":
+            body[2 * pos:2 * (pos + n)] = enc
+        else:
+            nbp = -(-n // self.block)
+            b0 = pos // self.block
+            body[4 * b0:4 * (b0 + nbp)] = enc[:4 * nbp]
+            codes = body[4 * self.nblocks:]
+            if self.codec == "int8":
+                codes[pos:pos + n] = enc[4 * nbp:]
+            else:
+                codes[pos // 2:pos // 2 + (n + 1) // 2] = enc[4 * nbp:]
+        self.pos += n
+        self.fill = 0
+        self.encode_s += time.perf_counter() - t0
