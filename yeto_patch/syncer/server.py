@@ -1,8 +1,9 @@
 """The syncer's network side: one reader thread and one writer thread per island connection, a scheduler
 thread that merges due rounds, and a central lock/condition (the :class:`~.rounds.Coordinator`'s).
 
-Message semantics are documented in docs/protocol.md ("Syncer protocol").  Pushes are decoded and folded on
-the connection's own reader thread (never on the scheduler), bases are streamed to each island by its writer
+Message semantics are documented in docs/protocol.md ("Syncer protocol").  Pushes are validated, decoded and
+folded on a small fold pool (never on the scheduler; the connection's reader goes on reading, with at most
+two pushes per connection in flight), bases are streamed to each island by its writer
 thread chunk by chunk from the live float32 base under the fragment's read lock (no second copy; a merge of
 that fragment waits for the streams in flight), and requests to send a fragment's base coalesce: an island
 that is slower than the merges receives the newest version only.
@@ -14,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -33,6 +35,7 @@ __all__ = ["ServerConfig", "SyncerServer", "aligned_meta"]
 
 log = logging.getLogger("yeto.syncer")
 SEND_CHUNK = 4 << 20  # bytes per body piece handed to the transport
+MAX_PUSHES_IN_FLIGHT = 2  # per connection, handed to the fold pool and not yet accepted/refused
 BASE_WIRE = ("f32", "bf16")
 
 
@@ -85,6 +88,14 @@ class _Session:
         self.final_acked: Optional[list] = None
         self.writer: Optional[threading.Thread] = None
         self.inflight = False
+        self.pushes_inflight = 0
+
+    def wait_pushes(self, timeout: float) -> None:
+        """Wait (bounded) until the pushes this connection handed to the fold pool are accepted or refused."""
+        end = time.monotonic() + timeout
+        with self.cv:
+            while self.pushes_inflight and time.monotonic() < end:
+                self.cv.wait(0.05)
 
     def drain(self, timeout: float) -> None:
         """Wait (bounded) until everything posted so far was sent."""
@@ -160,6 +171,7 @@ class SyncerServer:
         self.runner = ChunkRunner(cfg.merge_threads)
         codecs_threads = self.runner.threads
         self.coord = Coordinator(cfg.merge, cfg.rounds, self.runner)
+        self.fold_pool = ThreadPoolExecutor(max(2, min(8, cfg.islands)), thread_name_prefix="yeto-fold")
         self._codec_threads = codecs_threads
         self.metrics = Metrics()
         self.tape = Tape(cfg.tape)
@@ -230,6 +242,7 @@ class SyncerServer:
                 self.writer.wait()
             except CheckpointError as e:
                 log.error("%s", e)
+        self.fold_pool.shutdown(wait=True, cancel_futures=True)
         self.metrics.close()
         self.tape.close()
         self.runner.close()
@@ -399,6 +412,7 @@ class SyncerServer:
             elif t == MsgType.INIT:
                 self._on_init(s, meta, body)
             elif t == MsgType.FINAL:
+                s.wait_pushes(self.cfg.io_timeout_s)  # its final pushes count before the cut
                 coord.finish(s.island, int(meta.get("last_step", 0) or 0))
                 log.info("island %s reached its last step (%s)", s.island, meta.get("last_step"))
             elif t == MsgType.ACK:
@@ -406,6 +420,7 @@ class SyncerServer:
                 with coord.cond:
                     coord.cond.notify_all()
             elif t == MsgType.BYE:
+                s.wait_pushes(self.cfg.io_timeout_s)
                 s.bye = True
                 log.info("island %s said goodbye", s.island)
                 return
@@ -461,8 +476,34 @@ class SyncerServer:
                                         "status": "refused", "code": "bad-push",
                                         "message": f"malformed PUSH: missing or bad field {e}"})
             return
-        nbytes = memoryview(body).nbytes
-        self.metrics.bytes_in.labels("push").inc(nbytes)
+        self.metrics.bytes_in.labels("push").inc(memoryview(body).nbytes)
+        # validate/decode/fold on the fold pool so this connection's reader goes on (heartbeats, the next
+        # push); at most MAX_PUSHES_IN_FLIGHT per connection (back-pressure bounds the memory held)
+        with s.cv:
+            while s.pushes_inflight >= MAX_PUSHES_IN_FLIGHT and not s.closed:
+                s.cv.wait(0.5)
+            s.pushes_inflight += 1
+        try:
+            self.fold_pool.submit(self._process_push, s, p)
+        except RuntimeError:  # the pool is shut down: the syncer is stopping
+            with s.cv:
+                s.pushes_inflight -= 1
+                s.cv.notify_all()
+
+    def _process_push(self, s: _Session, p: Push) -> None:
+        try:
+            self._accept_push(s, p)
+        except Exception:  # noqa: BLE001 - a bug must not take the syncer down
+            log.exception("internal error while accepting a push from island %s", s.island)
+            s.post(MsgType.PUSH_REPLY, {"fragment": p.fragment, "base_version": p.base_version, "status": "refused",
+                                        "code": "internal", "message": "internal error in the syncer (see its log)"})
+        finally:
+            p.body = None
+            with s.cv:
+                s.pushes_inflight -= 1
+                s.cv.notify_all()
+
+    def _accept_push(self, s: _Session, p: Push) -> None:
         reply = {"fragment": p.fragment, "base_version": p.base_version}
         try:
             status, lag = self.coord.accept(p)
