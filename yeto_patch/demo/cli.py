@@ -58,6 +58,9 @@ def build_parser():
     g.add_argument("--sync-timeout", type=float, default=300, help="YETO_DILOCO_TIMEOUT of the islands")
     g.add_argument("--syncer-arg", action="append", default=[], help="extra flag for the syncer (repeatable)")
     g.add_argument("--island-env", action="append", default=[], help="extra NAME=VALUE for the islands")
+    g.add_argument("--start-gate", action=argparse.BooleanOptionalAction, default=True,
+                   help="hold the islands' first connections until every island connected, so they join the "
+                        "syncer together")
     g.add_argument("--port", type=int, default=0, help="syncer port (default 0: any free one)")
     g = p.add_argument_group("baseline")
     g.add_argument("--no-baseline", action="store_true", help="skip the synchronous data-parallel baseline")

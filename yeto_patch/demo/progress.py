@@ -21,24 +21,19 @@ def fmt_bytes(n):
 
 
 def boundary_bytes(rec):
-    """Bytes pushed by one boundary record (the field name is the shim's; accept the likely spellings)."""
-    for k in ("bytes_pushed", "push_bytes", "pushed_bytes", "bytes_sent", "bytes"):
-        v = rec.get(k)
-        if isinstance(v, (int, float)):
-            return v
-    return 0
+    """Delta bytes pushed, from one of yeto-patch's boundary records (event "boundary": one push)."""
+    if rec.get("event") != "boundary":
+        return 0
+    v = rec.get("bytes")
+    return v if isinstance(v, (int, float)) else 0
 
 
 def boundary_installed(rec):
-    for k in ("installed", "install", "installs"):
-        v = rec.get(k)
-        if isinstance(v, bool):
-            return int(v)
-        if isinstance(v, (int, float)):
-            return int(v)
-        if isinstance(v, list):
-            return len(v)
-    return 0
+    """1 when the record says a merged base was installed (an answer to our push, or a round merged without it)."""
+    ev = rec.get("event")
+    if ev == "boundary":
+        return int(bool(rec.get("installed")))
+    return int(ev == "install")
 
 
 class _Island:
@@ -69,7 +64,8 @@ class _Island:
 
 
 class Progress:
-    def __init__(self, out, ids, steps, syncer_tape=None, files=None, stream=None):
+    def __init__(self, out, ids, steps, syncer_tape=None, files=None, stream=None, link=None):
+        self.link = link
         self.t0, self.steps, self.ids = time.time(), steps, list(ids)
         files = files or {}
         self.islands = {}
@@ -79,6 +75,7 @@ class Progress:
             self.islands[i] = _Island(path, bpath if syncer_tape else None)
         self.tape = JsonlTail(syncer_tape) if syncer_tape else None
         self.merges, self.bytes_in = 0, 0
+        self.responded = {i: 0 for i in ids}  # merges each island's pushes took part in (syncer tape)
         self.stream = stream or sys.stdout
         self._last = None
 
@@ -90,6 +87,9 @@ class Progress:
                 if r.get("ok", True):
                     self.merges += 1
                     self.bytes_in += r.get("bytes", 0) or 0
+                    for resp in r.get("responders") or []:
+                        if isinstance(resp, dict) and resp.get("island") in self.responded:
+                            self.responded[resp["island"]] += 1
 
     def line(self):
         parts = []
@@ -97,10 +97,16 @@ class Progress:
             loss = f"{isl.ema:.3f}" if isl.ema is not None else "  -  "
             s = f"{i}: step {isl.step:>{len(str(self.steps))}}/{self.steps} loss {loss}"
             if self.tape is not None:
-                s += f" merges {isl.installs} pushed {fmt_bytes(isl.pushed)}"
+                s += f" rounds {max(isl.installs, self.responded.get(i, 0))} pushed {fmt_bytes(isl.pushed)}"
             parts.append(s)
         if self.tape is not None:
             parts.append(f"syncer: {self.merges} merges")
+        if self.link is not None:
+            c = self.link.counters()
+            if not c["gate_open"]:
+                parts.append(f"link: {c['waiting_at_gate']} of {self.link.gate} islands connected, holding")
+            else:
+                parts.append(f"link: up {fmt_bytes(c['up'])} down {fmt_bytes(c['down'])}")
         return f"[{time.time() - self.t0:5.0f}s] " + " | ".join(parts)
 
     def tick(self):

@@ -90,21 +90,22 @@ def build_report(result, o):
     initial = finals[ids[0]][1]
     base_final, base_initial = _final(base) if base else (None, None)
     ratio = global_loss / base_final if global_loss and base_final else None
-    # bytes that crossed between islands and the syncer
+    # bytes that crossed between islands and the syncer, measured on the demo's link (both ways)
     pushed = sum(boundary_bytes(r) for i in ids for r in bounds[i])
-    tape_in = sum((r.get("bytes") or 0) for r in tape if r.get("ok", True))
-    pulled = sum(_pulled(r) for i in ids for r in bounds[i])
+    n_push = sum(1 for i in ids for r in bounds[i] if r.get("event") == "boundary")
     merges = sum(1 for r in tape if r.get("ok", True))
-    up = pushed or tape_in
-    total = up + pulled
+    link = result.get("link") or {}
+    up, down = link.get("up", 0), link.get("down", 0)
+    total = up + down
     ar = allreduce_bytes(params, len(ids), steps) if params else None
     identical, detail, _ = compare_npz([os.path.join(out, f"island-{i}.npz") for i in ids]) \
         if not o.without_yeto else (None, "not compared (islands trained independently)", 0.0)
     result.update(initial_heldout_loss=initial, island_final_heldout_loss={i: finals[i][0] for i in ids},
                   global_heldout_loss=global_loss, baseline_heldout_loss=base_final, loss_ratio=ratio,
-                  params=params, bytes_pushed=up, bytes_pulled=pulled, bytes_between=total, merges=merges,
-                  allreduce_bytes=ar, bytes_ratio=(ar / total) if ar and total else None,
-                  upload_ratio=(ar / 2 / up) if ar and up else None,
+                  params=params, bytes_pushed=pushed, pushes=n_push, bytes_up=up, bytes_down=down,
+                  bytes_between=total, merges=merges, allreduce_bytes=ar,
+                  bytes_ratio=(ar / total) if ar and total else None,
+                  upload_ratio=(ar / pushed) if ar and pushed else None,
                   islands_identical=identical, islands_compare=detail)
     name = "DiLoCo via yeto-patch" if not o.without_yeto else "independent islands (no yeto-patch)"
     rows = [("initial model (held-out loss)", _f(initial), "")]
@@ -120,12 +121,15 @@ def build_report(result, o):
                      "cached" if result["baseline"].get("cached") else f"trained in {bw:.0f}s"))
     brows = []
     if not o.without_yeto:
-        brows.append(("pushed by islands (deltas)", fmt_bytes(up), f"{merges} merges"))
-        brows.append(("sent to islands (bases)", fmt_bytes(pulled) if pulled else "n/a", ""))
+        brows.append(("islands -> syncer (measured on the link)", fmt_bytes(up),
+                      f"of which {n_push} delta pushes {fmt_bytes(pushed)} ({o.push_dtype})"))
+        brows.append(("syncer -> islands (measured on the link)", fmt_bytes(down),
+                      f"bases after {merges} merges ({o.base_wire}), initial + final model (f32)"))
         brows.append(("total between islands and syncer", fmt_bytes(total), ""))
     if ar:
         brows.append(("per-step FP32 gradient all-reduce, same steps", fmt_bytes(ar),
-                      f"{result['bytes_ratio']:.0f}x more" if result.get("bytes_ratio") else ""))
+                      (f"{result['bytes_ratio']:.0f}x the total; {result['upload_ratio']:.0f}x the pushes"
+                       if result.get("bytes_ratio") and result.get("upload_ratio") else "")))
     lines = ["", "=" * 78, f"{'held-out loss (nats/byte)':52s} {'':>10s}", "-" * 78]
     lines += [f"{a:52s} {b:>10s}  {c}" for a, b, c in rows]
     lines += ["-" * 78, "bytes"] + [f"  {a:50s} {b:>10s}  {c}" for a, b, c in brows]
@@ -164,9 +168,3 @@ def build_report(result, o):
     result["plots"] = written
 
 
-def _pulled(rec):
-    for k in ("bytes_pulled", "pull_bytes", "pulled_bytes", "bytes_received", "base_bytes"):
-        v = rec.get(k)
-        if isinstance(v, (int, float)):
-            return v
-    return 0

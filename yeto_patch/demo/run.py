@@ -10,6 +10,7 @@ import time
 
 from . import baseline as bl
 from .layout import parse_layouts
+from .link import MeteredLink
 from .procs import ChildFailed, Supervisor
 from .progress import Progress
 from .report import build_report
@@ -180,6 +181,7 @@ def run(o):
     result = {"settings": {k: v for k, v in vars(o).items()}, "ids": ids,
               "layouts": [vars(lay) for lay in layouts], "corpus": corpus, "out": out}
     keydir = tempfile.mkdtemp(prefix="yeto-demo-")
+    link = None
     try:
         with Supervisor(os.path.join(out, "logs")) as sup:
             t_isl = time.time()
@@ -190,7 +192,11 @@ def run(o):
                 syncer = sup.start("syncer", syncer_argv(o, python, port, key_file, out),
                                    env=_clean_env(extra_pythonpath=REPO), cwd=REPO)
                 children.append(syncer)
-                port = wait_for_syncer(sup, syncer)
+                syncer_port = wait_for_syncer(sup, syncer)
+                # the islands reach the syncer through a metered link (bytes both ways), gated so that they
+                # join together
+                link = MeteredLink("127.0.0.1", syncer_port, gate=o.islands if o.start_gate else 0)
+                port = link.port
             islands = []
             for iid, lay, shard in zip(ids, layouts, range(o.islands)):
                 argv = _launcher(python, lay.nproc) + [TRAIN_SCRIPT] + lay.flags() + mflags + [
@@ -202,10 +208,14 @@ def run(o):
                 islands.append(sup.start(f"island-{iid}", argv, env=env, cwd=REPO))
             children += islands
             prog = Progress(out, ids, o.steps, syncer_tape=None if o.without_yeto else
-                            os.path.join(out, "syncer-tape.jsonl"))
+                            os.path.join(out, "syncer-tape.jsonl"), link=link)
             sup.wait(children, o.timeout, tick=prog.tick, tick_every_s=o.progress_every)
             prog.done()
             result["islands_wall_s"] = time.time() - t_isl
+            if link is not None:
+                result["link"] = link.counters()
+                if link.errors:
+                    raise DemoError("; ".join(link.errors))
             say(f"islands finished in {result['islands_wall_s']:.0f}s")
             # --- the synchronous data-parallel baseline -------------------------------------------------
             result["baseline"] = None
@@ -234,6 +244,8 @@ def run(o):
         raise DemoError(f"the demo did not finish within --timeout {o.timeout:.0f}s: {err}; logs in "
                         f"{os.path.join(out, 'logs')}") from None
     finally:
+        if link is not None:
+            link.close()
         shutil.rmtree(keydir, ignore_errors=True)
     result["wall_s"] = time.time() - t_start
     build_report(result, o)
