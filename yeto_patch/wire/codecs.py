@@ -348,7 +348,7 @@ def _enc_int4log(x, scales, codes, a, b, block, name):
     e -= np.uint8(113)  # level + 7: 7..14; bit 3 set iff level >= 1
     sg = _scratch("sgn", m, np.bool_).view(np.uint8)
     np.signbit(xs, out=sg.view(np.bool_))
-    sg <<= np.uint8(3)
+    np.multiply(sg, np.uint8(8), out=sg)  # sign << 3 (numpy's uint8 shift is not vectorized; multiply is)
     sg &= e  # keep the sign only on non-zero levels
     e -= np.uint8(7)
     e |= sg
@@ -526,7 +526,7 @@ def _dec_int4(codes, scales, out, a, b, block, acc, w):
     u = _scratch("up16a", src.size, np.uint16)
     v = _scratch("up16b", src.size, np.uint16)
     np.copyto(u, src)
-    np.left_shift(u, np.uint16(4), out=v)
+    np.multiply(u, np.uint16(16), out=v)  # u << 4 (a multiply vectorizes, a 16-bit shift does not)
     v |= u
     v &= np.uint16(0x0F0F)  # little-endian: low byte = low nibble (value 2i), high byte = value 2i+1
     np.copyto(d, v.view(np.uint8)[:m])
