@@ -55,6 +55,7 @@ def test_short_demo_trains_a_global_model_identical_on_both_islands(tmp_path):
     assert final < initial - 1.5, (initial, final)
     assert res["islands_identical"] is True, res["islands_compare"]
     assert res["merges"] > 0 and res["bytes_pushed"] > 0
+    assert res["bytes_up"] > res["bytes_pushed"] and res["bytes_down"] > 0  # measured on the demo's link
     assert res["baseline_heldout_loss"] is not None and res["loss_ratio"] < 1.25
     assert (out / "losses.svg").exists()
     for name in ("A-tp2", "B-pp2"):
