@@ -1,4 +1,5 @@
 """Scripted islands over loopback: the syncer end to end (handshake, INIT, rounds, refusals, final cut)."""
+import dataclasses
 import json
 import threading
 import time
@@ -106,6 +107,8 @@ def test_quorum_with_a_stalled_island_and_carry_of_its_late_push():
         assert np.array_equal(b.values, base0 - np.float32(2.0))
         rec = server.records[-1]
         assert [r["island"] for r in rec.responders] == ["a", "b"] and "slow" in rec.expected
+        # (the next round must wait for all three: a long grace so a loaded machine cannot split it)
+        server.coord.rs = dataclasses.replace(server.coord.rs, grace_s=60.0)
         # the stalled island's push relative to v0 arrives late: carried into the next round at half weight
         r = cs[2].push(0, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
                        body=codecs.encode("f32", np.full(n, 8.0, np.float32)), wait=True)

@@ -87,6 +87,7 @@ class _Session:
         self.joined = False
         self.final_acked: Optional[list] = None
         self.writer: Optional[threading.Thread] = None
+        self.reader: Optional[threading.Thread] = None
         self.inflight = False
         self.pushes_inflight = 0
 
@@ -232,8 +233,13 @@ class SyncerServer:
                 self._sock.close()
             except OSError:
                 pass
-        for s in list(self.all_sessions):
+        sessions = list(self.all_sessions)
+        for s in sessions:
             s.close()
+        for s in sessions:  # bounded: their sockets are closed, so they return promptly
+            for t in (s.reader, s.writer):
+                if t is not None and t is not threading.current_thread():
+                    t.join(2)
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(5)
@@ -261,8 +267,9 @@ class SyncerServer:
             conn = Connection(sock, timeout=self.cfg.io_timeout_s)
             s = _Session(self, conn)
             self.all_sessions.add(s)
-            threading.Thread(target=self._session_main, args=(s,), daemon=True,
-                             name=f"yeto-conn-{conn.peer}").start()
+            s.reader = threading.Thread(target=self._session_main, args=(s,), daemon=True,
+                                        name=f"yeto-conn-{conn.peer}")
+            s.reader.start()
 
     def _refuse(self, s: _Session, code: str, message: str) -> None:
         log.warning("refusing %s (%s): %s", s.island or s.conn.peer, code, message)
@@ -497,8 +504,7 @@ class SyncerServer:
             log.exception("internal error while accepting a push from island %s", s.island)
             s.post(MsgType.PUSH_REPLY, {"fragment": p.fragment, "base_version": p.base_version, "status": "refused",
                                         "code": "internal", "message": "internal error in the syncer (see its log)"})
-        finally:
-            p.body = None
+        finally:  # (the coordinator owns p.body now: held for carried/exact pushes, released after a fold)
             with s.cv:
                 s.pushes_inflight -= 1
                 s.cv.notify_all()
