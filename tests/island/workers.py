@@ -235,7 +235,17 @@ def install_island(cfg_kwargs, path, steps=1, real_vocab=None):
         with open(os.path.join(path, "manifest.json")) as f:
             man.check_matches(json.load(f))
         src = {e: np.load(os.path.join(path, f"{e}.npy"), allow_pickle=False) for e in range(len(man))}
+    pads = []
+    if real_vocab is not None:   # padding rows must be left as they are
+        from yeto_patch.island.names import VOCAB_NAMES
+        for lp in man.local:
+            if lp.local_name in VOCAB_NAMES:
+                rows = lp.param.shape[0]
+                first = max(0, real_vocab - lp.shard * rows)
+                pads.append((lp, first, lp.param.detach()[first:].clone()))
     view.write(None, src, set_anchor=True)
+    padding_untouched = all(torch.equal(lp.param.detach()[first:], old) for lp, first, old in pads)
+    n_padding_rows = sum(old.shape[0] for _, _, old in pads)
     back = collect_arrays(view)
     same = None
     if dist.get_rank() == 0:
@@ -245,7 +255,8 @@ def install_island(cfg_kwargs, path, steps=1, real_vocab=None):
     zero_ok = None if dist.get_rank() != 0 else all(not np.any(a) for a in zero.values())
     ev_after = harness.eval_loss(ctx)
     losses = harness.train_steps(ctx, 2)
-    return dict(eval_before=ev_before, eval_after=ev_after, same=same, zero_delta=zero_ok, losses=losses)
+    return dict(eval_before=ev_before, eval_after=ev_after, same=same, zero_delta=zero_ok, losses=losses,
+                padding_untouched=padding_untouched, n_padding_rows=n_padding_rows)
 
 
 def manifest_mismatch_message(cfg_kwargs, path):

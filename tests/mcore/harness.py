@@ -48,6 +48,8 @@ class RunCfg:
     seq: int = 16
     mbs: int = 2
     micro: int = 2                 # microbatches per DP rank per step (>= pp for pipelines)
+    global_batch: Optional[int] = None  # if set: sequences per step for the whole island; micro is derived,
+                                        # so every layout sees the same global batch (same loss)
     lr: float = 1e-2
     clip_grad: float = 1.0
     dist_opt: bool = True
@@ -143,6 +145,11 @@ def build(cfg: RunCfg) -> dict:
     if cfg.overlap_param_gather:
         tcfg.param_sync_func = ([c.start_param_sync for c in chunks] if len(chunks) > 1
                                 else chunks[0].start_param_sync)
+    if cfg.global_batch:
+        dp = ps.get_data_parallel_world_size()
+        if cfg.global_batch % (dp * cfg.mbs):
+            raise ValueError(f"global_batch {cfg.global_batch} is not a multiple of dp {dp} x mbs {cfg.mbs}")
+        cfg = dataclasses.replace(cfg, micro=cfg.global_batch // (dp * cfg.mbs))
     ctx = dict(cfg=cfg, tcfg=tcfg, model=chunks, optimizer=optimizer, ps=ps, vocab_padded=vocab_padded,
                step=0)
     ctx["data"] = DataStream(cfg, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())

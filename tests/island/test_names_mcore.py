@@ -1,0 +1,93 @@
+"""Global names and cross-layout installs on real megatron-core (CPU, 4 gloo ranks; plus a 1-rank pool)."""
+import pytest
+
+from tests.mcore.pool import WorkerPool
+
+W = "tests.island.workers"
+DENSE = dict(layers=4, global_batch=8, bf16=True)
+LAYOUTS = {
+    "tp2dp2": dict(tp=2, **DENSE),
+    "pp2tp2": dict(tp=2, pp=2, **DENSE),
+    "dp4": dict(tp=1, dist_opt=False, **DENSE),
+    "pp2vpp2dp2": dict(tp=1, pp=2, vpp=2, **DENSE),
+    "pp4": dict(tp=1, pp=4, **DENSE),
+}
+MOE = dict(experts=4, bf16=True, layers=2, global_batch=8)
+
+
+@pytest.fixture(scope="module")
+def single_pool():
+    pool = WorkerPool(1)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture(scope="module")
+def manifests(mcore_pool, single_pool):
+    out = {k: mcore_pool.run(f"{W}:manifest_of", v, timeout=180) for k, v in LAYOUTS.items()}
+    out["single"] = single_pool.run(f"{W}:manifest_of", dict(tp=1, **DENSE), timeout=180)
+    return out
+
+
+def test_manifest_identical_on_every_rank_and_layout(manifests):
+    """(2) TP2xDP2, PP2xTP2, DP4, PP2 with virtual pipeline, PP4 and one process: same names, order and shapes."""
+    ref = manifests["single"][0]
+    names = [n for n, _, _ in ref]
+    assert "decoder.layers.3.self_attention.linear_qkv.weight" in names   # global layer numbers
+    assert "output_layer.weight" not in names                            # tied: one entry
+    assert all(d == "float32" for _, _, d in ref)
+    for layout, per_rank in manifests.items():
+        for r, m in enumerate(per_rank):
+            assert m == ref, f"{layout} rank {r} differs"
+
+
+def test_moe_manifest_identical_for_ep2_and_ep1(mcore_pool):
+    ep2 = mcore_pool.run(f"{W}:manifest_of", dict(tp=2, ep=2, **MOE), timeout=180)
+    ep1 = mcore_pool.run(f"{W}:manifest_of", dict(tp=1, ep=1, **MOE), timeout=180)
+    ep4 = mcore_pool.run(f"{W}:manifest_of", dict(tp=1, ep=4, **MOE), timeout=180)
+    assert ep2[0] == ep1[0] == ep4[0] and all(m == ep2[0] for m in ep2 + ep1 + ep4)
+    names = [n for n, _, _ in ep2[0]]
+    for L in range(2):
+        for e in range(4):
+            assert f"decoder.layers.{L}.mlp.experts.{e}.linear_fc1.weight" in names
+
+
+def test_expert_parameter_without_global_index_is_an_error(mcore_pool):
+    res = mcore_pool.run(f"{W}:manifest_error_without_expert_index", dict(tp=1, ep=2, **MOE), timeout=180)
+    for msg in res:
+        assert msg and "no global expert index" in msg
+
+
+@pytest.mark.parametrize("a,b", [("tp2dp2", "pp2tp2"), ("pp2tp2", "dp4"), ("moe_ep2", "moe_tp2ep2")])
+def test_install_from_another_layout_gives_the_same_model(mcore_pool, tmp_path, a, b):
+    """(4) island A (seed 1) is read, saved as .npy and installed into island B (seed 2, another layout):
+    B then holds exactly A's values and computes A's loss."""
+    layouts = {**LAYOUTS, "moe_ep2": dict(tp=1, ep=2, **MOE), "moe_tp2ep2": dict(tp=2, ep=2, **MOE)}
+    ca = {**layouts[a], "seed": 1}
+    cb = {**layouts[b], "seed": 2, "data_seed": 0}
+    sa = mcore_pool.run(f"{W}:save_island", ca, str(tmp_path), timeout=240)
+    sb = mcore_pool.run(f"{W}:install_island", cb, str(tmp_path), timeout=240)
+    assert sb[0]["same"] is True and sb[0]["zero_delta"] is True
+    assert sb[0]["eval_before"] != pytest.approx(sa[0]["eval"], abs=1e-3)
+    assert sb[0]["eval_after"] == pytest.approx(sa[0]["eval"], abs=2e-2)
+
+
+def test_vocab_padding_mismatch_is_explained_and_real_vocab_merges(mcore_pool, tmp_path):
+    """Vocab 128 with --make-vocab-size-divisible-by 128: TP1 keeps 128 rows, TP2 pads to 256."""
+    tp2 = dict(tp=2, bf16=True, vocab=128, vocab_divisible_by=128, seed=1, global_batch=8)
+    tp1 = dict(tp=1, bf16=True, vocab=128, vocab_divisible_by=128, seed=2, global_batch=8)
+    mcore_pool.run(f"{W}:save_island", tp2, str(tmp_path / "padded"), timeout=240)
+    msg = mcore_pool.run(f"{W}:manifest_mismatch_message", tp1, str(tmp_path / "padded"), timeout=240)[0]
+    assert msg and "--make-vocab-size-divisible-by" in msg and "256" in msg and "128" in msg
+    # with the real vocabulary size both sides name 128 rows and merge on them (padded TP2 -> TP1 and back);
+    # the padding rows are never written (they still take part in TP2's softmax, so losses may differ)
+    sa = mcore_pool.run(f"{W}:save_island", tp2, str(tmp_path / "real"), 3, 128, timeout=240)
+    assert [n for n, s, _ in sa[0]["manifest"] if n == "embedding.word_embeddings.weight" and s[0] == 128]
+    sb = mcore_pool.run(f"{W}:install_island", tp1, str(tmp_path / "real"), 1, 128, timeout=240)
+    assert sb[0]["same"] is True and sb[0]["zero_delta"] is True
+    mcore_pool.run(f"{W}:save_island", tp1, str(tmp_path / "back"), 1, 128, timeout=240)
+    sc = mcore_pool.run(f"{W}:install_island", tp2, str(tmp_path / "back"), 1, 128, timeout=240)
+    assert sc[0]["same"] is True
+    assert all(r["padding_untouched"] for r in sc) and sum(r["n_padding_rows"] for r in sc) > 0
