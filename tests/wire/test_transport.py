@@ -170,6 +170,7 @@ def test_peer_close_surfaced(pair):
     (frame(MsgType.HELLO, b"\x02\x00\x00\x00{}", magic=b"GET "), FrameError, "bad magic"),
     (frame(MsgType.HELLO, b"\x02\x00\x00\x00{}", version=9), FrameError, "version 9"),
     (frame(MsgType.HELLO, b"", length=1 << 30), FrameError, "HELLO frame announces"),
+    (frame(MsgType.PUSH, b"", length=1 << 39), FrameError, "unchunked PUSH frame announces"),
     (frame(MsgType.HELLO, b"\x05\x00\x00\x00{}"), FrameError, "truncated message"),
     (frame(MsgType.CHUNK, b"short"), FrameError, "shorter than its envelope"),
     (frame(MsgType.CHUNK, chunks.pack_envelope(9, MsgType.HELLO, 1 << 30, 0) + b"x"), FrameError,

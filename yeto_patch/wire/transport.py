@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Iterable, Optional, Union
 
+import numpy as np
 import xxhash
 
 from . import chunks as _chunks
@@ -298,10 +299,13 @@ class Connection:
             self._recv_into(memoryview(hdr), first_wait=max(left, 1e-3))
             h = decode_header(hdr)
             if h.msg_type != MsgType.CHUNK:
-                if h.length > self.max_payload[h.msg_type]:
-                    raise FrameError(f"{h.msg_type.name} frame announces {h.length} bytes, above this "
-                                     f"receiver's maximum {self.max_payload[h.msg_type]}")
-                payload = bytearray(h.length)
+                # an unchunked frame is never larger than a chunk (bigger messages must be chunked), so a
+                # hostile length cannot make us allocate more than MAX_PAYLOAD[CHUNK] here
+                limit = min(self.max_payload[h.msg_type], MAX_PAYLOAD[MsgType.CHUNK])
+                if h.length > limit:
+                    raise FrameError(f"unchunked {h.msg_type.name} frame announces {h.length} bytes, above this "
+                                     f"receiver's maximum {limit} (larger messages travel as CHUNKs)")
+                payload = np.empty(h.length, np.uint8)
                 self._recv_into(memoryview(payload))
                 if xxhash.xxh3_64_intdigest(payload) != h.digest:
                     raise DigestError(f"digest mismatch in {h.msg_type.name} message from {self.peer}")
