@@ -274,6 +274,26 @@ class Coordinator:
         self.merges_total = 0
         self.initialized = False
         self.protect: Optional[Callable[[int], None]] = None  # called before a fragment's state changes
+        self._spare: Optional[np.ndarray] = None  # one released accumulator, reused (no fresh page faults)
+        self._spare_lock = threading.Lock()
+
+    def _take_acc(self, n: int) -> np.ndarray:
+        with self._spare_lock:
+            sp = self._spare
+            if sp is not None and sp.size >= n:
+                self._spare = None
+                acc = sp[:n]
+                self.runner.map(n, lambda a, b: acc[a:b].fill(0.0))
+                return acc
+        return np.zeros(n, np.float32)
+
+    def _give_acc(self, acc: Optional[np.ndarray]) -> None:
+        if acc is None:
+            return
+        full = acc.base if isinstance(acc.base, np.ndarray) else acc
+        with self._spare_lock:
+            if self._spare is None or full.size > self._spare.size:
+                self._spare = full
 
     # ------------------------------------------------------------------------------------------ setup
     def set_manifest(self, manifest: list, fragments: int) -> None:
@@ -490,7 +510,7 @@ class Coordinator:
         try:
             with r.fold_lock:
                 if r.acc is None:
-                    r.acc = np.zeros(f.numel, np.float32)
+                    r.acc = self._take_acc(f.numel)
                 codecs.decode_accumulate(p.codec, p.body, f.numel, w, r.acc, p.block,
                                          threads=self.runner.threads)
         except CodecError as e:
@@ -588,7 +608,7 @@ class Coordinator:
         try:
             acc = r.acc
             if acc is None:
-                acc = np.zeros(f.numel, np.float32)
+                acc = r.acc = self._take_acc(f.numel)
             if self.ms.exact:
                 for c in fresh:
                     codecs.decode_accumulate(c.push.codec, c.push.body, f.numel, c.weight_raw, acc, c.push.block,
@@ -643,6 +663,8 @@ class Coordinator:
                     self.seen.discard((c.island, index, c.push.base_version))
             f.round = _Round(f.version)
             self.cond.notify_all()
+        self._give_acc(r.acc)
+        r.acc = None
         t1 = self.clock()
         return MergeRecord(fragment=index, version=f.version, ok=ok, responders=responders, total_weight=total
                            if ok else 0.0, bytes=nbytes, quorum_s=max(0.0, t0 - t_first), merge_s=t1 - t0,

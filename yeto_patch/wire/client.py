@@ -290,8 +290,9 @@ class SyncerClient:
                 values = np.frombuffer(mv, np.float32)
                 if values.ctypes.data % 4 or not values.flags.writeable:
                     values = values.copy()
-                if not np.isfinite(values).all():
-                    raise ProtocolError(f"base of fragment {frag} has non-finite values")
+                for a in range(0, numel, 1 << 18):  # chunked: no full-size temporary
+                    if not np.isfinite(values[a:a + (1 << 18)]).all():
+                        raise ProtocolError(f"base of fragment {frag} has non-finite values")
             else:
                 values = codecs.decode(dtype, body, numel)
             b = Base(frag, version, dtype, values, final=(t == MsgType.FINAL_BASE) or bool(meta.get("final")))
