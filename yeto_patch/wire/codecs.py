@@ -195,18 +195,14 @@ def _block_absmax_bits(absbits: np.ndarray, block: int, out: np.ndarray) -> None
 
 
 def _block_mul(a: np.ndarray, f: np.ndarray, block: int, out: np.ndarray) -> None:
-    """``out = a * f[block index]`` (per-block factor).
+    """``out = a * f[block index]`` (one factor per block; ``f`` has ``ceil(a.size / block)`` entries).
 
-    The factors are first expanded to one per element (a broadcast copy) so that the multiply runs on two
-    contiguous operands: numpy's broadcast multiply over (nblocks, block) rows is ~2x slower."""
+    The factors are expanded to one per element first so that the multiply runs on two contiguous operands:
+    numpy's broadcast multiply over (nblocks, block) rows is ~2x slower, and ``np.repeat`` is ~2x faster
+    than a broadcasting copy into scratch."""
     m = a.size
-    e = _scratch("expand", m, np.float32)
-    ef, et = _blocks(e, block)
-    if ef.size:
-        np.copyto(ef, f[: ef.shape[0], None])
-    if et.size:
-        et[...] = f[-1]
-    np.multiply(a, e, out=out)
+    e = np.repeat(f[: _nblocks(m, block)], block)
+    np.multiply(a, e[:m], out=out)
 
 
 def _tiny(k: float) -> np.float32:
