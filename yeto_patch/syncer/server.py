@@ -375,10 +375,10 @@ class SyncerServer:
                        "lease_s": cfg.rounds.lease_s, "islands": cfg.islands, "quorum": cfg.rounds.k,
                        "total_rounds": cfg.rounds.total_rounds, "manifest_digest": digest.hex(),
                        "final": self.final_started}
-            s.conn.send(MsgType.WELCOME, welcome)
-            if coord.initialized:
+            if coord.initialized:  # queued now (the writer starts after WELCOME went out)
                 for f in range(len(coord.frags)):
                     s.post_base(f, "f32", final=self.final_done)
+        s.conn.send(MsgType.WELCOME, welcome)  # outside the central lock: a slow reader blocks only itself
         if old is not None and old is not s:
             log.info("island %s reconnected (incarnation %s); closing its previous connection", island, incarnation)
             old.close()
