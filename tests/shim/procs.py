@@ -87,12 +87,13 @@ def start_syncer(tmp_path, port, islands=2, fragments=2, key=None, extra=()):
     return Proc("syncer", args, base_env(), str(tmp_path / "syncer.log"))
 
 
-def start_island(tmp_path, name, port, layout_args, steps, env_extra, nproc=2):
+def start_island(tmp_path, name, port, layout_args, steps, env_extra, nproc=2, script=ISLAND_SCRIPT):
+    """torchrun of an ordinary training script; each rank's stdout/stderr also go to <out>/ranks/.../<rank>/."""
     out = tmp_path / name
     out.mkdir(exist_ok=True)
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), ISLAND_SCRIPT, *layout_args,
-            "--steps", str(steps), "--out", str(out)]
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--log-dir", str(out / "ranks"),
+            "--redirects", "3", "--tee", "3", script, *layout_args, "--steps", str(steps), "--out", str(out)]
     env = base_env(YETO_DILOCO_SYNCER=f"127.0.0.1:{port}", YETO_DILOCO_ISLAND_ID=name,
                    YETO_DILOCO_METRICS=str(out / "metrics.jsonl"), YETO_DILOCO_TOTAL_STEPS=steps, **env_extra)
     return Proc(name, args, env, str(tmp_path / f"{name}.log"))
@@ -120,14 +121,37 @@ def logs(procs) -> str:
     return "\n".join(f"===== {p.name} =====\n{p.text()[-6000:]}" for p in procs)
 
 
-def island_model(out_dir) -> dict:
+def rank_stderr(out_dir) -> dict:
+    """{local rank: its stderr} from torchrun's per-rank log files."""
+    out = {}
+    for path in glob.glob(os.path.join(out_dir, "ranks", "*", "attempt_*", "*", "stderr.log")):
+        rank = int(os.path.basename(os.path.dirname(path)))
+        with open(path, errors="replace") as f:
+            out[rank] = f.read()
+    return out
+
+
+def npz_parts(pattern, kind="master") -> dict:
+    """{name: array} of one kind ("master" or "param") from the per-rank npz files matching `pattern`."""
     model = {}
-    for path in sorted(glob.glob(os.path.join(out_dir, "model.rank*.npz"))):
+    for path in sorted(glob.glob(pattern)):
         with np.load(path) as z:
             for k in z.files:
-                assert k not in model, f"{k} dumped twice"
-                model[k] = z[k]
+                if k.startswith(kind + "/"):
+                    name = k[len(kind) + 1:]
+                    assert name not in model, f"{name} dumped twice"
+                    model[name] = z[k]
     return model
+
+
+def island_model(out_dir, kind="master") -> dict:
+    return npz_parts(os.path.join(out_dir, "model.rank*.npz"), kind)
+
+
+def as_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 (round to nearest even, as torch casts) -> float32."""
+    import torch
+    return torch.from_numpy(np.ascontiguousarray(a)).bfloat16().float().numpy()
 
 
 def island_result(out_dir) -> dict:

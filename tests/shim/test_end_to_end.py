@@ -18,8 +18,9 @@ def test_two_islands_tp2_pp2_int4_overlap_end_bit_identical(tmp_path):
                YETO_DILOCO_OVERLAP_STEPS=1, YETO_DILOCO_MERGE_ALPHA=0.5, YETO_DILOCO_CHUNK_BYTES="64K",
                YETO_DILOCO_TIMEOUT=150)
     syncer = P.start_syncer(tmp_path, port, islands=2, fragments=FRAGMENTS, key=key)
-    a = P.start_island(tmp_path, "tp2", port, ["--tp", "2", "--data-seed", "1"], STEPS, env)
-    b = P.start_island(tmp_path, "pp2", port, ["--pp", "2", "--data-seed", "2"], STEPS, env)
+    barrier = ["--start-barrier", str(tmp_path / "barrier")]          # launched together, as a user would
+    a = P.start_island(tmp_path, "tp2", port, ["--tp", "2", "--data-seed", "1", *barrier], STEPS, env)
+    b = P.start_island(tmp_path, "pp2", port, ["--pp", "2", "--data-seed", "2", *barrier], STEPS, env)
     rcs = P.wait_all([a, b, syncer], timeout=330)
     assert rcs == [0, 0, 0], P.logs([a, b, syncer])
 
@@ -27,9 +28,11 @@ def test_two_islands_tp2_pp2_int4_overlap_end_bit_identical(tmp_path):
     assert all(v >= STEPS // H for v in versions.values()), versions     # every fragment merged every round
     for name in ("tp2", "pp2"):
         model = P.island_model(str(tmp_path / name))
+        params = P.island_model(str(tmp_path / name), "param")
         assert sorted(model) == sorted(final), (name, sorted(set(model) ^ set(final)))
         for k, v in final.items():
             assert model[k].shape == v.shape and np.array_equal(model[k], v), (name, k)
+            assert np.array_equal(params[k], P.as_bf16(v)), (name, k)    # bf16 weights: the base, cast
         res = P.island_result(str(tmp_path / name))
         assert res["eval_after"] < res["eval_before"] - 0.3, res
         recs = P.metrics(str(tmp_path / name))

@@ -243,7 +243,8 @@ def test_final_cut_at_megatrons_last_iteration_leaves_the_loop_alone(monkeypatch
     assert out[2:5] == (False, False, 0)  # Megatron ends and saves at train_iters by itself
 
 
-def test_old_four_value_train_step_uses_exit_interval(monkeypatch):
+@pytest.mark.parametrize("fn", [_mlm_train_step_old, _mlm_train_step_017])
+def test_early_final_cut_uses_megatrons_exit_interval(fn, monkeypatch):
     args = types.SimpleNamespace(exit_interval=None)
     monkeypatch.setattr(mlm_training, "_facts", lambda bound: dict(
         model=None, optimizer=None, tokens=None, vocab_size=None, iteration=4, train_iters=10))
@@ -252,8 +253,10 @@ def test_old_four_value_train_step_uses_exit_interval(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", fake_gv)
     FinishingRecorder.finish_at = 4
     with shim(factory=FinishingRecorder):
-        out = _call(_mlm_train_step_old, mlm_training.train_step_wrapper, "f", "d", [], "o", "s", "c")
-    assert out == ({"lm loss": 1.0}, 0, 1.0, 0) and args.exit_interval == 5
+        out = _call(fn, mlm_training.train_step_wrapper, *("f", "d", [], "o", "s", "c", "fb")[:len(
+            __import__("inspect").signature(fn).parameters)])
+    assert args.exit_interval == 5                # Megatron saves at iteration 5 and leaves the loop
+    assert out == fn(*range(len(__import__("inspect").signature(fn).parameters)))   # result untouched
 
 
 def test_bridge_facts_and_final_cut():

@@ -4,8 +4,15 @@ and, at the final cut, tell Megatron's loop to checkpoint and stop.
 ``train_step`` differs across releases (Megatron-LM 0.17 takes no ``pg_collection``/``p2p_communicator`` and
 returns 7 values; 0.19 returns 8; Megatron-Bridge takes ``global_state`` and returns 7; releases before 0.12
 returned 4 values without the checkpoint/exit flags). Arguments are found by name through the wrapped
-function's signature, so positional or keyword calls both work, and the result is changed only in the three
-flag positions ``(loss, skipped, should_checkpoint, should_exit, exit_code, ...)``.
+function's signature, so positional or keyword calls both work.
+
+At the final cut:
+- at Megatron's own last iteration nothing is changed: the loop ends and saves as usual (iteration = train_iters);
+- earlier (YETO_DILOCO_TOTAL_STEPS < train_iters), Megatron-LM is asked to stop through its own exit rule
+  (``args.exit_interval`` = this iteration + 1), so its checkpoint carries the right iteration number; when that
+  is not available (and for Megatron-Bridge) the returned flags ``(loss, skipped, should_checkpoint, should_exit,
+  exit_code, ...)`` are set to checkpoint and exit (Megatron then labels the checkpoint with the iteration
+  before this step's increment).
 """
 from __future__ import annotations
 
@@ -36,8 +43,10 @@ def bind(wrapped, args, kwargs) -> dict:
         return dict(kwargs)
 
 
-def run(wrapped, args, kwargs, facts: dict, on_legacy_exit=None):
-    """Engine start/step around ``wrapped``; rewrites the result at the final cut."""
+def run(wrapped, args, kwargs, facts: dict, on_early_exit=None):
+    """Engine start/step around ``wrapped``; at a final cut before Megatron's last iteration, asks the loop to
+    checkpoint and stop: through ``on_early_exit()`` when given (returns True if it arranged it), else through
+    the returned flags."""
     RUNTIME.train_step_start(**facts)
     finished = False
     try:
@@ -52,10 +61,14 @@ def run(wrapped, args, kwargs, facts: dict, on_legacy_exit=None):
         log.info("yeto-patch: final cut installed at Megatron's last iteration %d; the loop ends and saves",
                  iteration + 1)
         return result
-    return report_checkpoint_and_exit(result, on_legacy_exit)
+    if on_early_exit is not None and on_early_exit():
+        log.info("yeto-patch: final cut installed at iteration %s; Megatron saves and exits after this iteration",
+                 None if iteration is None else iteration + 1)
+        return result
+    return report_checkpoint_and_exit(result)
 
 
-def report_checkpoint_and_exit(result, on_legacy_exit=None):
+def report_checkpoint_and_exit(result):
     if isinstance(result, tuple) and len(result) >= 5:
         out = list(result)
         out[2] = True   # should_checkpoint
@@ -64,8 +77,6 @@ def report_checkpoint_and_exit(result, on_legacy_exit=None):
             out[4] = 0  # exit_code
         log.info("yeto-patch: final cut installed; asking Megatron to checkpoint and exit")
         return tuple(out)
-    if on_legacy_exit is not None and on_legacy_exit():
-        return result
     log.error("yeto-patch: final cut installed but this train_step returns %r, which has no checkpoint/exit "
               "flags; stop the loop yourself (yeto_patch.island.engine.finished())", type(result).__name__)
     return result

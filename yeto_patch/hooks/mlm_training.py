@@ -36,23 +36,24 @@ def _facts(bound) -> dict:
     return facts
 
 
-def _legacy_exit(iteration_holder):
-    """Releases whose train_step returns no exit flags still honour --exit-interval after the step."""
+def _exit_after_this_iteration(facts):
+    """Make Megatron-LM's own --exit-interval rule fire after this iteration: it saves (with the iteration number
+    after the step) and leaves the loop. Every release since the flag existed checks it after each iteration."""
     try:
         from megatron.training.global_vars import get_args
         args = get_args()
-        it = iteration_holder.get("iteration")
-        if it is None:
-            return False
-        args.exit_interval = it + 1
-        return True
     except Exception:
         return False
+    it = facts.get("iteration")
+    if it is None or not hasattr(args, "exit_interval"):
+        return False
+    args.exit_interval = it + 1
+    return True
 
 
 def train_step_wrapper(wrapped, instance, args, kwargs):
     facts = _facts(_train_step.bind(wrapped, args, kwargs))
-    return _train_step.run(wrapped, args, kwargs, facts, on_legacy_exit=lambda: _legacy_exit(facts))
+    return _train_step.run(wrapped, args, kwargs, facts, on_early_exit=lambda: _exit_after_this_iteration(facts))
 
 
 def patch(module=None) -> list:

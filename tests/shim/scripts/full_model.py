@@ -1,0 +1,66 @@
+"""Test-only: the full model of a megatron-core job as float32 numpy arrays under layout-independent names,
+gathered with megatron's own accessors and groups (independent of yeto-patch's island code)."""
+import torch
+import torch.distributed as dist
+
+
+def _leaf_optimizers(opt):
+    subs = getattr(opt, "chained_optimizers", None)
+    return [opt] if subs is None else [o for s in subs for o in _leaf_optimizers(s)]
+
+
+def _masters(optimizer):
+    main_of = {}
+    for o in _leaf_optimizers(optimizer):
+        if hasattr(o, "model_param_group_index_map"):        # DistributedOptimizer: sharded over DP
+            for p in [p for b in o.buffers for p in b.params]:   # the same order on every DP rank
+                full = torch.zeros(p.numel(), dtype=torch.float32)
+                if p in o.model_param_group_index_map:
+                    rng = o._get_model_param_range_map(p)["param"]
+                    full[rng.start:rng.end] = o._get_main_param_and_optimizer_states(p)["param"].detach().float()
+                dist.all_reduce(full, group=o.data_parallel_group)
+                main_of[p] = full.view(p.shape)
+        elif hasattr(o, "fp32_from_float16_groups"):
+            for g16, g32 in zip(o.float16_groups, o.fp32_from_float16_groups):
+                for p, m in zip(g16, g32):
+                    main_of[p] = m.detach().clone()
+            for g in o.fp32_from_fp32_groups:
+                for p in g:
+                    main_of[p] = p.detach().clone()
+        else:
+            for g in o.optimizer.param_groups:
+                for p in g["params"]:
+                    main_of[p] = p.detach().clone()
+    return main_of
+
+
+def full_model(model_chunks, optimizer, num_layers, tied=True):
+    """{"master/<name>": fp32 master, "param/<name>": model param as fp32} for the parameters whose TP-rank-0 /
+    DP-rank-0 copy lives on this rank (collective over the job: call on every rank)."""
+    from megatron.core import parallel_state as ps
+    main_of = _masters(optimizer)
+    pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    per_chunk = num_layers // (pp * len(model_chunks))
+    g = ps.get_tensor_model_parallel_group()
+    out = {}
+    for ci, chunk in enumerate(model_chunks):
+        while hasattr(chunk, "module"):
+            chunk = chunk.module
+        for name, p in chunk.named_parameters():
+            pieces = {"master": main_of[p], "param": p.detach().float()}
+            for kind, t in pieces.items():
+                if getattr(p, "tensor_model_parallel", False) and g.size() > 1:
+                    parts = [torch.empty_like(t) for _ in range(g.size())]
+                    dist.all_gather(parts, t.contiguous(), group=g)
+                    t = torch.cat(parts, dim=p.partition_dim)
+                pieces[kind] = t
+            bits = name.split(".")
+            if bits[:2] == ["decoder", "layers"]:
+                bits[2] = str((ci * pp + pp_rank) * per_chunk + int(bits[2]))
+            if name == "output_layer.weight" and tied:
+                continue
+            if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+                gname = ".".join(bits)
+                out["master/" + gname] = pieces["master"].numpy().copy()
+                out["param/" + gname] = pieces["param"].numpy().copy()
+    return out

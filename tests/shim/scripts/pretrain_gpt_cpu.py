@@ -1,0 +1,101 @@
+"""Megatron-LM's own training loop on CPU, in the style of Megatron-LM's pretrain_gpt.py (test-only): a GPT with
+the local (non-Transformer-Engine) layer spec, mock data, megatron.training.pretrain. Knows nothing about
+DiLoCo. Usage: torchrun --nproc-per-node 2 pretrain_gpt_cpu.py <Megatron-LM arguments> [--export-npz PATH]
+
+--export-npz PATH: after pretrain() returns (also when --load reached --train-iters and nothing trained), each
+rank writes PATH.rank<r>.npz with its part of the full model (full_model.py: FP32 masters and weights)."""
+import os
+import sys
+import warnings
+from functools import partial
+
+warnings.filterwarnings("ignore")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tests.mcore import mlm_cpu_patches  # noqa: E402  test-only CPU support, applied before Megatron runs
+mlm_cpu_patches.apply()
+
+import torch  # noqa: E402
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset  # noqa: E402
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.training import get_args, get_tokenizer, pretrain  # noqa: E402
+from megatron.training.argument_utils import (core_transformer_config_from_args,  # noqa: E402
+                                              pretrain_cfg_container_from_args)
+from megatron.training.arguments import parse_and_validate_args  # noqa: E402
+from megatron.training.utils.common_utils import is_first_or_last_pipeline_stage  # noqa: E402
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    args = get_args()
+    config = core_transformer_config_from_args(args)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                    pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type, vp_stage=vp_stage)
+
+
+def get_batch(data_iterator, vp_stage=None):
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return None, None, None, None, None
+    b = next(data_iterator)
+    return b["tokens"], b["labels"], b["loss_mask"], b.get("attention_mask"), b["position_ids"]
+
+
+def loss_func(loss_mask, output_tensor):
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model, return_schedule_plan=False):
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
+
+
+def train_valid_test_datasets_provider(num_samples, vp_stage=None):
+    args = get_args()
+    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, blend=None,
+                              blend_per_split=None, split="99,1,0", tokenizer=get_tokenizer(),
+                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                              create_attention_mask=False, path_to_cache=None, mmap_bin_files=False)
+    return BlendedMegatronDatasetBuilder(MockGPTDataset, num_samples,
+                                         lambda: is_first_or_last_pipeline_stage(vp_stage), config).build()
+
+
+def export_npz(path, model_chunks, optimizer):
+    import numpy as np
+    from full_model import full_model
+    args = get_args()
+    arrays = full_model(model_chunks, optimizer, args.num_layers, not args.untie_embeddings_and_output_weights)
+    np.savez(f"{path}.rank{torch.distributed.get_rank()}.npz", **arrays)
+
+
+if __name__ == "__main__":
+    export = None
+    if "--export-npz" in sys.argv:
+        i = sys.argv.index("--export-npz")
+        export = sys.argv[i + 1]
+        del sys.argv[i:i + 2]
+    import megatron.training.training as T
+    built = {}
+    _setup = T.setup_model_and_optimizer
+
+    def setup_model_and_optimizer(*a, **k):   # keep a handle on the model for the export
+        res = _setup(*a, **k)
+        built["model"], built["optimizer"] = res[0], res[1]
+        return res
+    T.setup_model_and_optimizer = setup_model_and_optimizer
+    train_valid_test_datasets_provider.is_distributed = True
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
+             ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    if export:
+        export_npz(export, built["model"], built["optimizer"])

@@ -1,0 +1,77 @@
+"""Megatron-LM's own loop (megatron.training.pretrain) under the shim, attached only through the environment: a
+launcher in the style of pretrain_gpt.py with mock data runs to the final cut, Megatron saves its checkpoint
+there, and that checkpoint loads back (a plain Megatron run with --load) equal to the syncer's final base."""
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+from tests.shim import procs as P
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron.training") is None,
+                                reason="megatron-core < 0.17 ships no megatron.training")
+
+SCRIPT = os.path.join(P.ROOT, "tests", "shim", "scripts", "pretrain_gpt_cpu.py")
+ITERS = 8
+
+
+def mlm_args(ckpt, extra=()):
+    return ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", str(ITERS), "--lr", "3e-3", "--lr-decay-style", "constant", "--vocab-size", "128",
+            "--mock-data", "--transformer-impl", "local", "--use-distributed-optimizer", "--bf16",
+            "--eval-iters", "0", "--eval-interval", "1000", "--no-gradient-accumulation-fusion",
+            "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+            "--position-embedding-type", "rope", "--distributed-backend", "gloo", "--log-interval", "1",
+            "--seed", "1234", *extra]
+
+
+def torchrun(tmp_path, name, args, env):
+    import sys
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(P.free_port()), SCRIPT, *args]
+    return P.Proc(name, cmd, P.base_env(**env), str(tmp_path / f"{name}.log"), cwd=str(tmp_path))
+
+
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("total", [None, ITERS - 2], ids=["final-cut-at-train-iters", "final-cut-before"])
+def test_pretrain_loop_ends_at_the_final_cut_and_its_checkpoint_is_the_global_model(tmp_path, total):
+    end = total or ITERS
+    port = P.free_port()
+    key = P.key_file(tmp_path)
+    syncer = P.start_syncer(tmp_path, port, islands=1, fragments=2, key=key)
+    ckpt = str(tmp_path / "ckpt")
+    env = dict(YETO_DILOCO_SYNCER=f"127.0.0.1:{port}", YETO_DILOCO_KEY_FILE=key, YETO_DILOCO_ISLAND_ID="mlm",
+               YETO_DILOCO_SYNC_EVERY=2, YETO_DILOCO_PUSH_DTYPE="int8", YETO_DILOCO_TIMEOUT=120,
+               YETO_DILOCO_METRICS=str(tmp_path / "metrics.jsonl"), **({} if total is None else
+                                                                        dict(YETO_DILOCO_TOTAL_STEPS=total)))
+    train = torchrun(tmp_path, "pretrain", mlm_args(ckpt, ["--save", ckpt, "--save-interval", "1000",
+                                                            "--export-npz", str(tmp_path / "trained")]), env)
+    rcs = P.wait_all([train, syncer], timeout=480)
+    assert rcs == [0, 0], P.logs([train, syncer])
+    log = train.text()
+    assert f"iteration        {end}/       {ITERS}" in log and f"iteration        {end + 1}/" not in log
+    assert "installed the syncer's final model" in log
+    assert f"saving checkpoint at iteration       {end} " in log
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == str(end)            # the checkpoint is numbered by the steps it holds
+    final, versions = P.syncer_model(str(tmp_path / "syncer.ckpt"))
+    recs = P.metrics(str(tmp_path))
+    assert recs[-1]["event"] == "final" and recs[-1]["step"] == end
+
+    # a plain Megatron run (no yeto-patch in its environment) loads the checkpoint back
+    load = torchrun(tmp_path, "load", mlm_args(ckpt, ["--load", ckpt, "--export-npz", str(tmp_path / "loaded"),
+                                                      "--train-iters", str(end)]), {})
+    rcs = P.wait_all([load], timeout=300)
+    assert rcs == [0], P.logs([load])
+    # an early final cut ends the process inside Megatron's loop (its exit rule), so only the load-back exports
+    for prefix in ("trained", "loaded") if total is None else ("loaded",):
+        masters = P.npz_parts(str(tmp_path / prefix) + ".rank*.npz", "master")
+        params = P.npz_parts(str(tmp_path / prefix) + ".rank*.npz", "param")
+        assert sorted(masters) == sorted(params) == sorted(final), (prefix, sorted(set(masters) ^ set(final)))
+        for k, v in final.items():
+            assert np.array_equal(masters[k], v), (prefix, k, float(np.abs(masters[k] - v).max()))
+            assert np.array_equal(params[k], P.as_bf16(v)), (prefix, k)   # bf16 weights = the base, cast
