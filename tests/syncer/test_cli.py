@@ -95,3 +95,34 @@ def test_cli_process_runs_a_small_run_with_metrics_tape_and_checkpoint(tmp_path)
     text = logf.read_text()
     assert "merged fragment 0 -> v1" in text and "final cut" in text
     assert ckpt.exists() and not os.path.exists(str(ckpt) + ".tmp")
+
+
+def test_sigterm_checkpoints_committed_state_and_resume_refuses_to_overwrite(tmp_path):
+    import signal
+
+    from yeto_patch.syncer.checkpoint import read_checkpoint
+    ckpt = tmp_path / "s.bin"
+    cmd = [sys.executable, "-m", "yeto_patch.syncer", "--listen", "127.0.0.1:0", "--insecure", "--islands", "1",
+           "--fragments", "2", "--checkpoint", str(ckpt), "--merge-threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        addr = proc.stdout.readline().strip().rsplit(" ", 1)[-1]
+        c = SyncerClient(addr, None, "solo", MANIFEST, timeout=20, insecure=True)
+        w = c.connect()
+        values = init_values()
+        c.wait_ready(20, init_source=lambda f: [values[i] for i in w.layout[f]])
+        c.push(0, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
+               body=codecs.encode("f32", np.full(w.numels[0], 0.5, np.float32)), wait=True)
+        b = c.wait_base(0, 1, 20)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 130
+        c.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    meta, arrays = read_checkpoint(str(ckpt))
+    assert [f["version"] for f in meta["fragments"]] == [1, 0]
+    assert np.array_equal(arrays[0]["base"], b.values)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--resume" in r.stderr

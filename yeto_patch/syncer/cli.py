@@ -160,12 +160,17 @@ def _setup_logging(level: str, path: Optional[str]) -> None:
     fmt = logging.Formatter("%(asctime)s yeto-syncer %(levelname)s %(message)s")
     root = logging.getLogger("yeto")
     root.setLevel(level)
+    for h in [h for h in root.handlers if getattr(h, "_yeto_syncer", False)]:  # main() called again
+        root.removeHandler(h)
+        h.close()
     h = logging.StreamHandler(sys.stderr)
     h.setFormatter(fmt)
+    h._yeto_syncer = True
     root.addHandler(h)
     if path:
         fh = logging.FileHandler(path)
         fh.setFormatter(fmt)
+        fh._yeto_syncer = True
         root.addHandler(fh)
 
 
@@ -181,7 +186,6 @@ def main(argv: Optional[list] = None) -> int:
         server = SyncerServer(cfg)
         host, port = server.start()
     except (ValueError, AuthError, CheckpointError, OSError) as e:
-        log.error("%s", e)
         print(f"yeto-syncer: error: {e}", file=sys.stderr)
         return 2
     stopped = threading.Event()
@@ -189,7 +193,7 @@ def main(argv: Optional[list] = None) -> int:
     def on_signal(signum, frame):
         log.warning("signal %d: stopping (no final cut; the last checkpoint stays)", signum)
         stopped.set()
-        server.stop()
+        threading.Thread(target=server.stop, kwargs={"checkpoint": True}, daemon=True).start()
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, on_signal)
@@ -200,9 +204,9 @@ def main(argv: Optional[list] = None) -> int:
     while server.wait(0.5) is None:
         if stopped.is_set():
             break
-    server.wait(10)
+    server.wait(None if stopped.is_set() else 10)
     if stopped.is_set():
-        return 130
+        return 130 if server.exit_code in (0, None) else 1
     return server.exit_code if server.exit_code is not None else 1
 
 

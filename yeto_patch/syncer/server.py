@@ -190,6 +190,13 @@ class SyncerServer:
         self.address: Optional[tuple] = None
         self.exit_code: Optional[int] = None
         self.records: list[MergeRecord] = []  # kept small: last few, for tests and status
+        self._checkpoint_on_stop = False
+        self._shut = False
+        self._shutdown_lock = threading.Lock()
+        if cfg.checkpoint:
+            d = os.path.dirname(os.path.abspath(cfg.checkpoint))
+            if not os.path.isdir(d) or not os.access(d, os.W_OK):
+                raise CheckpointError(f"checkpoint directory {d} does not exist or is not writable")
         if cfg.checkpoint and cfg.resume:
             meta, arrays = read_checkpoint(cfg.checkpoint)
             if len(meta["layout"]) != cfg.fragments:
@@ -220,14 +227,23 @@ class SyncerServer:
         self._threads[1].join(timeout)
         return self.exit_code
 
-    def stop(self) -> None:
-        """Stop without a final cut (tests, signals): no new merges; the last checkpoint stays."""
+    def stop(self, checkpoint: bool = False) -> None:
+        """Stop without a final cut: no new merges. ``checkpoint`` (SIGINT/SIGTERM) first writes the committed
+        state (pushes of rounds that did not merge are not in it); otherwise the last checkpoint stays."""
+        self._checkpoint_on_stop = checkpoint and self.writer is not None
         self.stopping.set()
         with self.coord.cond:
             self.coord.cond.notify_all()
+        sched = self._threads[1] if len(self._threads) > 1 else None
+        if sched is not None and sched is not threading.current_thread():
+            sched.join(self.cfg.io_timeout_s)
         self._shutdown()
 
     def _shutdown(self) -> None:
+        with self._shutdown_lock:
+            if self._shut:
+                return
+            self._shut = True
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -582,6 +598,14 @@ class SyncerServer:
         except Exception:  # noqa: BLE001
             log.exception("syncer scheduler failed")
             code = 1
+        if self._checkpoint_on_stop and not self.final_done and self.coord.initialized:
+            try:
+                self._checkpoint(final=False)
+                log.info("stopped: committed state checkpointed to %s (versions %s)", self.cfg.checkpoint,
+                         self.coord.versions())
+            except CheckpointError as e:
+                log.error("%s", e)
+                code = 1
         self.exit_code = code
         self.stopping.set()
         self._shutdown()
