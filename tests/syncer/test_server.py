@@ -406,3 +406,19 @@ def test_island_verifies_the_syncer():
             client(addr, "a", connect_retries=0).connect()
         th.join(10)
     srv.close()
+
+
+def test_island_that_finishes_after_the_syncer_left_still_gets_the_final_model():
+    server, addr = make_server(islands=1, fragments=2, rounds={"total_rounds": 1, "quorum": 1},
+                               final_ack_timeout_s=0.3)
+    with running(server):
+        cs, ws, layout, _ = join_all(addr, ["late"])
+        c = cs[0]
+        for f in range(2):
+            c.push(f, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
+                   body=codecs.encode("f32", np.full(ws[0].numels[f], 0.1, np.float32)), wait=True)
+        assert server.wait(20) == 0  # no ACK within 0.3 s: the syncer wrote its checkpoint and left
+        res = c.finish(timeout=10)
+        assert [res[f].version for f in range(2)] == [1, 1]
+        assert all(np.array_equal(res[f].values, server.coord.frags[f].t.base) for f in range(2))
+        c.close()

@@ -499,15 +499,18 @@ class SyncerClient:
     def finish(self, last_step: Optional[int] = None, timeout: Optional[float] = None) -> dict:
         """Final cut: FINAL, wait for every fragment's FINAL_BASE, ACK; returns {fragment: Base} (float32)."""
         timeout = self.timeout if timeout is None else timeout
-        conn = self._need()
-        if not self._final_sent:
+        if self.conn is None:
+            raise ProtocolError("not connected: call connect() first")
+        conn = self.conn
+        if not self._final_sent and not self.final_cut_complete():
+            self.check()
             conn.send(MsgType.FINAL, {"last_step": int(self.local_step if last_step is None else last_step)})
             self._final_sent = True
         deadline = time.monotonic() + timeout
         n = self.welcome.fragments
         with self._cv:
             while len(self._final) < n:
-                if self._error is not None:
+                if self._error is not None and not (self._bye_seen and self.final_cut_complete()):
                     e = self._error
                     if isinstance(e, SyncerRefusal):
                         self._error = None
@@ -518,7 +521,11 @@ class SyncerClient:
                                       f"{sorted(self._final)} of {n}")
                 self._cv.wait(min(left, 0.5))
             out = dict(self._final)
-        conn.send(MsgType.ACK, {"versions": [out[f].version for f in range(n)]})
+        try:
+            conn.send(MsgType.ACK, {"versions": [out[f].version for f in range(n)]})
+        except (ProtocolError, OSError):
+            if not self._bye_seen:  # the syncer already closed after the final cut: the model is complete
+                raise
         return out
 
     def close(self) -> None:
