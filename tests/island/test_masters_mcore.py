@@ -67,6 +67,14 @@ def test_blend_write(mcore_pool):
     assert res[0]["eval2"] < res[0]["eval1"]
 
 
+def test_blend_with_anchor_at_the_value(mcore_pool):
+    """DiLoCo's overlapped install: masters := alpha*local + (1-alpha)*base, anchor := base."""
+    res = mcore_pool.run(f"{W}:blend_with_anchor_value", LAYOUTS["pp2tp2_bf16_distopt"], 0.25, 0.5, timeout=240)
+    r = res[0]
+    assert r["err_cur"] < 1e-6 and r["err_delta"] < 1e-6
+    assert r["mean_delta"] == pytest.approx(0.125, abs=1e-4)   # (1 - alpha) * c
+
+
 @pytest.mark.parametrize("layout", ["pp2tp2_bf16_distopt", "dp4_bf16_float16opt"])
 def test_read_delta_is_anchor_minus_current(mcore_pool, layout):
     res = mcore_pool.run(f"{W}:delta_roundtrip", LAYOUTS[layout], timeout=240)

@@ -60,11 +60,14 @@ def test_expert_parameter_without_global_index_is_an_error(mcore_pool):
         assert msg and "no global expert index" in msg
 
 
-@pytest.mark.parametrize("a,b", [("tp2dp2", "pp2tp2"), ("pp2tp2", "dp4"), ("moe_ep2", "moe_tp2ep2")])
+@pytest.mark.parametrize("a,b", [("tp2dp2", "pp2tp2"), ("pp2tp2", "dp4"), ("moe_ep2", "moe_tp2ep2"),
+                                 ("swiglu_tp2dp2", "swiglu_dp4")])
 def test_install_from_another_layout_gives_the_same_model(mcore_pool, tmp_path, a, b):
     """(4) island A (seed 1) is read, saved as .npy and installed into island B (seed 2, another layout):
     B then holds exactly A's values and computes A's loss."""
-    layouts = {**LAYOUTS, "moe_ep2": dict(tp=1, ep=2, **MOE), "moe_tp2ep2": dict(tp=2, ep=2, **MOE)}
+    layouts = {**LAYOUTS, "moe_ep2": dict(tp=1, ep=2, **MOE), "moe_tp2ep2": dict(tp=2, ep=2, **MOE),
+               # SwiGLU fc1 is split with partition_stride 2: [gate_r; up_r] per TP rank
+               "swiglu_tp2dp2": dict(tp=2, swiglu=True, **DENSE), "swiglu_dp4": dict(tp=1, swiglu=True, **DENSE)}
     ca = {**layouts[a], "seed": 1}
     cb = {**layouts[b], "seed": 2, "data_seed": 0}
     sa = mcore_pool.run(f"{W}:save_island", ca, str(tmp_path), timeout=240)
@@ -91,3 +94,14 @@ def test_vocab_padding_mismatch_is_explained_and_real_vocab_merges(mcore_pool, t
     sc = mcore_pool.run(f"{W}:install_island", tp2, str(tmp_path / "back"), 1, 128, timeout=240)
     assert sc[0]["same"] is True
     assert all(r["padding_untouched"] for r in sc) and sum(r["n_padding_rows"] for r in sc) > 0
+
+
+def test_frozen_parameters_are_excluded(mcore_pool):
+    cfg = dict(tp=2, pp=2, freeze=("final_layernorm",), **DENSE)
+    res = mcore_pool.run(f"{W}:frozen_roundtrip", cfg, timeout=180)
+    names = res[0]["names"]
+    assert all(r["names"] == names for r in res)
+    assert sum(len(r["frozen_local"]) for r in res) > 0
+    assert not [n for n in names if "final_layernorm" in n]
+    assert "decoder.layers.2.self_attention.linear_proj.weight" in names   # layer 2 = local layer 0 of stage 1
+    assert res[0]["same"] is True

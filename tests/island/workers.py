@@ -394,3 +394,30 @@ def bounded_memory(cfg_kwargs, chunk_bytes):
     write_peak = view.stats["peak_buffer_bytes"]
     return dict(model_bytes=model_bytes, read_peak=read_peak, write_peak=write_peak, read_rss=read_rss,
                 write_rss=write_rss, rounds=view.stats["rounds"])
+
+
+def frozen_roundtrip(cfg_kwargs):
+    """Frozen parameters are not in the manifest; the others read and write back unchanged."""
+    ctx, man, view = _setup(cfg_kwargs, 1)
+    full = collect_arrays(view)
+    view.write(None, full if dist.get_rank() == 0 else None)
+    back = collect_arrays(view)
+    same = None if dist.get_rank() != 0 else all(np.array_equal(back[e], full[e]) for e in full)
+    frozen = sorted({n for c in ctx["model"] for n, p in harness.unwrap(c).named_parameters() if not p.requires_grad})
+    return dict(names=man.names, same=same, frozen_local=frozen)
+
+
+def blend_with_anchor_value(cfg_kwargs, c=0.25, alpha=0.5):
+    """write(mode=blend, set_anchor, anchor="value"): masters = alpha*local + (1-alpha)*value, anchor = value,
+    so the next delta is value - blended."""
+    ctx, man, view = _setup(cfg_kwargs, 1)
+    full = collect_arrays(view)
+    src = {e: a + np.float32(c) for e, a in full.items()} if dist.get_rank() == 0 else None
+    view.write(None, src, mode="blend", alpha=alpha, set_anchor=True, anchor="value")
+    cur = collect_arrays(view)
+    d = collect_arrays(view, delta=True)
+    if dist.get_rank() != 0:
+        return None
+    err_cur = max(float(np.max(np.abs(cur[e] - (alpha * full[e] + (1 - alpha) * src[e])))) for e in full)
+    err_delta = max(float(np.max(np.abs(d[e] - (src[e] - cur[e])))) for e in full)
+    return dict(err_cur=err_cur, err_delta=err_delta, mean_delta=float(np.mean([np.mean(x) for x in d.values()])))

@@ -45,6 +45,8 @@ class RunCfg:
     vocab: int = 128               # real vocabulary size (tokens that occur in data)
     vocab_divisible_by: int = 64   # Megatron's --make-vocab-size-divisible-by (padded to a multiple of this x TP)
     tied: bool = True              # share embedding and output weights
+    swiglu: bool = False           # gated linear unit: fc1 is split with partition_stride 2
+    freeze: tuple = ()             # parameters whose name contains one of these are frozen (requires_grad=False)
     seq: int = 16
     mbs: int = 2
     micro: int = 2                 # microbatches per DP rank per step (>= pp for pipelines)
@@ -108,6 +110,7 @@ def build(cfg: RunCfg) -> dict:
         hidden_dropout=0.0, attention_dropout=0.0,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, bias_dropout_fusion=False,
+        **(dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu) if cfg.swiglu else {}),
         **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
            if cfg.recompute else {}),
         **moe_kw)
@@ -125,6 +128,9 @@ def build(cfg: RunCfg) -> dict:
                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp if cfg.vpp else None),
                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp if cfg.vpp else None),
                          share_embeddings_and_output_weights=cfg.tied, position_embedding_type="rope", **vp_kw)
+        for name, p in model.named_parameters():
+            if any(f in name for f in cfg.freeze):
+                p.requires_grad = False
         if cfg.bf16:
             model = Float16Module(tcfg, model)
         model = DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=model,

@@ -45,8 +45,9 @@ class IslandComm:
         self._timeout = datetime.timedelta(seconds=self.timeout_s)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        # the island's gloo mirror; a gloo default group is reused only if it is ours to share
-        self.group = dist.new_group(backend="gloo", timeout=self._timeout)
+        # the island's own gloo mirror of the default group (training may use NCCL); `group`: reuse a gloo group
+        # spanning every rank (e.g. one IslandComm's group for a second view)
+        self.group = group if group is not None else dist.new_group(backend="gloo", timeout=self._timeout)
         self._subgroups: dict = {}
 
     # -- groups ------------------------------------------------------------------------------------------

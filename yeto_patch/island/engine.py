@@ -408,34 +408,44 @@ class Engine:
             self.pending.pop(f)
 
     def _install_blend(self, idx, source, alpha):
-        """masters := alpha * local + (1 - alpha) * base, anchor := base (exactly).
+        """masters := alpha * local + (1 - alpha) * base, anchor := base (exactly: the next push is relative to it).
 
-        Uses MasterView.write(anchor="value") when the island core offers it; otherwise three passes with the
-        public API: read the local values to rank 0, install the base as anchor, install the blend."""
+        Uses MasterView.write(..., anchor="value") when the island core offers it (one pass). Otherwise three
+        passes with the public API, over batches of tensors of at most the chunk size (so rank 0 holds one batch
+        of local values, not the fragment): read the local values, install the base as anchor, install the
+        blend."""
         import inspect
         if "anchor" in inspect.signature(self.view.write).parameters:
             self.view.write(idx, source, mode="blend", alpha=alpha, set_anchor=True, anchor="value")
             return
-        local = {}
-        if self.rank == 0:
-            ent = self.manifest.entries
+        ent = self.manifest.entries
+        batches, cur, size = [], [], 0
+        for e in idx:
+            n = ent[e].numel * 4
+            if cur and size + n > self.settings.chunk_bytes:
+                batches.append(cur)
+                cur, size = [], 0
+            cur.append(e)
+            size += n
+        if cur:
+            batches.append(cur)
+        a = np.float32(alpha)
+        for batch in batches:
+            local = {}
 
             def sink(e, off, arr):
                 if e not in local:
                     local[e] = np.empty(ent[e].numel, dtype=np.float32)
                 local[e][off:off + arr.size] = arr
-            self.view.read(idx, sink)
-        else:
-            self.view.read(idx, None)
-        self.view.write(idx, source, mode="replace", set_anchor=True)
-        if self.rank == 0:
-            def blend(e, off, n):
-                out = local[e][off:off + n] * np.float32(alpha)
-                out += np.float32(1.0 - alpha) * np.asarray(source(e, off, n), dtype=np.float32)
-                return out
-        else:
+            self.view.read(batch, sink if self.rank == 0 else None)
+            self.view.write(batch, source, mode="replace", set_anchor=True)
             blend = None
-        self.view.write(idx, blend, mode="replace", set_anchor=False)
+            if self.rank == 0:
+                def blend(e, off, n):
+                    out = local[e][off:off + n] * a
+                    out += (np.float32(1.0) - a) * np.asarray(source(e, off, n), dtype=np.float32)
+                    return out
+            self.view.write(batch, blend, mode="replace", set_anchor=False)
 
     def _push(self, f, final=False):
         """Every rank: stream fragment f's delta to rank 0, which encodes it and queues the push."""

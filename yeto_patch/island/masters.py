@@ -419,11 +419,11 @@ class MasterView:
                 interleave = it.rows is not None and T > 1
                 out = bufs = None
                 if self.rank == 0:
-                    out = torch.zeros(it.count, dtype=torch.float32)
+                    out = torch.empty(it.count, dtype=torch.float32)
                     nbytes += it.count * _F32
                     if interleave:
                         n_o = it.rows[1] - it.rows[0]
-                        bufs = [torch.zeros(n_o * s * seg, dtype=torch.float32) for _ in range(T)]
+                        bufs = [torch.empty(n_o * s * seg, dtype=torch.float32) for _ in range(T)]
                         nbytes += it.count * _F32
                     assembled.append((it, out, bufs))
                 for r, x, y, o, a in self._transfers(it):
@@ -453,6 +453,7 @@ class MasterView:
                         works.append(self.comm.irecv(dst, o))
             self._note(nbytes)
             self.comm.wait_all(works, f"{op}: gather")
+            # one agreement per round: an owner's error, or rank 0's sink error of the previous round
             self.comm.agree(pending_err, f"{op}: gather")
             if self.rank == 0:
                 try:
@@ -467,25 +468,25 @@ class MasterView:
                 except Exception as ex:  # noqa: BLE001
                     pending_err = ex
             del assembled, keep, works
-            if pending_err is not None:
-                break   # rank 0 failed in its sink: everyone learns it at the agreement below
-            # other ranks cannot know rank 0 broke out; agree each round instead
-            self.comm.agree(None, f"{op}: sink")
-        if pending_err is not None:
-            self.comm.agree(pending_err, f"{op}: sink")
+        self.comm.agree(pending_err, f"{op}: sink")
 
     # -- write ---------------------------------------------------------------------------------------------
     def write(self, indices: Optional[Sequence[int]] = None, source=None, *, mode: Optional[str] = None,
-              alpha: Optional[float] = None, set_anchor: Optional[bool] = None) -> None:
+              alpha: Optional[float] = None, set_anchor: Optional[bool] = None,
+              anchor: Optional[str] = None) -> None:
         """Install rank 0's full float32 values into FP32 masters and model params on every holder.
 
         `source(index, offset, count) -> float32 array` or a dict {index: full array} (rank 0 only).
         mode "replace": new = value; mode "blend": new = alpha * current + (1 - alpha) * value (owner's master).
-        set_anchor: the owners' anchors become the new values.
+        set_anchor: the owners' anchors become the installed values (anchor="installed", default) or rank 0's
+        values before blending (anchor="value": DiLoCo's "anchor := base" with a blended install).
         Ranks other than 0 may pass None for everything; what they pass is checked against rank 0's plan."""
         if self.rank == 0:
             mode = mode or "replace"
             set_anchor = bool(set_anchor)
+            anchor = anchor or "installed"
+        if anchor is not None and anchor not in ("installed", "value"):
+            raise IslandError(f"write: anchor must be 'installed' or 'value', got {anchor!r}")
         if mode is not None and mode not in ("replace", "blend"):
             raise IslandError(f"write: mode must be 'replace' or 'blend', got {mode!r}")
         if mode == "blend" and (alpha is None or not 0.0 <= float(alpha) <= 1.0):
@@ -494,8 +495,10 @@ class MasterView:
         if self.rank == 0 and source is None:
             raise IslandError("write: rank 0 needs a source")
         plan = self._plan("write", indices, mode=mode, alpha=None if alpha is None else float(alpha),
-                          set_anchor=set_anchor)
+                          set_anchor=set_anchor, anchor=anchor)
         mode, alpha, set_anchor = plan["mode"], plan["alpha"], plan["set_anchor"]
+        keep_value = set_anchor and mode == "blend" and plan["anchor"] == "value"
+        raw = {}      # (round position) -> rank 0's value, kept by the owner for anchor="value"
         if isinstance(source, dict):
             arrays = source
             source = lambda e, off, n: np.asarray(arrays[e], dtype=np.float32).reshape(-1)[off: off + n]  # noqa: E731
@@ -563,26 +566,33 @@ class MasterView:
             self.comm.wait_all(works, "write: scatter to owners")
             # owners blend, then every holder gets the owner's values
             bworks = []
-            for it, r, x, y, o, t in vals:
+            raw.clear()
+            for k, (it, r, x, y, o, t) in enumerate(vals):
                 if self.rank == o and mode == "blend":
                     try:
+                        if keep_value:
+                            raw[k] = t.clone()
+                            nbytes += t.numel() * _F32
                         t.mul_(1.0 - alpha).add_(self._master_slice(it.entry, r, x, y), alpha=alpha)
                     except Exception as ex:  # noqa: BLE001
                         pending_err = pending_err or ex
                 w = self.comm.broadcast(t, o, self.layout[it.entry].shards[r].holders, async_op=True)
                 if w is not None:
                     bworks.append(w)
+            self._note(nbytes)
             self.comm.wait_all(bworks, "write: broadcast to holders")
-            self.comm.agree(pending_err, "write: transfer")   # nothing installed unless every rank is fine
+            # one agreement per round, before installing: nothing of a failed round is installed
+            self.comm.agree(pending_err, "write: transfer")
             try:
-                for it, r, x, y, o, t in vals:
-                    self._install(it.entry, r, x, y, t, anchor=set_anchor and o == self.rank)
-            except Exception as ex:  # noqa: BLE001
+                for k, (it, r, x, y, o, t) in enumerate(vals):
+                    self._install(it.entry, r, x, y, t, anchor=set_anchor and o == self.rank,
+                                  anchor_values=raw.get(k))
+            except Exception as ex:  # noqa: BLE001 - reported at the next agreement
                 pending_err = ex
-            self.comm.agree(pending_err, "write: install")
             del vals, works, bworks
+        self.comm.agree(pending_err, "write: install")
 
-    def _install(self, e, r, x, y, t, anchor):
+    def _install(self, e, r, x, y, t, anchor, anchor_values=None):
         lp = self._local.get((e, r))
         if lp is None:
             raise IslandError(f"internal: rank {self.rank} is a holder of '{self.manifest.entries[e].name}' "
@@ -601,7 +611,7 @@ class MasterView:
                 for c in m.extra_lowp:
                     c[sl].copy_(v)
         if anchor:
-            self._anchor_slice(e, r, x, y).copy_(t)
+            self._anchor_slice(e, r, x, y).copy_(t if anchor_values is None else anchor_values)
 
     def _quiesce_param_gather(self):
         """Wait for any in-flight overlapped parameter all-gather, so it cannot overwrite what we install."""
