@@ -48,3 +48,26 @@ def test_cli_dispatch():
     assert cli.main(["no-such-command"]) == 2
     assert cli._lazy_main("config") is None          # a module without main() is not a command
     assert cli._lazy_main("../etc") is None
+
+
+def test_doctor_handshake_with_a_real_syncer(tmp_path):
+    import time
+    from tests.shim import procs as P
+    port = P.free_port()
+    key = P.key_file(tmp_path)
+    syncer = P.start_syncer(tmp_path, port, islands=1, fragments=2, key=key)
+    try:
+        deadline = time.time() + 120
+        while "listening" not in syncer.text() and time.time() < deadline:
+            time.sleep(0.2)
+        env = {"YETO_DILOCO_SYNCER": f"127.0.0.1:{port}", "YETO_DILOCO_KEY_FILE": key}
+        p = doctor("--no-import", env_extra=env)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert f"OK: authenticated with 127.0.0.1:{port}" in p.stdout and "no run joined" in p.stdout
+        assert "islands: 1" in p.stdout and "initialized: False" in p.stdout
+        bad = P.key_file(tmp_path, "bad.key", "f" * 32)
+        p = doctor("--no-import", env_extra={**env, "YETO_DILOCO_KEY_FILE": bad})
+        assert p.returncode == 1 and "FAILED" in p.stdout and "auth" in p.stdout.lower()
+        assert "members: []" not in syncer.text()
+    finally:
+        syncer.kill()

@@ -64,7 +64,8 @@ def test_pretrain_loop_ends_at_the_final_cut_and_its_checkpoint_is_the_global_mo
 
     # a plain Megatron run (no yeto-patch in its environment) loads the checkpoint back
     load = torchrun(tmp_path, "load", mlm_args(ckpt, ["--load", ckpt, "--export-npz", str(tmp_path / "loaded"),
-                                                      "--train-iters", str(end)]), {})
+                                                      "--train-iters", str(end),
+                                                      "--use-checkpoint-opt_param-scheduler"]), {})
     rcs = P.wait_all([load], timeout=300)
     assert rcs == [0], P.logs([load])
     # an early final cut ends the process inside Megatron's loop (its exit rule), so only the load-back exports
