@@ -422,3 +422,23 @@ def test_island_that_finishes_after_the_syncer_left_still_gets_the_final_model()
         assert [res[f].version for f in range(2)] == [1, 1]
         assert all(np.array_equal(res[f].values, server.coord.frags[f].t.base) for f in range(2))
         c.close()
+
+
+def test_a_base_still_streaming_delays_only_its_own_fragment():
+    server, addr = make_server(islands=1, fragments=2, rounds={"quorum": 1})
+    with running(server):
+        cs, ws, layout, _ = join_all(addr, ["a"])
+        c = cs[0]
+        frag0 = server.coord.frags[0]
+        frag0.rw.acquire_read()  # as if fragment 0's base were still streaming to a slow island
+        try:
+            for f in range(2):
+                c.push(f, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
+                       body=codecs.encode("f32", np.full(ws[0].numels[f], 0.1, np.float32)), wait=True)
+            assert c.wait_base(1, 1, 10).version == 1  # the other fragment merges meanwhile
+            time.sleep(0.3)
+            assert frag0.version == 0
+        finally:
+            frag0.rw.release_read()
+        assert c.wait_base(0, 1, 10).version == 1
+        c.close()

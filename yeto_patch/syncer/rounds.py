@@ -148,6 +148,14 @@ class RWLock:
             if not self._readers:
                 self._c.notify_all()
 
+    def try_acquire_write(self) -> bool:
+        """Take the write lock only if nobody holds the lock now (never waits)."""
+        with self._c:
+            if self._writer or self._readers:
+                return False
+            self._writer = True
+            return True
+
     def acquire_write(self):
         with self._c:
             self._waiting_writers += 1
@@ -583,9 +591,24 @@ class Coordinator:
             return bool(f.round.contribs or f.carry)
 
     # ------------------------------------------------------------------------------------------- merge
-    def merge(self, index: int, force: bool = False) -> Optional[MergeRecord]:
-        """Merge the open round of fragment ``index``. ``force`` (final cut) merges carried pushes alone too."""
+    def merge(self, index: int, force: bool = False, wait_streams: bool = True) -> Optional[MergeRecord]:
+        """Merge the open round of fragment ``index``. ``force`` (final cut) merges carried pushes alone too.
+
+        The fragment's base is written in place, so the merge holds its write lock: bases of this fragment being
+        streamed to islands finish first.  With ``wait_streams=False`` a merge that would have to wait for such
+        a stream returns None at once (the round stays open; the caller retries later and merges other
+        fragments meanwhile)."""
         f = self.frags[index]
+        if wait_streams:
+            f.rw.acquire_write()
+        elif not f.rw.try_acquire_write():
+            return None
+        try:
+            return self._merge_locked(f, index, force)
+        finally:
+            f.rw.release_write()
+
+    def _merge_locked(self, f: _Fragment, index: int, force: bool) -> Optional[MergeRecord]:
         with self.lock:
             r = f.round
             if r.closed or (f.closed and not force):
@@ -632,11 +655,7 @@ class Coordinator:
                 total += w
             if self.protect is not None:
                 self.protect(index)
-            f.rw.acquire_write()
-            try:
-                norm = self.opt.step(f.t, acc, total, version + 1, self.runner)
-            finally:
-                f.rw.release_write()
+            norm = self.opt.step(f.t, acc, total, version + 1, self.runner)
             ok, reason = True, ""
         except (NonFiniteMerge, CodecError) as e:
             ok, reason, norm = False, str(e), float("nan")

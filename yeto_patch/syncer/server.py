@@ -191,6 +191,7 @@ class SyncerServer:
         self.exit_code: Optional[int] = None
         self.records: list[MergeRecord] = []  # kept small: last few, for tests and status
         self._checkpoint_on_stop = False
+        self._deferred: dict[int, float] = {}  # fragment -> since when its due merge waits for a base stream
         self._shut = False
         self._shutdown_lock = threading.Lock()
         if cfg.checkpoint:
@@ -616,16 +617,28 @@ class SyncerServer:
             with coord.cond:
                 dl = coord.next_deadline()
                 wait = 0.25 if dl is None else min(0.25, max(0.0, dl - coord.clock()))
+                if self._deferred:
+                    wait = max(wait, 0.02)  # retry deferred merges without spinning
                 coord.cond.wait(wait)
             if self.stopping.is_set():
                 return 0
             self.metrics.members.set(len(coord.alive_members()))
             if not coord.initialized:
                 continue
-            for idx in coord.due():
-                rec = coord.merge(idx)
+            now = time.monotonic()
+            due = coord.due()
+            for idx in due:
+                # a base of this fragment still streaming to a slow island: merge the other fragments first;
+                # wait for the stream only after --io-timeout (the merge writes the base in place)
+                since = self._deferred.setdefault(idx, now)
+                rec = coord.merge(idx, wait_streams=now - since >= self.cfg.io_timeout_s)
                 if rec is not None:
+                    self._deferred.pop(idx, None)
                     self._after_merge(rec, broadcast=True)
+                elif now == since:
+                    log.info("fragment %d: merge waits for its base to finish streaming to an island", idx)
+            for idx in [i for i in self._deferred if i not in due]:
+                self._deferred.pop(idx, None)
             if coord.all_closed() or coord.all_finished():
                 return self._final_cut()
         return 0
