@@ -434,11 +434,11 @@ class MasterView:
                             if pending_err is not None:
                                 raise pending_err
                             src = self._master_slice(it.entry, r, x, y)
+                            if src.device.type != "cpu" or src.dtype != torch.float32:
+                                src = src.to(device="cpu", dtype=torch.float32)   # host copy, never device memory
+                                nbytes += src.numel() * _F32
                             if delta:
                                 src = self._anchor_slice(it.entry, r, x, y) - src
-                                nbytes += src.numel() * _F32
-                            elif src.dtype != torch.float32:
-                                src = src.float()
                                 nbytes += src.numel() * _F32
                         except Exception as ex:  # noqa: BLE001 - keep the transfers going, agree below
                             pending_err = pending_err or ex
@@ -573,7 +573,10 @@ class MasterView:
                         if keep_value:
                             raw[k] = t.clone()
                             nbytes += t.numel() * _F32
-                        t.mul_(1.0 - alpha).add_(self._master_slice(it.entry, r, x, y), alpha=alpha)
+                        cur = self._master_slice(it.entry, r, x, y)
+                        if cur.device.type != "cpu" or cur.dtype != torch.float32:
+                            cur = cur.to(device="cpu", dtype=torch.float32)
+                        t.mul_(1.0 - alpha).add_(cur, alpha=alpha)
                     except Exception as ex:  # noqa: BLE001
                         pending_err = pending_err or ex
                 w = self.comm.broadcast(t, o, self.layout[it.entry].shards[r].holders, async_op=True)
