@@ -137,8 +137,9 @@ def main(argv=None):
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--eval-interval", type=int, default=100)
-    ap.add_argument("--eval-seqs", type=int, default=32)
+    ap.add_argument("--eval-interval", type=int, default=250)
+    ap.add_argument("--eval-seqs", type=int, default=128, help="held-out sequences (x seq-length bytes) per "
+                    "evaluation; the final loss of every run is measured on the same windows")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench-out", "convergence"))
     ap.add_argument("--cache-dir", default=None, help="baseline cache (default: the demo's)")
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")

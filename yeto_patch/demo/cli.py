@@ -81,6 +81,12 @@ def parse(argv=None):
         a = p.parse_args(argv)
     if a.islands < 1:
         p.error("--islands must be >= 1")
+    from .layout import parse_layouts
+    for flag, text, n in (("--layouts", a.layouts, a.islands), ("--baseline-layout", a.baseline_layout, 1)):
+        try:
+            parse_layouts(text, n)
+        except ValueError as err:
+            p.error(f"{flag}: {err}")
     if a.overlap_steps >= a.sync_every:
         p.error("--overlap-steps must be smaller than --sync-every")
     return a
