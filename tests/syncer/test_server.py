@@ -442,3 +442,27 @@ def test_a_base_still_streaming_delays_only_its_own_fragment():
             frag0.rw.release_read()
         assert c.wait_base(0, 1, 10).version == 1
         c.close()
+
+
+def test_every_refusal_is_reported_once_in_order():
+    server, addr = make_server(islands=1, fragments=2, rounds={"quorum": 1}, merge={"max_base_lag": 0})
+    with running(server):
+        cs, ws, layout, _ = join_all(addr, ["a"])
+        c = cs[0]
+        for f in range(2):
+            c.push(f, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
+                   body=codecs.encode("f32", np.zeros(ws[0].numels[f], np.float32)), wait=True)
+            c.wait_base(f, 1, 10)
+        for f in range(2):  # both stale (lag 1 > 0), sent without waiting
+            c.push(f, base_version=0, local_step=2, steps=1, tokens=1, codec="f32",
+                   body=codecs.encode("f32", np.zeros(ws[0].numels[f], np.float32)))
+        got = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            try:
+                c.wait_event(0.2)
+            except SyncerRefusal as e:
+                got.append((e.fragment, e.code))
+        assert got == [(0, "stale"), (1, "stale")]
+        c.poll()  # nothing more to report
+        c.close()

@@ -201,7 +201,8 @@ class SyncerClient:
         self._waiting: set = set()
         self._init_requests: list = []
         self._init_sent: set = set()
-        self._error: Optional[BaseException] = None
+        self._error: Optional[BaseException] = None  # fatal: the session is over
+        self._refusals: collections.deque = collections.deque()  # refused pushes not reported yet
         self._closed = False
         self._bye_seen = False
         self._final_sent = False
@@ -243,16 +244,15 @@ class SyncerClient:
     def check(self) -> None:
         """Re-raise a failure seen by the reader thread (a refused push, the syncer's ERROR, a lost link)."""
         with self._cv:
-            e = self._error
-            if e is not None and isinstance(e, SyncerRefusal):
-                self._error = None  # a refusal is reported once; the connection is still usable
-            if e is not None:
-                raise e
+            if self._error is not None:
+                raise self._error
+            if self._refusals:
+                raise self._refusals.popleft()  # each refusal is reported once; the connection stays usable
 
     # ------------------------------------------------------------------------------------------ threads
     def _fail(self, e: BaseException) -> None:
         with self._cv:
-            if self._error is None or isinstance(self._error, SyncerRefusal):
+            if self._error is None:
                 self._error = e
             self._cv.notify_all()
 
@@ -310,7 +310,8 @@ class SyncerClient:
                 if key in self._waiting:
                     self._replies[key] = (r, meta)
                 elif r.status == "refused":
-                    self._error = SyncerRefusal(meta.get("code", "refused"), r.message, r.fragment, r.base_version)
+                    self._refusals.append(SyncerRefusal(meta.get("code", "refused"), r.message, r.fragment,
+                                                        r.base_version))
                 self._cv.notify_all()
         elif t == MsgType.INIT:
             with self._cv:
@@ -319,7 +320,7 @@ class SyncerClient:
         elif t == MsgType.BYE:
             with self._cv:
                 self._bye_seen = True
-                if not self.final_cut_complete():
+                if not self.final_cut_complete() and self._error is None:
                     self._error = ProtocolError(f"the syncer closed the session: {meta.get('reason', 'goodbye')}")
                 self._cv.notify_all()
         # HEARTBEAT and anything else: the reader saw the syncer alive; nothing to do
@@ -329,7 +330,7 @@ class SyncerClient:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._closed, timeout=period)
-                if self._closed or self._error is not None and not isinstance(self._error, SyncerRefusal):
+                if self._closed or self._error is not None:
                     return
             try:
                 self.conn.send(MsgType.HEARTBEAT, {"step": self.local_step})
@@ -434,7 +435,7 @@ class SyncerClient:
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
             with self._cv:
                 while key not in self._replies:
-                    if self._error is not None and not isinstance(self._error, SyncerRefusal):
+                    if self._error is not None:
                         raise self._error
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -483,7 +484,7 @@ class SyncerClient:
         """Block up to ``timeout`` seconds or until the reader received something (a base, a reply, an INIT
         request, an error); then re-raise a failure if there is one."""
         with self._cv:
-            if self._error is None:
+            if self._error is None and not self._refusals:
                 self._cv.wait(max(0.0, timeout))
         self.check()
 
@@ -503,7 +504,8 @@ class SyncerClient:
             raise ProtocolError("not connected: call connect() first")
         conn = self.conn
         if not self._final_sent and not self.final_cut_complete():
-            self.check()
+            if self._error is not None:
+                raise self._error
             conn.send(MsgType.FINAL, {"last_step": int(self.local_step if last_step is None else last_step)})
             self._final_sent = True
         deadline = time.monotonic() + timeout
@@ -511,12 +513,9 @@ class SyncerClient:
         with self._cv:
             while len(self._final) < n:
                 if self._error is not None and not (self._bye_seen and self.final_cut_complete()):
-                    e = self._error
-                    if isinstance(e, SyncerRefusal):
-                        self._error = None
-                    raise e
-                left = deadline - time.monotonic()
-                if left <= 0:
+                    raise self._error
+                left = deadline - time.monotonic()  # (refused pushes stay queued for check(): the final
+                if left <= 0:                        # model comes regardless)
                     raise WireTimeout(f"waited {timeout}s for the final model: have fragments "
                                       f"{sorted(self._final)} of {n}")
                 self._cv.wait(min(left, 0.5))
