@@ -87,15 +87,17 @@ def start_syncer(tmp_path, port, islands=2, fragments=2, key=None, extra=()):
     return Proc("syncer", args, base_env(), str(tmp_path / "syncer.log"))
 
 
-def start_island(tmp_path, name, port, layout_args, steps, env_extra, nproc=2, script=ISLAND_SCRIPT):
-    """torchrun of an ordinary training script; each rank's stdout/stderr also go to <out>/ranks/.../<rank>/."""
+def start_island(tmp_path, name, port, layout_args, steps, env_extra, nproc=2, script=ISLAND_SCRIPT, attach=True):
+    """torchrun of an ordinary training script; each rank's stdout/stderr also go to <out>/ranks/.../<rank>/.
+    attach=False: the same job with no YETO_* variable at all (a plain run)."""
     out = tmp_path / name
     out.mkdir(exist_ok=True)
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--log-dir", str(out / "ranks"),
             "--redirects", "3", "--tee", "3", script, *layout_args, "--steps", str(steps), "--out", str(out)]
     env = base_env(YETO_DILOCO_SYNCER=f"127.0.0.1:{port}", YETO_DILOCO_ISLAND_ID=name,
-                   YETO_DILOCO_METRICS=str(out / "metrics.jsonl"), YETO_DILOCO_TOTAL_STEPS=steps, **env_extra)
+                   YETO_DILOCO_METRICS=str(out / "metrics.jsonl"), YETO_DILOCO_TOTAL_STEPS=steps,
+                   **env_extra) if attach else base_env()
     return Proc(name, args, env, str(tmp_path / f"{name}.log"))
 
 

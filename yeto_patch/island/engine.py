@@ -17,7 +17,9 @@ Life of an island:
   background sender: training goes on without waiting for the network.
 - A merged base arriving in the background is installed at the first step boundary after it arrived:
   ``alpha * local + (1 - alpha) * base`` when tau > 0, the base itself when tau = 0; the base becomes the
-  fragment's anchor. If tau steps pass after a push without its base, the island waits for it (bounded by
+  fragment's anchor. Rank 0 decides and broadcasts a plan only on steps where something can happen (a fragment
+  is due, a push awaits its base, or it is the last step), so most steps cost no collective at all; a base
+  nobody on this island asked for (merged by a quorum without it) waits for the next such step. If tau steps pass after a push without its base, the island waits for it (bounded by
   YETO_DILOCO_TIMEOUT, with a log line saying what it waits for).
 - Final cut, at the last step: pending bases are awaited and installed, every fragment's final delta is
   pushed, the syncer's final model is awaited and installed exactly (replace), and ``finished`` turns True.
@@ -493,6 +495,12 @@ class Engine:
         s = self.settings
         tau = s.overlap_steps
         mode = "blend" if tau > 0 else "replace"
+        # Every rank knows the schedule and what is pending: on a step where no fragment is due, no push awaits
+        # its base and it is not the last step, there is nothing to decide and the island skips the plan (no
+        # collective on most steps). A base that arrives unasked (merged by a quorum without this island) is
+        # installed at the next step that has a plan: the next boundary at the latest.
+        if not self.pending and self.step < self.total and not self._due():
+            return
 
         def decide():
             self._poll()

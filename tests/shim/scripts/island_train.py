@@ -50,6 +50,10 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--micro", type=int, default=2, help="micro-batches per DP rank per step")
+    ap.add_argument("--no-save", action="store_true", help="skip the model dump (benchmarks)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--start-barrier", default=None,
                     help="directory shared by jobs launched together: start training once --barrier-count are ready")
@@ -60,22 +64,30 @@ def main():
     cpu_patches.apply()
     dist.init_process_group("gloo")
     cfg = harness.RunCfg(tp=a.tp, pp=a.pp, bf16=not a.fp32, dist_opt=not a.no_dist_opt, lr=a.lr, seed=a.seed,
-                         data_seed=a.data_seed, layers=a.layers)
+                         data_seed=a.data_seed, layers=a.layers, hidden=a.hidden, ffn=4 * a.hidden,
+                         moe_ffn=4 * a.hidden, seq=a.seq, micro=max(a.micro, a.pp))
     ctx = harness.build(cfg)
     eval_before = harness.eval_loss(ctx)
     if a.start_barrier:
         wait_for_peers(a.start_barrier, a.barrier_count, os.path.basename(os.path.abspath(a.out)))
-    losses = []
+    import time
+    losses, step_s, step_end = [], [], []
     for _ in range(a.steps):
+        t0 = time.perf_counter()
         losses += harness.train_steps(ctx, 1)
+        step_s.append(time.perf_counter() - t0)
+        step_end.append(time.time())
     eval_after = harness.eval_loss(ctx)
     os.makedirs(a.out, exist_ok=True)
-    from full_model import full_model
-    np.savez(os.path.join(a.out, f"model.rank{dist.get_rank()}.npz"),
-             **full_model(ctx["model"], ctx["optimizer"], cfg.layers, cfg.tied))
+    if not a.no_save:
+        from full_model import full_model
+        np.savez(os.path.join(a.out, f"model.rank{dist.get_rank()}.npz"),
+                 **full_model(ctx["model"], ctx["optimizer"], cfg.layers, cfg.tied))
     if dist.get_rank() == 0:
         with open(os.path.join(a.out, "result.json"), "w") as f:
-            json.dump(dict(losses=losses, eval_before=eval_before, eval_after=eval_after, steps=len(losses),
+            json.dump(dict(losses=losses, step_s=step_s, step_end=step_end, eval_before=eval_before,
+                           eval_after=eval_after,
+                           steps=len(losses), params=sum(p.numel() for c in ctx["model"] for p in c.parameters()),
                            layout=dict(tp=a.tp, pp=a.pp, world=dist.get_world_size())), f)
     dist.barrier()
     dist.destroy_process_group()
