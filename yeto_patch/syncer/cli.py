@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--base-wire", choices=("f32", "bf16"), default="f32", help="dtype of the merged bases sent "
                    "after each merge (the initial, rejoin and final bases are always f32)")
     g.add_argument("--io-timeout", type=_pos_float, default=120.0, help="seconds a socket operation may stall "
-                   "before the connection is dropped")
+                   "before the connection is dropped; also how long a due merge lets a base of its fragment still "
+                   "streaming to a slow island finish before it waits for it")
     g.add_argument("--final-ack-timeout", type=_pos_float, default=60.0, help="seconds to wait for the islands' "
                    "acknowledgements of the final model")
     g = p.add_argument_group("checkpoints")

@@ -170,10 +170,8 @@ class SyncerServer:
             raise ValueError("background checkpoints need a checkpoint path")
         self.cfg = cfg
         self.runner = ChunkRunner(cfg.merge_threads)
-        codecs_threads = self.runner.threads
         self.coord = Coordinator(cfg.merge, cfg.rounds, self.runner)
         self.fold_pool = ThreadPoolExecutor(max(2, min(8, cfg.islands)), thread_name_prefix="yeto-fold")
-        self._codec_threads = codecs_threads
         self.metrics = Metrics()
         self.tape = Tape(cfg.tape)
         self.writer = CheckpointWriter(cfg.checkpoint, cfg.background_checkpoint) if cfg.checkpoint else None
