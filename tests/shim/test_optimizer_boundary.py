@@ -42,3 +42,16 @@ def test_bad_value_stops_the_first_step_on_every_rank(mcore_pool):
     assert len(out) == 4
     for msg in out:
         assert msg.startswith("ConfigError: YETO_DILOCO_SYNC_EVERY='often' is not an integer"), msg
+
+
+@pytest.mark.timeout(300)
+def test_bad_value_on_one_node_stops_every_rank_quickly(mcore_pool):
+    import time
+    env = {"YETO_DILOCO_SYNCER": "127.0.0.1:9", "YETO_DILOCO_INSECURE": "1", "YETO_DILOCO_TIMEOUT": "600"}
+    t0 = time.time()
+    out = mcore_pool.run("tests.shim.workers:bad_value_on_one_rank", env, {"YETO_DILOCO_BLOCK": "3"}, 2,
+                         timeout=240)
+    assert time.time() - t0 < 120          # not the 600 s timeout: the others learn it at once
+    for msg in out:
+        assert msg.startswith("ConfigError: YETO_DILOCO_BLOCK=3 is out of range"), msg
+        assert msg.endswith("[rank 2]"), msg

@@ -81,3 +81,18 @@ def bad_value_at_start(env: dict) -> str:
         except Exception as err:  # the error every rank must see
             return f"{type(err).__name__}: {err}"
     return "no error"
+
+
+def bad_value_on_one_rank(env: dict, bad: dict, bad_rank: int) -> str:
+    """Only `bad_rank` has the bad values: every rank must still stop at its first step with that rank's error."""
+    import torch.distributed as dist
+    from tests.mcore import harness
+    from yeto_patch.hooks import _runtime
+    mine = {**env, **bad} if dist.get_rank() == bad_rank else env
+    with shim(env=mine, factory=_runtime._default_factory):
+        ctx = harness.build(harness.RunCfg(tp=2, bf16=True))
+        try:
+            harness.train_steps(ctx, 1)
+        except Exception as err:
+            return f"{type(err).__name__}: {err}"
+    return "no error"

@@ -65,7 +65,12 @@ class Runtime:
             if self.engine is None:
                 try:
                     from yeto_patch import config
-                    settings = config.get()
+                    settings, bad = None, None
+                    try:
+                        settings = config.get()
+                    except config.ConfigError as e:
+                        bad = e
+                    _agree_across_ranks(bad, settings)
                     if settings.disable:
                         return None
                     _setup_logging(settings.log_level)
@@ -124,6 +129,16 @@ class Runtime:
         ok = update_successful(result)
         tokens = self.pending_tokens if ok else 0
         self.engine.on_optimizer_step(update_successful=ok, tokens=tokens)
+
+
+def _agree_across_ranks(bad, settings) -> None:
+    """Raise the first rank's configuration error on every rank of the job (through the launcher's store),
+    so a wrong value on one node stops every rank at start-up instead of leaving the others waiting."""
+    from yeto_patch import config
+    from yeto_patch.island.start_agreement import agree
+    msg = agree(None if bad is None else str(bad), timeout_s=settings.timeout if settings else 120.0)
+    if msg is not None:
+        raise config.ConfigError(msg) from bad
 
 
 def update_successful(result) -> bool:

@@ -3,9 +3,9 @@
 One line per event, flushed as written so a crash keeps what happened:
 - ``{"event": "boundary", ...}`` one per fragment boundary (the push of a fragment's delta), completed when the
   push's answer (the merged base) is installed or at the final cut: step, fragment, base_version (pushed
-  against), version (installed), bytes (pushed), codec, gather_ms / encode_ms (on the training thread),
-  send_ms (background), wait_ms (training blocked waiting for the base), install_ms, pull_lag (steps from
-  push to install), installed (bool), mode ("replace" | "blend").
+  against), version (installed), bytes (pushed), codec, steps / tokens (since the anchor, as reported),
+  gather_ms / encode_ms (on the training thread), send_ms (background), wait_ms (training blocked waiting for
+  the base), install_ms, pull_lag (steps from push to install), installed (bool), mode ("replace" | "blend").
 - ``{"event": "start", ...}``, ``{"event": "install", ...}`` (a base installed that answered no push of ours,
   e.g. merged by a quorum without us), ``{"event": "final", ...}``.
 Every record carries ``island``, ``time`` (unix seconds) and ``step``.

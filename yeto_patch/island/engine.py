@@ -19,8 +19,9 @@ Life of an island:
   ``alpha * local + (1 - alpha) * base`` when tau > 0, the base itself when tau = 0; the base becomes the
   fragment's anchor. Rank 0 decides and broadcasts a plan only on steps where something can happen (a fragment
   is due, a push awaits its base, or it is the last step), so most steps cost no collective at all; a base
-  nobody on this island asked for (merged by a quorum without it) waits for the next such step. If tau steps pass after a push without its base, the island waits for it (bounded by
-  YETO_DILOCO_TIMEOUT, with a log line saying what it waits for).
+  nobody on this island asked for (merged by a quorum without it) waits for the next such step. If tau steps
+  pass after a push without its base, the island waits for it (bounded by YETO_DILOCO_TIMEOUT, with a log line
+  saying what it waits for).
 - Final cut, at the last step: pending bases are awaited and installed, every fragment's final delta is
   pushed, the syncer's final model is awaited and installed exactly (replace), and ``finished`` turns True.
   The train_step hook then makes Megatron save and stop. A custom loop that has only the optimizer hook asks
@@ -484,7 +485,7 @@ class Engine:
 
         self.sender.submit(send, int(body.nbytes), timeout=s.timeout)
         self.pending[f] = {"step": step, "fragment": f, "base_version": base_version, "bytes": int(body.nbytes),
-                           "codec": s.push_dtype, "gather_ms": round(gather_ms, 2),
+                           "codec": s.push_dtype, "steps": steps, "tokens": tokens, "gather_ms": round(gather_ms, 2),
                            "encode_ms": round(enc.encode_s * 1000, 2), "wait_ms": 0.0, "installed": False,
                            "final": final, "_send": timing}
         log.debug("yeto-patch: step %d: pushed fragment %d (base v%d, %d bytes %s, gather %.0f ms, encode %.0f ms)",
