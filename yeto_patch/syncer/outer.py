@@ -87,11 +87,11 @@ class OuterOptimizer:
              runner: ChunkRunner) -> float:
         """``g = acc / total_weight``, check, apply. Returns ||g||_2 (float64). ``acc`` is scratch.
 
-        Pass 1 reads only ``acc``: ``g`` finite, max |g| and sum of squares.  When max |g| and the cached
-        bound of |base|, |momentum|, |delay buffer| (kept by the previous commit) are both below
-        ``FLT_MAX / (1 + 4 lr)``, the update provably cannot overflow and the commit pass follows directly;
-        otherwise a second check pass computes the would-be values first.  Either way nothing is written
-        before the result is known to be finite, and the bits are the same."""
+        Pass 1 reads only ``acc`` (finite?, max |acc|, sum of squares).  From max |g| and a kept upper bound of
+        |base|, |momentum|, |delay buffer| it bounds every value the update can produce; below 1e38 nothing
+        can overflow and the commit pass follows directly, otherwise a second pass computes the would-be
+        values and checks them first.  Either way nothing is written before the result is known to be finite,
+        and the bits are the same."""
         self.ensure_state(t)
         n = t.base.size
         assert acc.size == n and acc.dtype == np.float32
@@ -103,23 +103,18 @@ class OuterOptimizer:
         invN = np.float32(1.0 / self.delay)
         base, m, d = t.base, t.momentum, t.delay_buf
         use_m = m is not None and momentum_round
-        limit = float(np.finfo(np.float32).max) / (1.0 + 4.0 * self.lr)
         if t.bound is None:
             t.bound = self._bound(t, runner)
 
         def scan(a: int, b: int):
-            s1 = runner.scratch("s1", b - a)
-            if W != 0:
-                np.divide(acc[a:b], W, out=s1)
-            else:
-                s1[...] = acc[a:b]
-            if not np.isfinite(s1).all():
+            """Read-only: is acc finite, max |acc|, sum of acc^2 (float64)."""
+            x = acc[a:b]
+            if b <= a:
+                return True, 0.0, 0.0
+            mx, mn = float(x.max()), float(x.min())  # NaN propagates through max/min
+            if not (np.isfinite(mx) and np.isfinite(mn)):
                 return False, 0.0, 0.0
-            s64 = runner.scratch("sq64", b - a, np.float64)
-            np.square(s1, out=s64, dtype=np.float64)
-            sq = float(s64.sum())
-            np.abs(s1, out=s1)
-            return True, float(s1.max()) if b > a else 0.0, sq
+            return True, max(mx, -mn), float(np.einsum("i,i->", x, x, dtype=np.float64))
 
         def check(a: int, b: int):
             g = acc[a:b]
@@ -163,18 +158,26 @@ class OuterOptimizer:
             raise NonFiniteMerge(f"merged outer gradient is not finite (first bad chunk at element "
                                  f"{bad[0] * runner.chunk}); state unchanged")
         sq = 0.0
-        gmax = 0.0
-        for _, mx, s in parts:  # fixed order: bit-identical for any thread count
-            sq += s
-            gmax = max(gmax, mx)
+        amax = 0.0
+        for _, mx, sqi in parts:  # fixed order: bit-identical for any thread count
+            sq += sqi
+            amax = max(amax, mx)
+        w = float(W) if W != 0 else 1.0
+        gmax = amax / w * (1.0 + 1e-6)
+        sq /= w * w
+        # an upper bound of every value the update produces (g, momentum, delay buffer, base), from the bound
+        # B of the current state: new momentum <= mu*B + B + gmax (covers (d + g)/N), update <= gmax + mu*that
+        B, lr_f, mu_f = t.bound, float(self.lr), float(self.momentum)
+        nm = mu_f * B + B + gmax
+        new_bound = max(B + lr_f * (gmax + mu_f * nm), nm, B + gmax) * (1.0 + 1e-6)
         divided = False
-        if not (gmax < limit and t.bound < limit):
+        if not new_bound < 1e38:  # cannot rule out an overflow: compute the would-be values first
             oks = runner.map(n, quiet(check))
             divided = True
             if not all(oks):
                 c = oks.index(False) * runner.chunk
-                raise NonFiniteMerge(f"merged result would overflow (first bad chunk at element {c}); "
-                                     "state unchanged")
+                raise NonFiniteMerge(f"merged result would overflow or is not finite (first bad chunk at element "
+                                     f"{c}); state unchanged")
 
         def commit(a: int, b: int) -> float:
             if divided:
@@ -204,14 +207,8 @@ class OuterOptimizer:
                 s1[...] = g
             np.multiply(s1, lr, out=s1)
             np.subtract(base[a:b], s1, out=base[a:b])
-            if b <= a:
-                return 0.0
-            mx = 0.0
-            for x in (base, m, d):
-                if x is not None:
-                    np.abs(x[a:b], out=s1)
-                    mx = max(mx, float(s1.max()))
-            return mx
 
-        t.bound = max(runner.map(n, commit), default=0.0)
+        runner.map(n, commit)
+        # the analytic bound only grows; measure it again once it gets large (rare: values near 1e30)
+        t.bound = new_bound if new_bound < 1e30 else self._bound(t, runner)
         return float(np.sqrt(sq))
