@@ -167,10 +167,43 @@ class Engine:
                 out = {"ok": fn()}
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 out = {"error": _describe(e, what)}
-        out = self.comm.broadcast_plan(out, what=f"yeto-patch: {what}")
+        out = self._broadcast_json(out, f"yeto-patch: {what}")
         if "error" in out:
             raise EngineError(out["error"] + ("" if self.rank == 0 else " [island rank 0]"))
         return out["ok"]
+
+    _SMALL = 4096
+
+    def _broadcast_json(self, obj, what):
+        """Rank 0's JSON object to every rank in one gloo broadcast when it fits in 4 KiB (plans almost always
+        do), else a second one for the rest; errors and timeouts name the call."""
+        import json
+        import torch
+        import torch.distributed as dist
+        data = json.dumps(obj, separators=(",", ":")).encode() if self.rank == 0 else b""
+        head = torch.zeros(self._SMALL, dtype=torch.uint8)
+        if self.rank == 0:
+            n = len(data)
+            head[:8] = torch.frombuffer(bytearray(n.to_bytes(8, "little")), dtype=torch.uint8)
+            k = min(n, self._SMALL - 8)
+            if k:
+                head[8:8 + k] = torch.frombuffer(bytearray(data[:k]), dtype=torch.uint8)
+        try:
+            dist.broadcast(head, src=0, group=self.comm.group)
+            raw = head.numpy().tobytes()
+            n = int.from_bytes(raw[:8], "little")
+            if n <= self._SMALL - 8:
+                body = raw[8:8 + n]
+            else:
+                rest = torch.zeros(n - (self._SMALL - 8), dtype=torch.uint8)
+                if self.rank == 0:
+                    rest.copy_(torch.frombuffer(bytearray(data[self._SMALL - 8:]), dtype=torch.uint8))
+                dist.broadcast(rest, src=0, group=self.comm.group)
+                body = raw[8:] + rest.numpy().tobytes()
+        except Exception as e:  # gloo timeout or a peer that went away
+            raise EngineError(f"{what}: the island's broadcast failed on rank {self.rank} (timeout "
+                              f"{self.comm.timeout_s:.0f}s): {type(e).__name__}: {e}") from e
+        return json.loads(body.decode())
 
     # ================================================================================ start
     def _start(self):
