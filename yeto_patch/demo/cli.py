@@ -43,7 +43,7 @@ def build_parser():
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--text", default=None, help="text file or folder (default: Python's standard library)")
     g.add_argument("--eval-interval", type=int, default=50)
-    g.add_argument("--eval-seqs", type=int, default=32)
+    g.add_argument("--eval-seqs", type=int, default=64, help="held-out sequences per evaluation")
     g = p.add_argument_group("DiLoCo (YETO_* variables of the islands, flags of the syncer)")
     g.add_argument("--sync-every", "-H", type=int, default=50, help="H: steps between boundaries of a fragment")
     g.add_argument("--fragments", type=int, default=2, help="streaming fragments (take turns within H)")

@@ -21,7 +21,20 @@ class ChildFailed(RuntimeError):
     def __init__(self, name, returncode, log_path, excerpt):
         self.name, self.returncode, self.log_path, self.excerpt = name, returncode, log_path, excerpt
         how = f"exit status {returncode}" if returncode >= 0 else f"signal {signal.Signals(-returncode).name}"
-        super().__init__(f"{name} failed ({how}); log: {log_path}\n{excerpt}")
+        cause = _cause(excerpt)
+        super().__init__(f"{name} failed ({how}){': ' + cause if cause else ''}\nlog: {log_path}\n{excerpt}")
+
+
+_EXC_LINE = re.compile(r"^(?:\[rank\d+\]\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failed)[\w]*: .+)$")
+
+
+def _cause(excerpt):
+    """The last 'SomeError: message' line of a traceback excerpt (what to show first)."""
+    for ln in reversed(excerpt.splitlines()):
+        m = _EXC_LINE.match(ln.strip())
+        if m:
+            return m.group(1)
+    return None
 
 
 def _parent_death_signal():
