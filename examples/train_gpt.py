@@ -294,28 +294,30 @@ def gather_full_model(model, optimizer, vocab):
             if gname in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 full = full[:vocab]  # drop Megatron's vocabulary padding
             mine[f"{kind}/{gname}"] = full.cpu().numpy()
-    # Ship every stage's share to rank 0: (tp 0, dp 0) of each pipeline stage is a source.
+    # Ship every stage's share to rank 0: (tp 0, dp 0) of each pipeline stage is a source. Tensors travel on the
+    # model's device (NCCL needs CUDA tensors; gloo takes CPU ones).
+    dev = next(model.parameters()).device
     is_src = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64)
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=dev)
     flags[dist.get_rank()] = int(is_src)
     dist.all_reduce(flags)
     out = dict(mine) if dist.get_rank() == 0 else None
-    for src in [int(i) for i in torch.nonzero(flags).view(-1) if int(i) != 0]:
+    for src in [int(i) for i in torch.nonzero(flags.cpu()).view(-1) if int(i) != 0]:
         if dist.get_rank() == src:
             header = json.dumps([[k, list(v.shape)] for k, v in mine.items()]).encode()
-            dist.send(torch.tensor([len(header)], dtype=torch.int64), 0)
-            dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), 0)
+            dist.send(torch.tensor([len(header)], dtype=torch.int64, device=dev), 0)
+            dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(dev), 0)
             for v in mine.values():
-                dist.send(torch.from_numpy(np.ascontiguousarray(v)), 0)
+                dist.send(torch.from_numpy(np.ascontiguousarray(v)).to(dev), 0)
         elif dist.get_rank() == 0:
-            n = torch.zeros(1, dtype=torch.int64)
+            n = torch.zeros(1, dtype=torch.int64, device=dev)
             dist.recv(n, src)
-            buf = torch.zeros(int(n), dtype=torch.uint8)
+            buf = torch.zeros(int(n.item()), dtype=torch.uint8, device=dev)
             dist.recv(buf, src)
-            for k, shape in json.loads(bytes(buf.numpy()).decode()):
-                t = torch.zeros(shape, dtype=torch.float32)
+            for k, shape in json.loads(bytes(buf.cpu().numpy()).decode()):
+                t = torch.zeros(shape, dtype=torch.float32, device=dev)
                 dist.recv(t, src)
-                out[k] = t.numpy()
+                out[k] = t.cpu().numpy()
     return out
 
 
