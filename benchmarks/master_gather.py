@@ -145,7 +145,7 @@ def main():
                vocab=32000 if not a.quick else 4096, vocab_divisible_by=128, micro=max(2, a.pp))
     chunk = int(a.chunk_mib * (1 << 20))
     t0 = time.time()
-    with WorkerPool(4, task_timeout=3000, pg_timeout_s=900) as pool:
+    with WorkerPool(4, start_timeout=1200, task_timeout=3000, pg_timeout_s=900) as pool:
         res = pool.run("master_gather:bench_worker", cfg, chunk, a.repeat, timeout=3000)
     r0 = res[0]
     gb = r0["model_bytes"] / 1e9

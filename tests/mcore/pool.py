@@ -137,7 +137,7 @@ def _worker_main(rank: int, world: int, port: int, conn, pg_timeout_s: float, en
 class WorkerPool:
     """N spawned ranks joined by one gloo process group; see the module docstring."""
 
-    def __init__(self, world: int = 4, *, start_timeout: float = 180.0, task_timeout: float = 300.0,
+    def __init__(self, world: int = 4, *, start_timeout: float = 600.0, task_timeout: float = 300.0,
                  pg_timeout_s: float = 120.0, env: Optional[dict] = None):
         self.world = world
         self.start_timeout = start_timeout
