@@ -7,7 +7,7 @@ PYTHONPATH and YETO_* variables, each island on its own shard of byte-level text
 The baseline is the same script with synchronous data parallel over all M shards (M x the batch, the same tokens
 in total), cached per setting.
 
-    python benchmarks/convergence.py --quick         # the target configuration and a few neighbours (~10 min)
+    python benchmarks/convergence.py --quick         # the target configuration and 4 neighbours (~10 min idle)
     python benchmarks/convergence.py                 # the full grid: M {2,4} x H {10,50} x push dtype
                                                      # {f32,int8,int4,int4-log} x error feedback x tau {0,>0}
     python benchmarks/convergence.py --only "M=2 H=50 int4 ef tau=5" --steps 800
