@@ -64,6 +64,7 @@ def demo_flags(c, a):
          "--hidden", a.hidden, "--layers", a.layers, "--seq-length", a.seq_length, "--batch", a.batch,
          "--micro-batch", a.micro_batch, "--lr", a.lr, "--warmup", a.warmup, "--eval-interval", a.eval_interval,
          "--eval-seqs", a.eval_seqs, "--progress-every", 30, "--baseline-layout", a.baseline_layout,
+         "--base-wire", a.base_wire, "--outer-lr", a.outer_lr,
          "--error-feedback" if c["ef"] else "--no-error-feedback"]
     for k, v in c.get("extra", {}).items():
         f += [f"--{k.replace('_', '-')}", v]
@@ -130,6 +131,9 @@ def main(argv=None):
     ap.add_argument("--layouts", default="single", help="island layout(s), as in yeto-patch demo")
     ap.add_argument("--baseline-layout", default="dp2")
     ap.add_argument("--fragments", type=int, default=1)
+    ap.add_argument("--base-wire", choices=("f32", "bf16"), default="bf16", help="dtype of merged bases sent to "
+                    "islands (initial and final models are f32 regardless)")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate (momentum 0.9)")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq-length", type=int, default=64)
@@ -155,7 +159,8 @@ def main(argv=None):
         ap.error("no configuration selected")
     os.makedirs(a.out, exist_ok=True)
     print(f"convergence: {len(configs)} configuration(s), {a.steps} steps, GPT {a.layers}x{a.hidden} "
-          f"seq {a.seq_length}, {a.batch} sequences/step/island, islands {a.layouts}; output {a.out}", flush=True)
+          f"seq {a.seq_length}, {a.batch} sequences/step/island, islands {a.layouts}, outer lr {a.outer_lr}, "
+          f"bases {a.base_wire}; output {a.out}", flush=True)
     rows = []
     t0 = time.time()
     for i, c in enumerate(configs):
