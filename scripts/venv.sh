@@ -12,7 +12,7 @@ case "$env_name" in
   *) echo "usage: $0 py312|py311" >&2; exit 2 ;;
 esac
 req="$here/requirements/$env_name.txt"
-hash="$(cat "$req" "$here/requirements/common.txt" "$here/scripts/venv.sh" | sha256sum | cut -c1-16)"
+hash="$(cat "$req" "$here/requirements/common.txt" | sha256sum | cut -c1-16)"
 cache="${YETO_VENV_CACHE:-$HOME/.cache/yeto-patch/venvs}"
 venv="$cache/$env_name-$hash"
 find_python() {
@@ -23,6 +23,10 @@ find_python() {
   done
   return 1
 }
+mkdir -p "$cache"
+# One creator at a time per environment (parallel test runs share the cache).
+exec 9>"$cache/.lock-$env_name"
+flock 9
 if [ ! -f "$venv/.complete" ]; then
   py="$(find_python)" || { echo "venv.sh: Python $py_ver not found (install it, e.g. with pyenv)" >&2; exit 1; }
   echo "venv.sh: creating $venv with $py" >&2
@@ -35,5 +39,7 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
 fi
 # The package itself: editable, no dependency resolution, so console scripts point at this clone.
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$here" >&2
+if ! log="$("$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$here" 2>&1)"; then
+  echo "$log" >&2; echo "venv.sh: installing yeto-patch into $venv failed" >&2; exit 1
+fi
 echo "$venv"
