@@ -5,7 +5,7 @@ through PYTHONPATH and YETO_* variables, as a user would.
     torchrun --nproc-per-node 2 island_train.py --tp 2 --steps 16 --out DIR
 
 Writes to DIR (global rank 0 writes the JSON, every rank its own part of the model):
-  result.json        {"losses": [...], "eval_before": x, "eval_after": y, "stopped_at": n, "layout": ...}
+  result.json        {"losses", "step_s", "step_end", "eval_before", "eval_after", "steps", "layout", ...}
   model.rank<r>.npz  "master/<name>" FP32 masters and "param/<name>" model weights this rank holds as TP rank 0 /
                      DP rank 0, full along TP, keyed by global name (full_model.py, megatron's own groups)
 """
