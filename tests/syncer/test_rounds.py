@@ -180,3 +180,33 @@ def test_fold_and_merge_bit_identical_for_1_and_n_threads():
         results.append([(f.t.base.tobytes(), f.t.momentum.tobytes()) for f in c.frags])
         c.runner.close()
     assert results[0] == results[1] == results[2]
+
+
+def test_rounds_wait_for_islands_that_have_not_joined_yet():
+    """A round is not closed by "every member answered" while fewer than quorum islands have joined: an island
+    launched later than the first one must not find the run merged without it."""
+    clock = Clock()
+    c = Coordinator(MergeSettings(), RoundSettings(islands=2, quorum=2, grace_s=1.0, timeout_s=100.0, lease_s=50.0),
+                    ChunkRunner(1), clock=clock)
+    c.set_manifest(MAN, 1)
+    c.init_fragment(0, np.zeros(c.frags[0].numel, np.float32))
+    c.join("a", "1")
+    push(c, "a", 0, 0, np.ones(c.frags[0].numel, np.float32))
+    clock.t += 10
+    c.touch("a")
+    assert c.due() == []          # only one of two islands has joined
+    c.join("b", "1")
+    assert c.due() == []          # b joined but has not answered yet
+    push(c, "b", 0, 0, np.ones(c.frags[0].numel, np.float32))
+    assert c.due() == [0]
+
+
+def test_quorum_one_merges_alone():
+    clock = Clock()
+    c = Coordinator(MergeSettings(), RoundSettings(islands=2, quorum=1, grace_s=1.0, timeout_s=100.0, lease_s=50.0),
+                    ChunkRunner(1), clock=clock)
+    c.set_manifest(MAN, 1)
+    c.init_fragment(0, np.zeros(c.frags[0].numel, np.float32))
+    c.join("a", "1")
+    push(c, "a", 0, 0, np.ones(c.frags[0].numel, np.float32))
+    assert c.due() == [0]

@@ -14,7 +14,8 @@ Semantics (see docs/protocol.md, "Syncer protocol"):
   carried, in its encoded wire form, into the next merge of that fragment, with its weight scaled by
   ``late_factor ** lag``.  A larger lag is refused (the island must pull).  A second push for the same
   (island, fragment, base) is refused.  A non-finite push is refused before it touches anything.
-* A round merges when every current member (alive by lease, not finished) answered, or when ``quorum``
+* A round merges when every current member (alive by lease, not finished) answered, once at least ``quorum``
+  islands have joined the run (so a late launch is not left behind), or when ``quorum``
   answered and ``grace_s`` passed since the quorum was reached, or when ``timeout_s`` passed since the first
   answer and at least ``quorum`` answered.  Otherwise it keeps waiting and says so in the log.
 * Weights: ``equal`` (1 per push), ``steps`` or ``tokens`` (as reported by the push).  The outer gradient is
@@ -547,6 +548,13 @@ class Coordinator:
         return {i for i, m in self.members.items()
                 if m.alive(now, self.rs.lease_s) and not m.finished and f.index not in m.final_fragments}
 
+    def _joined_enough(self) -> bool:
+        """(lock held) Whether at least ``quorum`` islands have joined this run so far.  Until then "every
+        current member answered" does not close a round, so islands launched a little later than the first
+        one are not left behind by rounds merged without them.  Islands that joined and then left (lease,
+        BYE, final cut) still count: they leave the expected set as before."""
+        return len(self.members) >= min(self.rs.k, self.rs.islands)
+
     def due(self) -> list[int]:
         """Fragments whose open round should merge now (logs rounds that wait below quorum past the timeout)."""
         now = self.clock()
@@ -558,7 +566,7 @@ class Coordinator:
                     continue
                 answered = set(r.contribs)
                 exp = self.expected(f, now)
-                if exp <= answered:
+                if exp <= answered and self._joined_enough():
                     out.append(f.index)
                 elif len(answered) >= self.rs.k:
                     if r.t_quorum is None:
