@@ -3,8 +3,8 @@
 Islands reach the syncer through this TCP relay (it stands where the slow inter-island network would be), so
 the demo reports the bytes that really crossed, both ways, framing and handshakes included, rather than an
 estimate. It can also hold the first connections until every island has connected (``gate``): islands started
-together then join the syncer together, whatever their start-up time (see README: the syncer merges a round
-with the members it has, so an island that joins after the first merge starts out of phase).
+together then join the syncer together, whatever their start-up time, so none trains alone meanwhile (the syncer
+itself waits for its quorum of islands before closing the first rounds; ``--no-start-gate`` shows that path).
 """
 import socket
 import threading
