@@ -43,3 +43,23 @@ def unpatch_classes(module, class_names) -> None:
 def patched_classes(module, class_names) -> list:
     return [f"{module.__name__}.{c}.step" for c in class_names
             if getattr(module, c, None) is not None and _wrap.is_wrapped(getattr(module, c), "step")]
+
+
+def hook_functions(target: str, class_names, tag: str):
+    """``(patch, unpatch, patched)`` of a hook module wrapping ``step`` of ``class_names`` in module ``target``."""
+    import sys
+
+    def patch(module=None) -> list:
+        """Wrap the optimizers' ``step`` (idempotent); returns what is wrapped."""
+        return patch_classes(module or sys.modules[target], class_names, tag)
+
+    def unpatch() -> None:
+        module = sys.modules.get(target)
+        if module is not None:
+            unpatch_classes(module, class_names)
+
+    def patched() -> list:
+        module = sys.modules.get(target)
+        return [] if module is None else patched_classes(module, class_names)
+
+    return patch, unpatch, patched

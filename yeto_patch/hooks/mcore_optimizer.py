@@ -1,26 +1,10 @@
 """Hook for `megatron.core.optimizer.optimizer`: ``step`` of the mixed-precision (incl.
 Float16OptimizerWithFloat16Params), FP32 and chained optimizers.
 """
-import sys
-
 from . import _optimizer_step
 
 TARGET = "megatron.core.optimizer.optimizer"
 CLASSES = ('MixedPrecisionOptimizer', 'Float16OptimizerWithFloat16Params', 'FP32Optimizer', 'ChainedOptimizer')
 
 
-def patch(module=None) -> list:
-    """Wrap the optimizers' ``step`` (idempotent); returns what is wrapped."""
-    module = module or sys.modules[TARGET]
-    return _optimizer_step.patch_classes(module, CLASSES, __name__)
-
-
-def unpatch() -> None:
-    module = sys.modules.get(TARGET)
-    if module is not None:
-        _optimizer_step.unpatch_classes(module, CLASSES)
-
-
-def patched() -> list:
-    module = sys.modules.get(TARGET)
-    return [] if module is None else _optimizer_step.patched_classes(module, CLASSES)
+patch, unpatch, patched = _optimizer_step.hook_functions(TARGET, CLASSES, __name__)
