@@ -81,3 +81,24 @@ def unwrap(owner, name) -> bool:
     if st is not None:
         st["enabled"] = False
     return False
+
+
+def function_hook(target: str, name: str, wrapper, tag: str):
+    """``(patch, unpatch, patched)`` of a hook module wrapping function ``name`` of module ``target``."""
+    import sys
+
+    def patch(module=None) -> list:
+        """Wrap ``target.name`` (idempotent); returns what is wrapped."""
+        wrap(module or sys.modules[target], name, wrapper, tag)
+        return patched()
+
+    def unpatch() -> None:
+        module = sys.modules.get(target)
+        if module is not None:
+            unwrap(module, name)
+
+    def patched() -> list:
+        module = sys.modules.get(target)
+        return [f"{target}.{name}"] if module is not None and is_wrapped(module, name) else []
+
+    return patch, unpatch, patched

@@ -1,7 +1,6 @@
 """Hook for ``megatron.bridge.training.train`` (Megatron-Bridge's loop): ``train_step``, looked up as a global of
 that module by ``train``, so the module attribute is what gets wrapped. Bridge passes a ``GlobalState`` whose
 ``cfg`` holds the schedule and ``train_state.step`` the iteration."""
-import sys
 
 from . import _train_step, _wrap
 
@@ -39,18 +38,4 @@ def train_step_wrapper(wrapped, instance, args, kwargs):
     return _train_step.run(wrapped, args, kwargs, facts)
 
 
-def patch(module=None) -> list:
-    module = module or sys.modules[TARGET]
-    _wrap.wrap(module, "train_step", train_step_wrapper, __name__)
-    return patched()
-
-
-def unpatch() -> None:
-    module = sys.modules.get(TARGET)
-    if module is not None:
-        _wrap.unwrap(module, "train_step")
-
-
-def patched() -> list:
-    module = sys.modules.get(TARGET)
-    return [f"{TARGET}.train_step"] if module is not None and _wrap.is_wrapped(module, "train_step") else []
+patch, unpatch, patched = _wrap.function_hook(TARGET, "train_step", train_step_wrapper, __name__)

@@ -1,7 +1,6 @@
 """Hook for ``megatron.training.training`` (Megatron-LM's loop, shipped in megatron-core >= 0.17 wheels):
 ``train_step``. ``pretrain`` -> ``train`` -> ``train_step`` looks ``train_step`` up as a global of this module,
 so the module attribute is what gets wrapped."""
-import sys
 
 from . import _train_step, _wrap
 
@@ -56,18 +55,4 @@ def train_step_wrapper(wrapped, instance, args, kwargs):
     return _train_step.run(wrapped, args, kwargs, facts, on_early_exit=lambda: _exit_after_this_iteration(facts))
 
 
-def patch(module=None) -> list:
-    module = module or sys.modules[TARGET]
-    _wrap.wrap(module, "train_step", train_step_wrapper, __name__)
-    return patched()
-
-
-def unpatch() -> None:
-    module = sys.modules.get(TARGET)
-    if module is not None:
-        _wrap.unwrap(module, "train_step")
-
-
-def patched() -> list:
-    module = sys.modules.get(TARGET)
-    return [f"{TARGET}.train_step"] if module is not None and _wrap.is_wrapped(module, "train_step") else []
+patch, unpatch, patched = _wrap.function_hook(TARGET, "train_step", train_step_wrapper, __name__)
