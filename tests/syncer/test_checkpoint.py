@@ -1,5 +1,6 @@
 """Checkpoint format, atomicity, background snapshots, and bit-exact resume over loopback."""
 import os
+import time
 import threading
 
 import numpy as np
@@ -148,3 +149,54 @@ def test_refuses_to_overwrite_or_resume_with_other_settings(tmp_path):
         make_server(islands=1, fragments=2, checkpoint=p)
     with pytest.raises(CheckpointError, match="lr"):
         make_server(islands=1, fragments=2, checkpoint=p, resume=True, merge={"lr": 0.5})
+
+
+def test_every_base_an_island_receives_is_on_disk_first_and_resume_refuses_merged_pushes(tmp_path):
+    """--checkpoint-every 1: a base goes out only after the checkpoint that holds it, and the INIT is on disk
+    before anyone trains.  After a resume, a push that was merged before the crash is a duplicate; a push that
+    was only folded (its round had not merged) is taken again; the resumed run waits for its islands."""
+    values = init_values(seed=4)
+    p = str(tmp_path / "s.bin")
+    kw = dict(islands=2, fragments=2, rounds={"quorum": 2, "lease_s": 30.0, "grace_s": 0.1})
+    server, addr = make_server(checkpoint=p, checkpoint_every=1, **kw)
+    with running(server):
+        cs = [client(addr, i) for i in ("a", "b")]
+        ws = [c.connect() for c in cs]
+        layout = ws[0].layout
+        cs[0].wait_ready(10, init_source=lambda f: [values[i] for i in layout[f]])
+        cs[1].wait_ready(10)
+        assert [f["version"] for f in read_checkpoint(p)[0]["fragments"]] == [0, 0]
+        n = ws[0].numels
+        for c in cs:
+            c.push(0, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
+                   body=codecs.encode("f32", np.full(n[0], 0.25, np.float32)), wait=True)
+        b = cs[0].wait_base(0, 1, 10)
+        meta, arrays = read_checkpoint(p)   # already on disk when the base arrived
+        assert [f["version"] for f in meta["fragments"]] == [1, 0]
+        assert arrays[0]["base"].tobytes() == b.values.tobytes()
+        # fragment 1: a's push is folded, b never answers before the crash
+        cs[0].push(1, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
+                   body=codecs.encode("f32", np.full(n[1], 0.5, np.float32)), wait=True)
+        for c in cs:
+            c.conn.close()   # the syncer "crashes": nothing of the open round is on disk
+    server, addr = make_server(checkpoint=p, checkpoint_every=1, resume=True, **kw)
+    with running(server):
+        assert server.coord.versions() == [1, 0]
+        cs = [client(addr, i) for i in ("a", "b")]
+        ws = [c.connect() for c in cs]
+        assert [w.versions for w in ws] == [[1, 0], [1, 0]]
+        from yeto_patch.wire.client import SyncerRefusal
+        with pytest.raises(SyncerRefusal, match="duplicate"):   # merged before the crash: never counted twice
+            cs[1].push(0, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
+                       body=codecs.encode("f32", np.full(n[0], 0.25, np.float32)), wait=True)
+        r = cs[0].push(1, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
+                       body=codecs.encode("f32", np.full(n[1], 0.5, np.float32)), wait=True)
+        assert r.status == "accepted"
+        time.sleep(0.5)
+        assert server.coord.versions() == [1, 0]   # b is a member of the resumed run: waited for
+        cs[1].push(1, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
+                   body=codecs.encode("f32", np.full(n[1], 1.5, np.float32)), wait=True)
+        assert cs[1].wait_base(1, 1, 10).version == 1
+        assert [x["island"] for x in server.records[-1].responders] == ["a", "b"]
+        for c in cs:
+            c.close()

@@ -138,21 +138,50 @@ def test_duplicate_and_nan_refused_state_unchanged():
     assert c.due() == [1]
 
 
-def test_lease_expiry_leaves_expected_set_and_bye():
+def test_lease_expiry_below_the_quorum_leaves_expected_set():
+    """With --quorum below --islands a silent island stops being waited for once its lease expires."""
+    clock = Clock()
+    c = Coordinator(MergeSettings(), RoundSettings(islands=3, quorum=2, grace_s=100.0, timeout_s=1000.0,
+                                                   lease_s=5.0), ChunkRunner(1), clock=clock)
+    c.set_manifest(MAN, 1)
+    c.init_fragment(0, np.zeros(c.frags[0].numel, np.float32))
+    for i in "abc":
+        c.join(i, "1")
+    push(c, "a", 0, 0, np.ones(c.frags[0].numel, np.float32))
+    push(c, "b", 0, 0, np.ones(c.frags[0].numel, np.float32))
+    assert c.due() == []       # c is alive: every member has not answered, the grace period runs
+    clock.t += 6               # c silent past its lease
+    c.touch("a")
+    c.touch("b")
+    assert c.due() == [0]
+    with pytest.raises(PushRefused, match="expects 3"):
+        c.join("d", "1") if c.join("e", "1") else None
+
+
+def test_a_fixed_roster_waits_for_a_crashed_island_until_it_is_back():
+    """With --quorum equal to --islands an island that crashed (lease expired) or said BYE still counts: the
+    others wait for it instead of merging without it; an island that finished does not count."""
     clock = Clock()
     c = Coordinator(MergeSettings(), RoundSettings(islands=2, quorum=2, grace_s=1.0, timeout_s=100.0, lease_s=5.0),
                     ChunkRunner(1), clock=clock)
     c.set_manifest(MAN, 1)
-    c.init_fragment(0, np.zeros(c.frags[0].numel, np.float32))
+    n = c.frags[0].numel
+    c.init_fragment(0, np.zeros(n, np.float32))
     c.join("a", "1")
     c.join("b", "1")
-    push(c, "a", 0, 0, np.ones(c.frags[0].numel, np.float32))
-    assert c.due() == []
-    clock.t += 6  # b silent past its lease
+    push(c, "a", 0, 0, np.ones(n, np.float32))
+    clock.t += 6   # b silent past its lease
     c.touch("a")
+    assert c.due() == []
+    c.disconnected("b", bye=True)
+    assert c.due() == []
+    c.join("b", "2")   # b restarted
+    push(c, "b", 0, 0, np.ones(n, np.float32))
     assert c.due() == [0]
-    with pytest.raises(PushRefused, match="expects 2"):
-        c.join("c", "1") if c.join("d", "1") else None
+    assert c.merge(0).ok
+    c.finish("b", 10)  # b reached its last step: a goes on alone
+    push(c, "a", 0, 1, np.ones(n, np.float32))
+    assert c.due() == [0]
 
 
 def test_fold_and_merge_bit_identical_for_1_and_n_threads():

@@ -14,8 +14,9 @@ Semantics (see docs/protocol.md, "Syncer protocol"):
   carried, in its encoded wire form, into the next merge of that fragment, with its weight scaled by
   ``late_factor ** lag``.  A larger lag is refused (the island must pull).  A second push for the same
   (island, fragment, base) is refused.  A non-finite push is refused before it touches anything.
-* A round merges when every current member (alive by lease, not finished) answered, once at least ``quorum``
-  islands have joined the run (so a late launch is not left behind), or when ``quorum``
+* A round merges when every current member (alive by lease, not finished) answered and at least ``quorum``
+  of the islands that have not finished did, once at least ``quorum`` islands have joined the run (so a late
+  launch is not left behind and a crashed island is waited for), or when ``quorum``
   answered and ``grace_s`` passed since the quorum was reached, or when ``timeout_s`` passed since the first
   answer and at least ``quorum`` answered.  Otherwise it keeps waiting and says so in the log.
 * Weights: ``equal`` (1 per push), ``steps`` or ``tokens`` (as reported by the push).  The outer gradient is
@@ -555,6 +556,14 @@ class Coordinator:
         BYE, final cut) still count: they leave the expected set as before."""
         return len(self.members) >= min(self.rs.k, self.rs.islands)
 
+    def _floor(self, f: _Fragment) -> int:
+        """(lock held) The fewest answers that may close a round of ``f`` by "every member answered": the
+        quorum, or fewer once islands have finished (final push or last step).  An island that crashed, lost
+        its link or said BYE before its end still counts, so with ``--quorum`` equal to ``--islands`` (a fixed
+        roster) the others wait for it to come back instead of merging without it."""
+        active = sum(1 for m in self.members.values() if not m.finished and f.index not in m.final_fragments)
+        return max(1, min(self.rs.k, active))
+
     def due(self) -> list[int]:
         """Fragments whose open round should merge now (logs rounds that wait below quorum past the timeout)."""
         now = self.clock()
@@ -566,7 +575,7 @@ class Coordinator:
                     continue
                 answered = set(r.contribs)
                 exp = self.expected(f, now)
-                if exp <= answered and self._joined_enough():
+                if exp <= answered and self._joined_enough() and len(answered) >= self._floor(f):
                     out.append(f.index)
                 elif len(answered) >= self.rs.k:
                     if r.t_quorum is None:
@@ -723,13 +732,21 @@ def capture(coord: Coordinator, extra: Optional[dict] = None):
             if f.t.delay_buf is not None:
                 d["delay_buf"] = f.t.delay_buf
             arrays.append(d)
+        # pushes already merged (refused as duplicates after a resume); those of open rounds are not merged
+        # and are lost with the process: their islands push them again
+        unmerged = set()
+        for f in coord.frags:
+            for c in list(f.round.contribs.values()) + list(f.carry):
+                unmerged.add((c.island, f.index, c.push.base_version))
+        merged = sorted([i, fr, b] for i, fr, b in coord.seen if (i, fr, b) not in unmerged)
         ledger = {i: {"incarnation": m.incarnation, "pushes": m.pushes, "steps": m.steps, "tokens": m.tokens,
-                      "last_step": m.last_step, "finished": m.finished} for i, m in coord.members.items()}
+                      "last_step": m.last_step, "finished": m.finished,
+                      "final_fragments": sorted(m.final_fragments)} for i, m in coord.members.items()}
         meta = {"format": "yeto-syncer-checkpoint", "format_version": FORMAT_VERSION, "created_unix": time.time(),
                 "manifest": manifest_to_json(coord.manifest),
                 "manifest_digest": auth.manifest_digest(coord.manifest).hex(),
                 "layout": coord.layout, "merge_config": coord.ms.resolved(), "merges_total": coord.merges_total,
-                "fragments": frags, "ledger": ledger, **(extra or {})}
+                "fragments": frags, "ledger": ledger, "merged_pushes": merged, **(extra or {})}
     return Snapshot(meta, arrays)
 
 
@@ -764,9 +781,13 @@ def restore(coord: Coordinator, meta: dict, arrays: list) -> None:
             f.round = _Round(f.version)
         coord.merges_total = int(meta.get("merges_total", 0))
         for island, e in meta.get("ledger", {}).items():
-            coord.members[island] = Member(island, e.get("incarnation", ""), last_seen=-float("inf"),
-                                           finished=False, last_step=int(e.get("last_step", 0)),
+            # members of the resumed run are expected again for one lease (they reconnect with back-off)
+            coord.members[island] = Member(island, e.get("incarnation", ""), last_seen=coord.clock(),
+                                           finished=bool(e.get("finished", False)),
+                                           final_fragments={int(x) for x in e.get("final_fragments", [])},
+                                           last_step=int(e.get("last_step", 0)),
                                            pushes=int(e.get("pushes", 0)), steps=int(e.get("steps", 0)),
                                            tokens=int(e.get("tokens", 0)))
+        coord.seen = {(str(i), int(fr), int(b)) for i, fr, b in meta.get("merged_pushes", [])}
         coord.initialized = True
         coord._check_total_rounds()

@@ -477,6 +477,8 @@ class SyncerServer:
         self.metrics.bytes_in.labels("init").inc(mv.nbytes)
         if done:
             log.info("run initialized from island %s's INIT (%d fragments)", s.island, len(coord.frags))
+            if self.writer is not None:  # version 0 on disk before any island trains from it
+                self._checkpoint(final=False)
             for other in list(self.sessions.values()):
                 for f in range(len(coord.frags)):
                     other.post_base(f, "f32")
@@ -649,12 +651,15 @@ class SyncerServer:
         del self.records[:-64]
         if not rec.ok:
             return
-        if broadcast:
-            for s in list(self.sessions.values()):
-                s.post_base(rec.fragment, self.cfg.base_wire)
+        # The checkpoint goes first: with --checkpoint-every 1 (written in the foreground) every base an island
+        # ever receives is on disk, so a syncer killed at any moment resumes at or past every island's base and
+        # the islands only re-push what it had not merged.
         n = self.cfg.checkpoint_every
         if self.writer is not None and n and self.coord.merges_total % n == 0:
             self._checkpoint(final=False)
+        if broadcast:
+            for s in list(self.sessions.values()):
+                s.post_base(rec.fragment, self.cfg.base_wire)
 
     def _checkpoint(self, final: bool) -> None:
         snap = capture(self.coord, {"final": final})
