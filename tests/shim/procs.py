@@ -78,13 +78,13 @@ class Proc:
             self.log.close()
 
 
-def start_syncer(tmp_path, port, islands=2, fragments=2, key=None, extra=()):
-    """A syncer whose rounds wait for every island (quorum = islands), as a test needs."""
+def start_syncer(tmp_path, port, islands=2, fragments=2, key=None, extra=(), quorum=None, name="syncer"):
+    """A syncer whose rounds wait for every island (quorum = islands) unless told otherwise, as a test needs."""
     args = [sys.executable, "-m", "yeto_patch.syncer", "--listen", f"127.0.0.1:{port}", "--islands", str(islands),
-            "--quorum", str(islands), "--fragments", str(fragments), "--checkpoint", str(tmp_path / "syncer.ckpt"),
-            "--tape", str(tmp_path / "tape.jsonl"), *extra]
+            "--quorum", str(quorum or islands), "--fragments", str(fragments),
+            "--checkpoint", str(tmp_path / "syncer.ckpt"), "--tape", str(tmp_path / "tape.jsonl"), *extra]
     args += ["--key-file", key] if key else ["--insecure"]
-    return Proc("syncer", args, base_env(), str(tmp_path / "syncer.log"))
+    return Proc(name, args, base_env(), str(tmp_path / f"{name}.log"))
 
 
 def start_island(tmp_path, name, port, layout_args, steps, env_extra, nproc=2, script=ISLAND_SCRIPT, attach=True):

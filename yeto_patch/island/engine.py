@@ -282,10 +282,12 @@ class Engine:
             spent += b
             b = min(b * 2, 10.0)
             retries += 1
+        self._key = key
         self.client = SyncerClient(s.syncer, key, s.island_id, self.manifest.wire_manifest(),
                                    timeout=s.timeout, insecure=s.insecure, connect_retries=retries,
                                    backoff=0.5, max_backoff=10.0)
         w = self.client.connect()
+        self._welcome_shape = (list(w.layout), list(w.numels))
         self.sender = BackgroundSender(s.send_queue_bytes, name="yeto-push-sender")
         return dict(layout=w.layout, numels=w.numels, fragments=w.fragments, versions=w.versions,
                     needs_init=list(w.needs_init), final=bool(w.final))
@@ -322,6 +324,9 @@ class Engine:
         self.pending: Dict[int, dict] = {}   # fragment -> the push awaiting its base (rank 0 keeps the timings)
         self.arrived: Dict[int, object] = {}  # rank 0: newest base received per fragment, not yet installed
         self.residual: Dict[int, np.ndarray] = {}
+        self._outage: Optional[float] = None  # rank 0: when the link to the syncer was lost (None: it is up)
+        self._repushed: set = set()           # rank 0: (fragment, base) sent again after a reconnect
+        self._adopt: set = set()              # rank 0: fragments whose (older) syncer base replaces the anchor
 
     def _have_all_bases(self):
         self._poll()
@@ -329,13 +334,108 @@ class Engine:
 
     # ================================================================================ collective pieces
     def _poll(self):
-        """Rank 0: move what the client received into `arrived` (newest per fragment); surface failures."""
-        if self.sender is not None:
-            self.sender.check()
-        for b in self.client.poll():
+        """Rank 0: move what the client received into `arrived` (newest per fragment); surface failures. A lost
+        link is replaced (``_reconnect``) within YETO_DILOCO_TIMEOUT instead of failing the island."""
+        from yeto_patch.wire.client import SyncerRefusal, recoverable
+        while True:
+            try:
+                if self.sender is not None:
+                    self.sender.check()
+                bases = self.client.poll()
+                break
+            except SyncerRefusal as e:
+                if e.code == "duplicate" and (e.fragment, e.base_version) in self._repushed:
+                    self._repushed.discard((e.fragment, e.base_version))   # it had arrived before the link broke
+                    continue
+                if e.code == "stale":   # merged past it without this island: the newer base answers the push
+                    log.warning("yeto-patch: step %d: the syncer refused the push of fragment %s relative to v%s "
+                                "as stale (it merged on without this island); pulling its current base", self.step,
+                                e.fragment, e.base_version)
+                    continue
+                raise
+            except Exception as e:  # noqa: BLE001 - classified below
+                if not self.started or not recoverable(e):
+                    raise
+                self._reconnect(e)
+        self._outage = None
+        for b in bases:
             cur = self.arrived.get(b.fragment)
-            if cur is None or b.version >= cur.version:
+            if cur is None or b.version >= cur.version or b.fragment in self._adopt:
                 self.arrived[b.fragment] = b
+
+    def _reconnect(self, cause):
+        """Rank 0: the link to the syncer is gone (syncer restart, cut link, dead peer). Reconnect with the same
+        incarnation and bounded back-off, then reconcile: a push whose base is still the syncer's current one
+        is sent again (the syncer refuses it as a duplicate if it had it: counted once either way); a push the
+        syncer merged meanwhile is answered by the current base, which the syncer sends on every welcome; a
+        fragment where the syncer is behind this island (it resumed from an older checkpoint) adopts the
+        syncer's base. Gives up YETO_DILOCO_TIMEOUT after the link was lost."""
+        from yeto_patch.wire.client import SyncerClient, recoverable
+        from yeto_patch.wire.sender import BackgroundSender
+        s = self.settings
+        now = time.monotonic()
+        if self._outage is None:
+            self._outage = now
+        deadline = self._outage + s.timeout
+        log.warning("yeto-patch: step %d: lost the syncer at %s (%s: %s); reconnecting for up to %.0fs",
+                    self.step, s.syncer, type(cause).__name__, cause, deadline - now)
+        old_client, old_sender = self.client, self.sender
+        if old_sender is not None:
+            old_sender.abort(timeout=2.0)
+        if old_client is not None:
+            old_client.abort()
+        wait, attempt = 0.5, 0
+        while True:
+            attempt += 1
+            c = SyncerClient(s.syncer, self._key, s.island_id, self.manifest.wire_manifest(),
+                             incarnation=old_client.incarnation, timeout=min(s.timeout, 60.0),
+                             insecure=s.insecure, connect_retries=0)
+            try:
+                w = c.connect()
+                break
+            except Exception as e:  # noqa: BLE001
+                c.abort()
+                left = deadline - time.monotonic()
+                if not recoverable(e) or left <= 0:
+                    raise EngineError(f"yeto-patch: lost the syncer at {s.syncer} at step {self.step} "
+                                      f"({type(cause).__name__}: {cause}) and could not reconnect"
+                                      f"{' within YETO_DILOCO_TIMEOUT=%.0fs' % s.timeout if left <= 0 else ''}: "
+                                      f"{_describe(e, 'reconnect')}") from e
+                time.sleep(min(wait, max(0.0, left)))
+                wait = min(wait * 2, 10.0)
+        if (list(w.layout), list(w.numels)) != self._welcome_shape:
+            c.abort()
+            raise EngineError(f"yeto-patch: the syncer at {s.syncer} came back with a different fragment layout "
+                              f"(another --fragments or another run); this island cannot continue with it")
+        if w.versions is None:
+            c.abort()
+            raise EngineError(f"yeto-patch: the syncer at {s.syncer} came back without this run's state (no "
+                              f"checkpoint, or restarted without --resume); restart it with --checkpoint ... "
+                              f"--resume")
+        self.client = c
+        self.sender = BackgroundSender(s.send_queue_bytes, name="yeto-push-sender")
+        repush, adopt = [], []
+        for f in range(self.P):
+            v = int(w.versions[f])
+            rec = self.pending.get(f)
+            if v < self.anchor_version[f]:
+                adopt.append(f)
+                self._adopt.add(f)
+            elif rec is not None and rec["base_version"] == v and "_body" in rec:
+                repush.append(f)
+                self._repushed.add((f, v))
+                self._send_push(f, rec)
+        if adopt:
+            log.warning("yeto-patch: the syncer at %s is behind this island for fragments %s (it resumed from an "
+                        "older checkpoint: run it with --checkpoint-every 1 to lose nothing); adopting its bases",
+                        s.syncer, adopt)
+        log.warning("yeto-patch: step %d: reconnected to the syncer at %s after %.1fs (attempt %d, versions %s); "
+                    "pushing again fragments %s", self.step, s.syncer, time.monotonic() - self._outage, attempt,
+                    w.versions, repush)
+        if self.log is not None:
+            self.log.write("reconnect", step=self.step, cause=f"{type(cause).__name__}: {cause}",
+                           seconds=round(time.monotonic() - self._outage, 3), versions=list(w.versions),
+                           repushed=repush, adopted=adopt)
 
     def _slice(self):
         """Longest time rank 0 blocks before the island's other ranks hear from it again (they wait in a gloo
@@ -384,7 +484,7 @@ class Engine:
                 cv.wait(min(timeout, 0.5))
         else:
             time.sleep(min(timeout, 0.05))
-        c.check()
+        # (a lost link, or a refusal, surfaces from the next _poll, which knows how to handle it)
 
     def _send_init(self, f):
         """Every rank: read fragment f's FP32 masters; rank 0 streams them to the syncer as INIT."""
@@ -424,6 +524,7 @@ class Engine:
         else:
             self._install_blend(idx, source, s.merge_alpha)
         self.anchor_version[f] = int(version)
+        self._adopt.discard(f)
         self.steps_since[f] = 0
         self.tokens_since[f] = 0
         if self.rank == 0:
@@ -433,6 +534,7 @@ class Engine:
                 rec.update(version=int(version), installed=True, mode=mode, install_ms=round(ms, 2),
                            pull_lag=self.step - rec["step"])
                 rec["send_ms"] = rec.pop("_send", {}).get("ms")
+                rec.pop("_body", None)
                 self.log.write("boundary", **rec)
                 log.info("yeto-patch: step %d: installed fragment %d v%d (%s, pushed at step %d, lag %d steps, "
                          "waited %.0f ms)", self.step, f, version, mode, rec["step"], rec["pull_lag"],
@@ -507,22 +609,33 @@ class Engine:
         gather_ms = (time.perf_counter() - t0 - enc.encode_s) * 1000
         base_version, step = self.anchor_version[f], self.step
         steps, tokens = self.steps_since[f], self.tokens_since[f]
-        timing = {}
-        client = self.client
+        # the encoded body stays until the push is answered: after a reconnect it is sent again
+        rec = self.pending[f] = {"step": step, "fragment": f, "base_version": base_version,
+                                 "bytes": int(body.nbytes), "codec": s.push_dtype, "steps": steps, "tokens": tokens,
+                                 "gather_ms": round(gather_ms, 2), "encode_ms": round(enc.encode_s * 1000, 2),
+                                 "wait_ms": 0.0, "installed": False, "final": final, "_send": {}, "_body": body}
+        self._send_push(f, rec)
+        log.debug("yeto-patch: step %d: pushed fragment %d (base v%d, %d bytes %s, gather %.0f ms, encode %.0f ms)",
+                  step, f, base_version, body.nbytes, s.push_dtype, gather_ms, enc.encode_s * 1000)
+
+    def _send_push(self, f, rec):
+        """Rank 0: queue the push recorded in `rec` on the background sender (a lost link: reconnect, which
+        sends it again)."""
+        from yeto_patch.wire.client import recoverable
+        s = self.settings
+        client, body, timing = self.client, rec["_body"], rec["_send"]
 
         def send():
             t = time.perf_counter()
-            client.push(f, base_version=base_version, local_step=step, steps=steps, tokens=tokens,
-                        codec=s.push_dtype, block=s.block, body=body, final=final)
+            client.push(f, base_version=rec["base_version"], local_step=rec["step"], steps=rec["steps"],
+                        tokens=rec["tokens"], codec=rec["codec"], block=s.block, body=body, final=rec["final"])
             timing["ms"] = round((time.perf_counter() - t) * 1000, 2)
-
-        self.sender.submit(send, int(body.nbytes), timeout=s.timeout)
-        self.pending[f] = {"step": step, "fragment": f, "base_version": base_version, "bytes": int(body.nbytes),
-                           "codec": s.push_dtype, "steps": steps, "tokens": tokens, "gather_ms": round(gather_ms, 2),
-                           "encode_ms": round(enc.encode_s * 1000, 2), "wait_ms": 0.0, "installed": False,
-                           "final": final, "_send": timing}
-        log.debug("yeto-patch: step %d: pushed fragment %d (base v%d, %d bytes %s, gather %.0f ms, encode %.0f ms)",
-                  step, f, base_version, body.nbytes, s.push_dtype, gather_ms, enc.encode_s * 1000)
+        try:
+            self.sender.submit(send, int(body.nbytes), timeout=s.timeout)
+        except Exception as e:  # noqa: BLE001
+            if not recoverable(e):
+                raise
+            self._reconnect(e)   # sends every unanswered push again, this one included
 
     # ================================================================================ per step
     def _boundary(self):
@@ -539,10 +652,16 @@ class Engine:
         def decide():
             self._poll()
             by_syncer = self.client.final_cut
-            installs = [] if by_syncer else [[f, b.version] for f, b in sorted(self.arrived.items())
-                                             if b.version > self.anchor_version[f]]
             final = self.step >= self.total or by_syncer
             due = [] if final else self._due()
+            # a fragment due now (or at the final cut) pushes its local progress first, relative to its anchor
+            # (late, so carried or refused as stale by the syncer), and takes a newer base as the answer:
+            # installing that base before the push would throw the progress away. (A syncer that is behind this
+            # island lacks the anchor's version: its base is installed first.)
+            pushing = set(range(self.P)) if final else set(due)
+            installs = [] if by_syncer else [[f, b.version] for f, b in sorted(self.arrived.items())
+                                             if f in self._adopt or (b.version > self.anchor_version[f]
+                                                                     and f not in pushing)]
             return {"install": installs, "push": due, "final": final, "by_syncer": by_syncer}
         plan = self._rank0(decide, f"plan step {self.step}")
         for f, v in plan["install"]:
@@ -578,7 +697,7 @@ class Engine:
 
         def ready():
             self._poll()
-            return all(f in self.arrived and self.arrived[f].version > want[f] for f in frags)
+            return all(f in self.arrived and (self.arrived[f].version > want[f] or f in self._adopt) for f in frags)
         self._await(ready, desc)
         waited = (time.perf_counter() - t0) * 1000
         v = self._rank0(lambda: {str(f): self.arrived[f].version for f in frags}, "answered versions")
@@ -603,6 +722,7 @@ class Engine:
             if self.rank == 0:
                 log.info("yeto-patch: step %d: final cut: pushed the final deltas of %d fragments; waiting for "
                          "the final model", self.step, self.P)
+        from yeto_patch.wire.client import recoverable
         from yeto_patch.wire.frames import WireTimeout
         got = {}
         t_end = time.monotonic() + s.timeout
@@ -617,7 +737,12 @@ class Engine:
                     if self.sender is not None and not by_syncer:
                         self.sender.drain(sl)
                     got.update(self.client.finish(last_step=self.step, timeout=max(0.1, sl)))
-                except WireTimeout:
+                except Exception as e:  # noqa: BLE001
+                    if isinstance(e, WireTimeout) and not self.client.conn_lost():
+                        return None
+                    if not recoverable(e):
+                        raise
+                    self._reconnect(e)   # final pushes the syncer lacks are sent again; FINAL again
                     return None
                 self.arrived = dict(got)
                 return {str(f): got[f].version for f in range(self.P)}

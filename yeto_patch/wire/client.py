@@ -33,6 +33,8 @@ API::
         # FINAL_BASE of every fragment (float32, with versions), ACK them; returns the final model
     c.check()                                # re-raise a failure seen by the reader thread
     c.close()                                # BYE (best effort) and close; idempotent
+    c.abort()                                # close without BYE (a reconnect replaces this link)
+    recoverable(exc) -> bool                 # the link is gone (reconnect) vs a final refusal
     probe(address, key, *, timeout=10.0, insecure=False, island_id="doctor") -> dict
         # authenticated handshake without joining a run (yeto-patch doctor): the syncer's status
 
@@ -57,11 +59,11 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from . import auth, codecs
-from .frames import AuthError, MsgType, PeerError, ProtocolError, WireTimeout
+from .frames import AuthError, CodecError, MsgType, PeerError, ProtocolError, WireTimeout
 from .message import encode_meta
 from .transport import Connection, connect
 
-__all__ = ["SyncerClient", "SyncerRefusal", "Welcome", "Base", "PushReply", "probe"]
+__all__ = ["SyncerClient", "SyncerRefusal", "Welcome", "Base", "PushReply", "probe", "recoverable"]
 
 _SEND_PIECE = 4 << 20
 
@@ -159,6 +161,15 @@ def _handshake(conn: Connection, key: Optional[bytes], insecure: bool, msg_type:
     return meta
 
 
+def recoverable(e: BaseException) -> bool:
+    """Whether ``e`` means the link to the syncer is gone (reconnecting may help) rather than a refusal: lost
+    or stalled connections, corrupt frames, connection refused while the syncer restarts.  Authentication,
+    manifest and island-count errors, refused pushes and codec errors are final."""
+    if isinstance(e, (PeerError, AuthError, CodecError)):
+        return False
+    return isinstance(e, (ProtocolError, OSError, EOFError))
+
+
 def probe(address: str, key: Optional[bytes], *, timeout: float = 10.0, insecure: bool = False,
           island_id: str = "doctor") -> dict:
     """Authenticated handshake with the syncer without joining its run; returns its status."""
@@ -249,6 +260,11 @@ class SyncerClient:
             if self._refusals:
                 raise self._refusals.popleft()  # each refusal is reported once; the connection stays usable
 
+    def conn_lost(self) -> bool:
+        """True once the session failed (lost or stalled link, the syncer's ERROR): only a new client helps."""
+        with self._cv:
+            return self._error is not None
+
     # ------------------------------------------------------------------------------------------ threads
     def _fail(self, e: BaseException) -> None:
         with self._cv:
@@ -258,6 +274,11 @@ class SyncerClient:
 
     def _reader(self) -> None:
         conn = self.conn
+        # the syncer sends a heartbeat every heartbeat_s: a link silent for a whole lease is dead even when no
+        # FIN or RST ever arrives (a cut cable, a NAT that forgot the flow)
+        silence = max(3 * (self.welcome.heartbeat_s if self.welcome else 5.0),
+                      self.welcome.lease_s if self.welcome else 60.0)
+        last = time.monotonic()
         while not self._closed:
             try:
                 t, meta, body = conn.recv(timeout=1.0)
@@ -265,12 +286,18 @@ class SyncerClient:
                 if conn.broken:
                     self._fail(WireTimeout(f"connection to the syncer at {self.address} stalled: {conn.broken}"))
                     return
+                if time.monotonic() - last > silence and not self._closed:
+                    self._fail(WireTimeout(f"no message from the syncer at {self.address} for {silence:.0f}s "
+                                           f"(it sends heartbeats every {self.welcome.heartbeat_s:g}s): the link "
+                                           f"is dead"))
+                    return
                 continue
             except (ProtocolError, OSError) as e:
                 if not self._closed and not (self._bye_seen and self.final_cut_complete()):
                     self._fail(e if isinstance(e, PeerError) else
                                ProtocolError(f"lost the connection to the syncer at {self.address}: {e}"))
                 return
+            last = time.monotonic()
             try:
                 self._dispatch(t, meta, body)
             except Exception as e:  # noqa: BLE001 - surfaced to the caller
@@ -527,11 +554,18 @@ class SyncerClient:
                 raise
         return out
 
+    def abort(self) -> None:
+        """Close without a goodbye (the link is being replaced: the syncer must not think the island left)."""
+        self._close(bye=False)
+
     def close(self) -> None:
+        self._close(bye=True)
+
+    def _close(self, bye: bool) -> None:
         if self._closed:
             return
         conn = self.conn
-        if conn is not None and not conn.broken:
+        if bye and conn is not None and not conn.broken:
             try:
                 if not self._bye_seen:
                     conn.send(MsgType.BYE, {"reason": "island closing"})

@@ -99,6 +99,16 @@ class BackgroundSender:
             self._thread.join(timeout)
         self.check()
 
+    def abort(self, timeout: float = 5.0) -> None:
+        """Drop the queued jobs and stop (the link they were for is gone; the caller sends them again on a new
+        one); waits up to ``timeout`` for a running job, whose failure is not re-raised."""
+        with self._cv:
+            self._q.clear()
+            self._bytes = 0
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
     def _loop(self) -> None:
         while True:
             with self._cv:

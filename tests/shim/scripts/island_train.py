@@ -58,6 +58,7 @@ def main():
     ap.add_argument("--start-barrier", default=None,
                     help="directory shared by jobs launched together: start training once --barrier-count are ready")
     ap.add_argument("--barrier-count", type=int, default=2)
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step (a slow island)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     from tests.mcore import cpu_patches, harness       # test-only CPU support for megatron-core
@@ -75,6 +76,8 @@ def main():
     for _ in range(a.steps):
         t0 = time.perf_counter()
         losses += harness.train_steps(ctx, 1)
+        if a.step_sleep:
+            time.sleep(a.step_sleep)
         step_s.append(time.perf_counter() - t0)
         step_end.append(time.time())
     eval_after = harness.eval_loss(ctx)
