@@ -51,6 +51,7 @@ class Runtime:
             self.pending_tokens: Optional[int] = None
             self.in_train_step = False
             self._warned_foreign = False
+            self.loaded: Optional[tuple] = None   # (directory, iteration) of the checkpoint Megatron loaded
         if engine is not None and hasattr(engine, "close"):
             try:
                 engine.close()
@@ -76,6 +77,8 @@ class Runtime:
                     _setup_logging(settings.log_level)
                     self.engine = (_factory or _default_factory)(settings, optimizer=optimizer, model=model)
                     self.optimizer = optimizer
+                    if self.loaded is not None and hasattr(self.engine, "set_resume"):
+                        self.engine.set_resume(*self.loaded)
                 except BaseException as err:
                     self.error = err
                     raise
@@ -98,6 +101,20 @@ class Runtime:
         self.pending_tokens = None
         engine = self.engine
         return bool(engine is not None and engine.finished)
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    def checkpoint_loaded(self, directory, iteration) -> None:
+        """Megatron loaded `iteration` from `directory` (before training): the engine restores its sync state."""
+        with self._lock:
+            self.loaded = (directory, int(iteration)) if directory and iteration else None
+            if self.engine is not None and hasattr(self.engine, "set_resume") and not self.engine.started:
+                self.engine.set_resume(*(self.loaded or (None, None)))
+
+    def checkpoint_saved(self, directory, iteration) -> None:
+        """Megatron saved `iteration` into `directory`: the engine writes its sync state beside it."""
+        engine = self.engine
+        if engine is not None and hasattr(engine, "save_sync_state"):
+            engine.save_sync_state(directory, iteration)
 
     # ---------------------------------------------------------------------------------------- optimizer
     def step_enter(self) -> bool:

@@ -1,8 +1,10 @@
 """Hook for ``megatron.training.training`` (Megatron-LM's loop, shipped in megatron-core >= 0.17 wheels):
-``train_step``. ``pretrain`` -> ``train`` -> ``train_step`` looks ``train_step`` up as a global of this module,
+``train_step``, and ``save_checkpoint`` / ``load_checkpoint`` (the island's sync state is saved beside every
+checkpoint and restored on load). ``pretrain`` -> ``train`` -> ``train_step`` looks ``train_step`` up as a global of this module,
 so the module attribute is what gets wrapped."""
 
 from . import _train_step, _wrap
+from ._runtime import RUNTIME
 
 TARGET = "megatron.training.training"
 
@@ -55,4 +57,51 @@ def train_step_wrapper(wrapped, instance, args, kwargs):
     return _train_step.run(wrapped, args, kwargs, facts, on_early_exit=lambda: _exit_after_this_iteration(facts))
 
 
-patch, unpatch, patched = _wrap.function_hook(TARGET, "train_step", train_step_wrapper, __name__)
+def _args():
+    try:
+        from megatron.training.global_vars import get_args
+        return get_args()
+    except Exception:
+        return None
+
+
+def save_checkpoint_wrapper(wrapped, instance, args, kwargs):
+    """After Megatron saved a checkpoint, the island's sync state goes beside it (in its --save directory)."""
+    result = wrapped(*args, **kwargs)
+    bound = _train_step.bind(wrapped, args, kwargs)
+    a = _args()
+    if bound.get("iteration") is not None and a is not None and not bound.get("non_persistent_ckpt"):
+        RUNTIME.checkpoint_saved(getattr(a, "save", None), int(bound["iteration"]))
+    return result
+
+
+def load_checkpoint_wrapper(wrapped, instance, args, kwargs):
+    """Megatron loaded a checkpoint (before training): the island restores the sync state saved with it."""
+    result = wrapped(*args, **kwargs)
+    bound = _train_step.bind(wrapped, args, kwargs)
+    a = _args()
+    if a is not None and isinstance(result, tuple) and result:
+        directory = getattr(a, bound.get("load_arg", "load") or "load", None)
+        RUNTIME.checkpoint_loaded(directory, int(result[0] or 0))
+    return result
+
+
+# train_step, save_checkpoint and load_checkpoint as the loop sees them: globals of megatron.training.training
+_HOOKS = (_wrap.function_hook(TARGET, "train_step", train_step_wrapper, __name__),
+          _wrap.function_hook(TARGET, "save_checkpoint", save_checkpoint_wrapper, __name__),
+          _wrap.function_hook(TARGET, "load_checkpoint", load_checkpoint_wrapper, __name__))
+
+
+def patch(module=None) -> list:
+    for p, _, _ in _HOOKS:
+        p(module)
+    return patched()
+
+
+def unpatch() -> None:
+    for _, u, _ in _HOOKS:
+        u()
+
+
+def patched() -> list:
+    return [name for _, _, pd in _HOOKS for name in pd()]

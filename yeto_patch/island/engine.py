@@ -78,7 +78,13 @@ class Engine:
         self.sender = None
         self.log = None
         self._warned_tokens = False
+        self._resume: Optional[tuple] = None   # (directory, iteration) of the Megatron checkpoint loaded
         _current = self
+
+    def set_resume(self, directory, iteration):
+        """Megatron loaded the checkpoint of `iteration` from `directory` (before the first step): the island's
+        sync state saved beside it is restored at start."""
+        self._resume = (directory, int(iteration)) if directory and iteration else None
 
     # ================================================================================ hook entry points
     def on_train_step_start(self, iteration=None, train_iters=None, tokens=None, vocab_size=None):
@@ -226,12 +232,19 @@ class Engine:
         if welcome["final"]:
             raise EngineError(f"the syncer at {s.syncer} has already ended its run (final cut done); start a new "
                               f"syncer run for this training")
+        state, arrays = self._read_sync_state()
         for f in welcome["needs_init"]:
             self._send_init(f)
         self._await(lambda: self._have_all_bases(), "the initial base of every fragment", init_ok=True)
         v = self._rank0(lambda: {str(f): self.arrived[f].version for f in range(self.P)}, "initial versions")
+        keep = set()
+        if state is not None:   # a restart: fragments whose anchor is still the syncer's base keep local progress
+            keep = {f for f in range(self.P) if state["anchor_version"][f] == int(v[str(f)])}
         for f in range(self.P):
-            self._install(f, int(v[str(f)]), mode="replace", why="start")
+            self._install(f, int(v[str(f)]), mode="keep" if f in keep else "replace",
+                          why="resume" if f in keep else "start")
+        if state is not None:
+            self._restore(state, arrays, keep, v)
         self.started = True
         if self.rank == 0:
             log.info("yeto-patch: island %s joined the syncer at %s: %d tensors (%.1f M values) in %d fragments, "
@@ -242,6 +255,110 @@ class Engine:
                                                                                 for f in range(self.P)],
                            init=welcome["needs_init"], seconds=round(time.time() - t0, 3))
             atexit.register(self.close)
+
+    # ================================================================================ restart
+    def save_sync_state(self, directory, iteration):
+        """Every rank, after Megatron saved `iteration` into `directory`: rank 0 writes the island's sync state
+        beside it (``sync_state.py``); a failure is raised on every rank."""
+        if not self.started or self.failed is not None or self.finished or not directory:
+            return
+        from yeto_patch.island import sync_state
+
+        def write():
+            path = sync_state.state_path(directory, iteration)
+            meta, arrays = self._sync_state(int(iteration))
+            n = sync_state.write_state(path, meta, arrays)
+            log.info("yeto-patch: saved the island's sync state for iteration %d (%.1f MB) to %s", iteration, n / 1e6,
+                     path)
+            return True
+        self._guarded(lambda: self._rank0(write, f"save the island's sync state for iteration {iteration}"))
+
+    def _sync_state(self, iteration):
+        """Rank 0: (meta, arrays) of what a restart from this step needs."""
+        s = self.settings
+        pending, arrays = {}, {}
+        for f, rec in self.pending.items():
+            pending[str(f)] = {k: v for k, v in rec.items() if not k.startswith("_")}
+            arrays[f"push.{f}"] = np.frombuffer(memoryview(rec["_body"]).cast("B"), dtype=np.uint8)
+        for f, r in self.residual.items():
+            arrays[f"residual.{f}"] = r
+        meta = {"format": "yeto-island-sync-state", "island_id": s.island_id, "iteration": iteration,
+                "step": self.step, "manifest_digest": self.manifest.digest(), "layout": self.layout,
+                "push_dtype": s.push_dtype, "block": s.block, "error_feedback": bool(s.error_feedback),
+                "anchor_version": list(self.anchor_version), "steps_since": list(self.steps_since),
+                "tokens_since": list(self.tokens_since), "pending": pending}
+        return meta, arrays
+
+    def _read_sync_state(self):
+        """Every rank: the sync state saved with the Megatron checkpoint this process loaded, checked against
+        this run (rank 0 reads it and sends the meta; the arrays stay on rank 0). (None, {}) when there is none
+        or it does not fit, with a warning saying why."""
+        if self._resume is None:
+            return None, {}
+        directory, iteration = self._resume
+        from yeto_patch.island import sync_state
+        arrays = {}
+
+        def read():
+            path = sync_state.state_path(directory, iteration)
+            if not __import__("os").path.exists(path):
+                log.warning("yeto-patch: Megatron resumed from iteration %d but %s does not exist (a checkpoint "
+                            "saved without yeto-patch?): this island starts from the syncer's current bases",
+                            iteration, path)
+                return None
+            meta, arr = sync_state.read_state(path)
+            why = None
+            if meta.get("manifest_digest") != self.manifest.digest():
+                why = "its parameter manifest differs from this run's"
+            elif meta.get("layout") != self.layout:
+                why = "it was saved with another fragment layout (--fragments)"
+            elif meta.get("iteration") != iteration:
+                why = f"it belongs to iteration {meta.get('iteration')}, not {iteration}"
+            elif meta.get("island_id") != self.settings.island_id:
+                why = f"it belongs to island {meta.get('island_id')!r}"
+            if why:
+                log.warning("yeto-patch: ignoring the sync state %s: %s; this island starts from the syncer's "
+                            "current bases", path, why)
+                return None
+            if (meta.get("push_dtype"), meta.get("block")) != (self.settings.push_dtype, self.settings.block):
+                arr = {k: v for k, v in arr.items() if not k.startswith("push.")}   # re-encoded pushes differ
+                meta["pending"] = {}
+            arrays.update(arr)
+            log.info("yeto-patch: resuming the island's sync state of iteration %d from %s (anchors at versions "
+                     "%s, %d push(es) awaiting their answer)", iteration, path, meta["anchor_version"],
+                     len(meta["pending"]))
+            return {k: meta[k] for k in ("anchor_version", "steps_since", "tokens_since", "pending")}
+        state = self._rank0(read, f"read the island's sync state of iteration {iteration}")
+        return state, arrays
+
+    def _restore(self, state, arrays, keep, versions):
+        """Every rank, after the start's installs: counters and unanswered pushes of the fragments that keep their
+        local progress; the error-feedback residuals (rank 0). A fragment the syncer merged past the saved anchor
+        (with this island's pushes made before it died, whose steps it now trains again) skips that many of its
+        next boundaries, so the island's rounds line up with the other islands' again."""
+        if self.rank == 0:
+            for f in range(self.P):
+                ahead = int(versions[str(f)]) - int(state["anchor_version"][f])
+                if f not in keep and ahead > 0:
+                    self._skip[f] = ahead
+        for f in keep:
+            self.steps_since[f] = int(state["steps_since"][f])
+            self.tokens_since[f] = int(state["tokens_since"][f])
+            rec = state["pending"].get(str(f))
+            if rec is None:
+                continue
+            if self.rank != 0:
+                self.pending[f] = {"step": int(rec["step"])}
+                continue
+            rec = dict(rec, _send={}, _body=arrays[f"push.{f}"])
+            self.pending[f] = rec
+            self._repushed.add((f, int(rec["base_version"])))
+            self._send_push(f, rec)
+        if self.rank == 0 and self.settings.error_feedback:
+            for f in range(self.P):
+                r = arrays.get(f"residual.{f}")
+                if r is not None and r.size == self.frag_numel[f]:
+                    self.residual[f] = r.astype(np.float32, copy=True)
 
     def _model_chunks(self):
         chunks = self.model
@@ -327,6 +444,7 @@ class Engine:
         self._outage: Optional[float] = None  # rank 0: when the link to the syncer was lost (None: it is up)
         self._repushed: set = set()           # rank 0: (fragment, base) sent again after a reconnect
         self._adopt: set = set()              # rank 0: fragments whose (older) syncer base replaces the anchor
+        self._skip: Dict[int, int] = {}       # rank 0: boundaries to skip per fragment after a restart
 
     def _have_all_bases(self):
         self._poll()
@@ -344,8 +462,12 @@ class Engine:
                 bases = self.client.poll()
                 break
             except SyncerRefusal as e:
-                if e.code == "duplicate" and (e.fragment, e.base_version) in self._repushed:
-                    self._repushed.discard((e.fragment, e.base_version))   # it had arrived before the link broke
+                if e.code == "duplicate":   # sent again after a lost link, or by this island before a restart:
+                    if (e.fragment, e.base_version) not in self._repushed:   # the syncer counts the first once
+                        log.info("yeto-patch: step %d: the syncer already holds this island's push of fragment %s "
+                                 "relative to v%s (made before a restart); it counts once", self.step, e.fragment,
+                                 e.base_version)
+                    self._repushed.discard((e.fragment, e.base_version))
                     continue
                 if e.code == "stale":   # merged past it without this island: the newer base answers the push
                     log.warning("yeto-patch: step %d: the syncer refused the push of fragment %s relative to v%s "
@@ -521,6 +643,8 @@ class Engine:
             source = None
         if mode == "replace":
             self.view.write(idx, source, mode="replace", set_anchor=True)
+        elif mode == "keep":   # a restart where the syncer is still at this anchor: local masters stay, anchor := base
+            self.view.write(idx, source, mode="blend", alpha=1.0, set_anchor=True, anchor="value")
         else:
             self._install_blend(idx, source, s.merge_alpha)
         self.anchor_version[f] = int(version)
@@ -654,6 +778,11 @@ class Engine:
             by_syncer = self.client.final_cut
             final = self.step >= self.total or by_syncer
             due = [] if final else self._due()
+            for f in [f for f in due if self._skip.get(f)]:   # merged before this island's restart: done
+                self._skip[f] -= 1
+                due.remove(f)
+                log.info("yeto-patch: step %d: fragment %d's round at this boundary was merged before the restart "
+                         "(with this island's push of then); not pushing it again", self.step, f)
             # a fragment due now (or at the final cut) pushes its local progress first, relative to its anchor
             # (late, so carried or refused as stale by the syncer), and takes a newer base as the answer:
             # installing that base before the push would throw the progress away. (A syncer that is behind this

@@ -1,0 +1,107 @@
+"""An island's sync state beside each Megatron checkpoint: what a restarted island needs to continue its DiLoCo
+rounds where the checkpoint left them (no pickle; written atomically).
+
+Saved by island rank 0 when Megatron saves iteration N, as ``<save dir>/yeto_sync/iter_<N:07d>.bin``; read when
+Megatron loads iteration N. Holds per fragment the base version its anchor is (the anchor's values are the
+syncer's base of that version, so they are not stored), the steps and tokens since the anchor, the push still
+waiting for its answer (its encoded body, to send again) and the error-feedback residual.
+
+File layout (little-endian)::
+
+    b"YETOSYNC" | u32 format version (1) | u32 0 | u64 meta length | meta (UTF-8 JSON) | arrays
+
+Each array starts on a 64-byte boundary; the meta lists ``{name, dtype, shape, offset, nbytes, xxh3}`` for each
+(offset relative to the end of the meta) and every digest is checked on reading.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Dict, Tuple
+
+import numpy as np
+import xxhash
+
+__all__ = ["SyncStateError", "state_path", "write_state", "read_state"]
+
+MAGIC = b"YETOSYNC"
+FORMAT_VERSION = 1
+_HEAD = struct.Struct("<8sIIQ")
+_ALIGN = 64
+_DTYPES = {"float32": np.float32, "uint8": np.uint8}
+
+
+class SyncStateError(Exception):
+    pass
+
+
+def state_path(directory: str, iteration: int) -> str:
+    return os.path.join(directory, "yeto_sync", f"iter_{int(iteration):07d}.bin")
+
+
+def write_state(path: str, meta: dict, arrays: Dict[str, np.ndarray]) -> int:
+    """Write atomically (temporary file, fsync, rename, fsync of the directory); returns the bytes written."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    table, off = [], 0
+    for name, a in arrays.items():
+        a = np.ascontiguousarray(a)
+        if a.dtype.name not in _DTYPES:
+            raise SyncStateError(f"array {name}: dtype {a.dtype} cannot be stored")
+        off += (-off) % _ALIGN
+        table.append({"name": name, "dtype": a.dtype.name, "shape": list(a.shape), "offset": off,
+                      "nbytes": int(a.nbytes), "xxh3": xxhash.xxh3_64_intdigest(memoryview(a).cast("B"))})
+        off += a.nbytes
+    raw = json.dumps({**meta, "arrays": table}, separators=(",", ":"), allow_nan=False).encode()
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(_HEAD.pack(MAGIC, FORMAT_VERSION, 0, len(raw)))
+        f.write(raw)
+        pos = 0
+        for e, a in zip(table, arrays.values()):
+            f.write(b"\0" * (e["offset"] - pos))
+            f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+            pos = e["offset"] + e["nbytes"]
+        f.flush()
+        os.fsync(f.fileno())
+        total = f.tell()
+    os.replace(tmp, path)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return total
+
+
+def read_state(path: str) -> Tuple[dict, Dict[str, np.ndarray]]:
+    """(meta, arrays); SyncStateError naming what is wrong with a damaged or foreign file."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise SyncStateError(f"cannot read {path}: {e}") from None
+    if len(data) < _HEAD.size:
+        raise SyncStateError(f"{path} is truncated ({len(data)} bytes)")
+    magic, version, _, n = _HEAD.unpack_from(data)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise SyncStateError(f"{path} is not a yeto-patch island sync state (format {FORMAT_VERSION})")
+    if _HEAD.size + n > len(data):
+        raise SyncStateError(f"{path} is truncated in its meta")
+    try:
+        meta = json.loads(data[_HEAD.size:_HEAD.size + n].decode())
+    except ValueError as e:
+        raise SyncStateError(f"{path}: bad meta: {e}") from None
+    base = _HEAD.size + n
+    arrays = {}
+    for e in meta.pop("arrays", []):
+        a, b = base + int(e["offset"]), base + int(e["offset"]) + int(e["nbytes"])
+        if b > len(data) or e["dtype"] not in _DTYPES:
+            raise SyncStateError(f"{path}: array {e.get('name')} is truncated or of an unknown dtype")
+        buf = data[a:b]
+        if xxhash.xxh3_64_intdigest(buf) != e["xxh3"]:
+            raise SyncStateError(f"{path}: array {e['name']} is corrupt (digest mismatch)")
+        arrays[e["name"]] = np.frombuffer(buf, dtype=_DTYPES[e["dtype"]]).reshape(e["shape"]).copy()
+    return meta, arrays
+
