@@ -28,9 +28,14 @@ Life of an island:
   ``yeto_patch.island.engine.finished()`` after each step and stops when it is True; a step after the final
   cut raises.
 
-Errors: anything that goes wrong on rank 0 (a refused push, a lost syncer, a timeout, a bad key) is raised on
-every rank with rank 0's message; errors inside collectives are agreed island-wide by ``IslandComm``. After a
-failure the engine stays failed and every later step raises the same error.
+Failures of the link or the syncer: a lost connection (or one silent for a lease) is replaced by rank 0
+(``_reconnect``: same incarnation, bounded back-off, unanswered pushes sent again, bases merged meanwhile taken)
+for up to YETO_DILOCO_TIMEOUT. A restarted island restores the sync state saved beside the Megatron checkpoint it
+loaded (``sync_state.py``; ``save_sync_state`` / ``set_resume``, called by the checkpoint hooks).
+
+Errors: anything else that goes wrong on rank 0 (a refused push, a syncer gone for longer than the timeout, a bad
+key) is raised on every rank with rank 0's message; errors inside collectives are agreed island-wide by
+``IslandComm``. After a failure the engine stays failed and every later step raises the same error.
 """
 from __future__ import annotations
 
