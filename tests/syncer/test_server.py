@@ -467,3 +467,55 @@ def test_every_refusal_is_reported_once_in_order():
         assert got == [(0, "stale"), (1, "stale")]
         c.poll()  # nothing more to report
         c.close()
+
+
+def test_client_declares_a_silent_link_dead_and_classifies_errors():
+    """A link that stops delivering without closing (no FIN, no RST) is declared dead after a lease of silence;
+    link errors are recoverable (reconnect), refusals are not."""
+    import socket
+    import threading
+    from yeto_patch.wire.client import recoverable
+    from yeto_patch.wire.frames import AuthError, FrameError, PeerError, WireTimeout
+    from yeto_patch.wire.transport import ConnectError
+    server, addr = make_server(islands=1, fragments=2, rounds={"lease_s": 1.0})
+    frozen = threading.Event()
+    relay = socket.create_server(("127.0.0.1", 0))
+
+    def pump(src, dst):
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    return
+                if not frozen.is_set():
+                    dst.sendall(data)
+        except OSError:
+            pass
+
+    def serve():
+        a, _ = relay.accept()
+        host, port = addr.split(":")
+        b = socket.create_connection((host, int(port)))
+        threading.Thread(target=pump, args=(a, b), daemon=True).start()
+        threading.Thread(target=pump, args=(b, a), daemon=True).start()
+    threading.Thread(target=serve, daemon=True).start()
+    with running(server):
+        c = client(f"127.0.0.1:{relay.getsockname()[1]}", "a")
+        w = c.connect()
+        vals = init_values()
+        c.wait_ready(10, init_source=lambda f: [vals[i] for i in w.layout[f]])
+        assert not c.conn_lost()
+        frozen.set()
+        t0 = time.monotonic()
+        while not c.conn_lost() and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert c.conn_lost() and time.monotonic() - t0 < 5
+        with pytest.raises(WireTimeout, match="no message from the syncer") as e:
+            c.check()
+        assert recoverable(e.value)
+        c.abort()
+    relay.close()
+    assert recoverable(ConnectionResetError()) and recoverable(ConnectError("refused")) and recoverable(
+        FrameError("bad magic"))
+    assert not any(recoverable(x) for x in (PeerError("auth", "bad key"), AuthError("mac"),
+                                            SyncerRefusal("stale", "pull")))

@@ -94,3 +94,16 @@ def test_drain_timeout_and_closed():
         s.submit(lambda: None, 1)
     with pytest.raises(ValueError):
         BackgroundSender(0)
+
+
+def test_abort_drops_queued_jobs_and_lets_the_running_one_end():
+    s = BackgroundSender(1000)
+    gate, ran = threading.Event(), []
+    s.submit(lambda: (gate.wait(5), ran.append("first")), 10)
+    for i in range(3):
+        s.submit(lambda i=i: ran.append(i), 10)
+    threading.Timer(0.2, gate.set).start()
+    s.abort(timeout=5)
+    assert ran == ["first"] and s.queued_bytes == 0
+    with pytest.raises(SenderClosed):
+        s.submit(lambda: None, 1)

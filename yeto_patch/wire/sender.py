@@ -30,6 +30,7 @@ class BackgroundSender:
         self._cv = threading.Condition()
         self._bytes = 0  # queued + running
         self._running = False
+        self._running_nbytes = 0
         self._error: Optional[BaseException] = None
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -104,7 +105,7 @@ class BackgroundSender:
         one); waits up to ``timeout`` for a running job, whose failure is not re-raised."""
         with self._cv:
             self._q.clear()
-            self._bytes = 0
+            self._bytes = self._running_nbytes if self._running else 0
             self._closing = True
             self._cv.notify_all()
         self._thread.join(timeout)
@@ -118,6 +119,7 @@ class BackgroundSender:
                     return
                 fn, nbytes = self._q.popleft()
                 self._running = True
+                self._running_nbytes = nbytes
             try:
                 fn()
             except BaseException as e:  # noqa: BLE001 - handed to the caller, never swallowed
