@@ -1,6 +1,7 @@
 """Megatron-LM's own training loop on CPU, in the style of Megatron-LM's pretrain_gpt.py (test-only): a GPT with
 the local (non-Transformer-Engine) layer spec, mock data, megatron.training.pretrain. Knows nothing about
 DiLoCo. Usage: torchrun --nproc-per-node 2 pretrain_gpt_cpu.py <Megatron-LM arguments> [--export-npz PATH]
+[--crash-at-iteration N]
 
 --export-npz PATH: after pretrain() returns (also when --load reached --train-iters and nothing trained), each
 rank writes PATH.rank<r>.npz with its part of the full model (full_model.py: FP32 masters and weights)."""
@@ -84,7 +85,23 @@ if __name__ == "__main__":
         i = sys.argv.index("--export-npz")
         export = sys.argv[i + 1]
         del sys.argv[i:i + 2]
+    crash_at = None   # --crash-at-iteration N: SIGKILL this worker at a random moment of iteration N (tests)
+    if "--crash-at-iteration" in sys.argv:
+        i = sys.argv.index("--crash-at-iteration")
+        crash_at = int(sys.argv[i + 1])
+        del sys.argv[i:i + 2]
     import megatron.training.training as T
+    if crash_at is not None:
+        import random
+        import signal
+        import threading
+        _train_step = T.train_step
+
+        def train_step(*a, **k):
+            if get_args().curr_iteration + 1 == crash_at and torch.distributed.get_rank() == 0:
+                threading.Timer(random.uniform(0.0, 0.15), os.kill, (os.getpid(), signal.SIGKILL)).start()
+            return _train_step(*a, **k)
+        T.train_step = train_step
     built = {}
     _setup = T.setup_model_and_optimizer
 
