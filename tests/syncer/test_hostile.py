@@ -1,0 +1,125 @@
+"""Hostile handshakes and pushes against a running, initialized syncer: each is refused with an error that names
+its cause on the island's side, and the syncer's state (committed and pending) is unchanged."""
+import contextlib
+import logging
+import os
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+import xxhash
+
+from yeto_patch.wire import auth, codecs
+from yeto_patch.wire import transport as transport_mod
+from yeto_patch.wire.client import SyncerRefusal
+from yeto_patch.wire.frames import MsgType, PeerError, ProtocolError
+from yeto_patch.wire.message import pack_meta
+from yeto_patch.wire.transport import connect
+
+from .helpers import KEY, MANIFEST, client, init_values, make_server, running, state_of
+
+pytestmark = pytest.mark.timeout(60)
+MANIFEST_JSON = [[n, list(s), d] for n, s, d in MANIFEST]
+
+
+@pytest.fixture
+def run():
+    """Island a initialized the run and merged one round of each fragment (versions [1, 1, 1]); island b (it
+    holds the key, and is the hostile one) has joined. Yields (server, addr, a, b, b's recorded HELLO meta)."""
+    server, addr = make_server(islands=2, fragments=3, rounds={"quorum": 1, "grace_s": 0.0})
+    with running(server):
+        values = init_values()
+        a = client(addr, "a")
+        wa = a.connect()
+        a.wait_ready(20, init_source=lambda f: [values[i] for i in wa.layout[f]])
+        for f in range(3):
+            a.push(f, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
+                   body=codecs.encode("f32", np.full(wa.numels[f], 0.01, np.float32)), wait=True)
+            a.wait_base(f, 1, 10)
+        sent = []
+        real_send = transport_mod.Connection.send
+
+        def recording_send(self, msg_type, meta=None, *args, **kw):
+            if msg_type == MsgType.HELLO:
+                sent.append(dict(meta))
+            return real_send(self, msg_type, meta, *args, **kw)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(transport_mod.Connection, "send", recording_send)
+            b = client(addr, "b")
+            b.connect()
+        b.wait_ready(20)
+        yield server, addr, a, b, sent[0]
+        for c in (a, b):
+            c.close()
+
+
+def push_meta(fragment, base_version, numel, codec="f32", **kw):
+    return {"fragment": fragment, "base_version": base_version, "local_step": 1, "steps": 1, "tokens": 1,
+            "codec": codec, "block": 256, "numel": numel, "final": False, **kw}
+
+
+def raw_push(c, meta, body, timeout=10.0) -> SyncerRefusal:
+    """Send a PUSH that SyncerClient.push would not build; return the SyncerRefusal the client then raises."""
+    c.conn.send(MsgType.PUSH, meta, body)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            c.wait_event(0.2)
+        except SyncerRefusal as e:
+            return e
+    raise AssertionError(f"no refusal of the push {meta}")
+
+
+def handshake_error(addr, meta, msg_type=MsgType.HELLO, key=None) -> PeerError:
+    """Send ``meta`` as HELLO (signed with ``key`` against this connection's challenge if given)."""
+    conn = connect(addr, timeout=5, retries=0)
+    try:
+        _, ch, _ = conn.recv(timeout=5)
+        if key is not None:
+            nonce = auth.new_nonce()
+            meta = dict(meta, nonce=nonce.hex(), mac=auth.client_mac(
+                key, bytes.fromhex(ch["nonce"]), nonce, meta["island_id"], meta["incarnation"],
+                bytes.fromhex(meta["manifest_digest"])).hex())
+        conn.send(msg_type, meta)
+        with pytest.raises(PeerError) as e:
+            conn.recv(timeout=5)
+        return e.value
+    finally:
+        conn.close()
+
+
+def closed_by_syncer(sock, timeout=5.0) -> float:
+    """Seconds until the syncer closed ``sock`` (fails if it stays open)."""
+    t0 = time.monotonic()
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - t0
+
+
+def test_wrong_key_is_refused_naming_the_cause(run):
+    server, addr, a, b, _ = run
+    before = state_of(server)
+    for island in ("a", "c"):  # a member's id, and a new one
+        with pytest.raises(PeerError) as e:
+            client(addr, island, key=b"w" * 32, connect_retries=0).connect()
+        assert e.value.code == "auth" and "wrong key" in e.value.message
+    assert state_of(server) == before
+    a.check()  # the member whose id was used is undisturbed
+
+
+def test_replayed_handshake_is_refused(run):
+    server, addr, a, b, recorded = run
+    before = state_of(server)
+    e = handshake_error(addr, recorded)  # island b's own, valid HELLO, against a new challenge
+    assert e.code == "auth" and "replayed" in e.message
+    e = handshake_error(addr, recorded, MsgType.PROBE)
+    assert e.code == "auth" and "replayed" in e.message
+    assert state_of(server) == before
+    b.check()
