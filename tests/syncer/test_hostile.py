@@ -123,3 +123,17 @@ def test_replayed_handshake_is_refused(run):
     assert e.code == "auth" and "replayed" in e.message
     assert state_of(server) == before
     b.check()
+
+
+def test_push_for_an_unknown_fragment_is_refused(run):
+    server, addr, a, b, _ = run
+    before = state_of(server)
+    n = b.welcome.numels[0]
+    with pytest.raises(ProtocolError, match="fragment 99"):  # refused by the island's client before sending
+        b.push(99, base_version=1, local_step=1, steps=1, tokens=1, codec="f32", body=np.zeros(n, np.float32))
+    for frag in (99, 3, -1, "0", None, 1.5, True):  # ... and by the syncer (True is not fragment 1)
+        e = raw_push(b, push_meta(frag, 1, n), np.zeros(b.welcome.numels[1] if frag is True else n, np.float32))
+        assert e.code == "bad-fragment" and f"fragment {frag!r}" in e.message and "3 fragments" in e.message
+    e = raw_push(b, push_meta(1, True, n), np.zeros(b.welcome.numels[1], np.float32))  # True is not base v1
+    assert e.code == "bad-base" and "True" in e.message
+    assert state_of(server) == before

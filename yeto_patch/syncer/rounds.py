@@ -426,13 +426,15 @@ class Coordinator:
         with self.lock:
             if not self.initialized:
                 raise PushRefused("not-initialized", "the run has no base yet (waiting for INIT); push refused")
-            if not (isinstance(p.fragment, int) and 0 <= p.fragment < len(self.frags)):
+            frag = p.fragment
+            if isinstance(frag, bool) or not (isinstance(frag, int) and 0 <= frag < len(self.frags)):
                 raise PushRefused("bad-fragment", f"push for fragment {p.fragment!r}; the layout has "
                                                   f"{len(self.frags)} fragments")
             f = self.frags[p.fragment]
             if f.closed:
                 return "closed", 0
-            if not isinstance(p.base_version, int) or p.base_version < 0 or p.base_version > f.version:
+            if (isinstance(p.base_version, bool) or not isinstance(p.base_version, int) or p.base_version < 0
+                    or p.base_version > f.version):
                 raise PushRefused("bad-base", f"push of fragment {f.index} relative to base v{p.base_version}, but "
                                               f"the syncer's newest is v{f.version}")
             try:
