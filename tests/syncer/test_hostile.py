@@ -137,3 +137,16 @@ def test_push_for_an_unknown_fragment_is_refused(run):
     e = raw_push(b, push_meta(1, True, n), np.zeros(b.welcome.numels[1], np.float32))  # True is not base v1
     assert e.code == "bad-base" and "True" in e.message
     assert state_of(server) == before
+
+
+def test_push_larger_than_its_fragment_is_refused(run):
+    server, addr, a, b, recorded = run
+    before = state_of(server)
+    n = b.welcome.numels[1]
+    big = np.zeros(n + 1, np.float32)
+    with pytest.raises(ProtocolError, match=f"is {4 * n} bytes, got {4 * n + 4}"):  # the island's own check
+        b.push(1, base_version=1, local_step=1, steps=1, tokens=1, codec="f32", body=big)
+    for base in (1, 0):
+        e = raw_push(b, push_meta(1, base, n), big)
+        assert e.code == "bad-push" and f"must be {4 * n} bytes, got {4 * n + 4}" in e.message
+    assert state_of(server) == before

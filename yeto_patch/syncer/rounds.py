@@ -127,6 +127,11 @@ class _Round:
     next_wait_log: float = 0.0
     fold_lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def answered(self) -> set:
+        """Islands whose push is in the round: folded (or held, in exact mode). A push still being folded is
+        not an answer yet: it may be refused, and must not make the round due meanwhile."""
+        return {i for i, c in self.contribs.items() if c.folded}
+
 
 class RWLock:
     """Many readers (broadcasts streaming a base) or one writer (a merge committing); writers preferred."""
@@ -491,29 +496,39 @@ class Coordinator:
         """(lock held) Record an accepted push; returns the contribution when it still has to be folded."""
         c = _Contrib(p, w, lag=lag, held=held)
         self.seen.add(key)
-        m = self.members.get(p.island)
-        if m is not None:
-            m.last_seen = self.clock()
-            if p.final:
-                m.final_fragments.add(f.index)
-            m.last_step = max(m.last_step, int(p.local_step or 0))
         if lag != 0:
+            self._credit(p, f)
             f.carry.append(c)
             self.cond.notify_all()
             return None
         if not self.ms.exact:
             r.inflight += 1
         r.contribs[p.island] = c
-        now = self.clock()
-        if r.t_first is None:
-            r.t_first = now
-        if r.t_quorum is None and len(r.contribs) >= self.rs.k:
-            r.t_quorum = now
         if self.ms.exact:
             c.folded = True
+            self._answer(r, p, f)
             self.cond.notify_all()
             return None
         return c
+
+    def _answer(self, r: _Round, p: Push, f: _Fragment) -> None:
+        """(lock held) A push became an answer of round ``r``: round timing and the island's bookkeeping."""
+        now = self.clock()
+        if r.t_first is None:
+            r.t_first = now
+        if r.t_quorum is None and len(r.answered()) >= self.rs.k:
+            r.t_quorum = now
+        self._credit(p, f)
+
+    def _credit(self, p: Push, f: _Fragment) -> None:
+        """(lock held) The island's bookkeeping for an accepted push; a push refused while it is being folded
+        must leave none (its final flag would drop the island from the fragment's expected set)."""
+        m = self.members.get(p.island)
+        if m is not None:
+            m.last_seen = self.clock()
+            if p.final:
+                m.final_fragments.add(f.index)
+            m.last_step = max(m.last_step, int(p.local_step or 0))
 
     def _fold(self, p: Push, f: _Fragment, r: _Round, c: _Contrib, w: float, key) -> tuple[str, int]:
         """Streaming fold of an accepted push into its round's accumulator, outside the central lock."""
@@ -531,13 +546,10 @@ class Coordinator:
             c.push.body = None  # the decoded values live in the accumulator now
             if err is None:
                 c.folded = True
-            else:
+                self._answer(r, p, f)
+            else:  # it never was an answer: nothing to undo but its registration
                 r.contribs.pop(p.island, None)
                 self.seen.discard(key)
-                if len(r.contribs) < self.rs.k:
-                    r.t_quorum = None
-                if not r.contribs:
-                    r.t_first = None
             self.cond.notify_all()
         if err is not None:
             log.warning("refused push of fragment %d from island %s: %s", f.index, p.island, err)
@@ -564,9 +576,9 @@ class Coordinator:
         with self.lock:
             for f in self.frags:
                 r = f.round
-                if f.closed or r.closed or not r.contribs:
+                answered = r.answered()
+                if f.closed or r.closed or not answered:
                     continue
-                answered = set(r.contribs)
                 exp = self.expected(f, now)
                 if exp <= answered and self._joined_enough():
                     out.append(f.index)
@@ -588,7 +600,7 @@ class Coordinator:
             ts = []
             for f in self.frags:
                 r = f.round
-                if f.closed or r.closed or len(r.contribs) < self.rs.k:
+                if f.closed or r.closed or len(r.answered()) < self.rs.k:
                     continue  # below quorum only events (pushes, lease expiry) can make a round due
                 if r.t_quorum is not None:
                     ts.append(r.t_quorum + self.rs.grace_s)
