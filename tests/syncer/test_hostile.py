@@ -139,6 +139,27 @@ def test_push_for_an_unknown_fragment_is_refused(run):
     assert state_of(server) == before
 
 
+def test_nan_push_is_refused_and_leaves_no_trace(run):
+    server, addr, a, b, _ = run
+    before = state_of(server)
+    n = b.welcome.numels[0]
+    bad = np.zeros(n, np.float32)
+    bad[5] = np.nan
+    for base in (1, 0):  # folded at once (lag 0), or held for the next round (lag 1)
+        with pytest.raises(SyncerRefusal, match="non-finite value at index 5") as e:
+            b.push(0, base_version=base, local_step=99, steps=1, tokens=1, codec="f32", body=bad.view(np.uint8),
+                   final=True, wait=True)
+        assert e.value.code == "nonfinite"
+    scaled = codecs.encode("int8", np.ones(n, np.float32)).copy()
+    scaled[:4] = np.frombuffer(np.float32(1e38).tobytes(), np.uint8)  # finite, but above the int8 maximum
+    for base in (1, 0):
+        with pytest.raises(SyncerRefusal, match="invalid scale") as e:
+            b.push(0, base_version=base, local_step=99, steps=1, tokens=1, codec="int8", body=scaled, wait=True)
+        assert e.value.code == "nonfinite"
+    # not even the island's ledger (last step) or its final fragments moved
+    assert state_of(server) == before
+
+
 def test_push_larger_than_its_fragment_is_refused(run):
     server, addr, a, b, recorded = run
     before = state_of(server)
