@@ -125,6 +125,21 @@ def test_replayed_handshake_is_refused(run):
     b.check()
 
 
+def test_manifest_mismatch_is_refused_naming_the_entry(run):
+    server, addr, a, b, recorded = run
+    before = state_of(server)
+    other = list(MANIFEST)
+    other[2] = ("decoder.layers.0.mlp.linear_fc1.weight", (33, 16), "float32")
+    with pytest.raises(PeerError) as e:
+        client(addr, "b", manifest=other, connect_retries=0).connect()
+    assert e.value.code == "manifest" and "entry 2" in e.value.message and "[33, 16]" in e.value.message
+    # signed with the key, but not a manifest the syncer can even digest: a refusal, not an internal error
+    for bad, what in (([["w", [1 << 64], "float32"]], "shape"), ("x", "entry 0"), ([], "empty")):
+        e = handshake_error(addr, dict(recorded, manifest=bad, manifest_digest=os.urandom(32).hex()), key=KEY)
+        assert e.code == "manifest" and what in e.message
+    assert state_of(server) == before
+
+
 def test_push_for_an_unknown_fragment_is_refused(run):
     server, addr, a, b, _ = run
     before = state_of(server)
