@@ -186,3 +186,15 @@ def test_push_larger_than_its_fragment_is_refused(run):
         e = raw_push(b, push_meta(1, base, n), big)
         assert e.code == "bad-push" and f"must be {4 * n} bytes, got {4 * n + 4}" in e.message
     assert state_of(server) == before
+
+
+def test_malformed_final_is_a_protocol_refusal(run, caplog):
+    server, addr, a, b, _ = run
+    before = state_of(server)
+    b.conn.send(MsgType.FINAL, {"last_step": "many"})
+    with pytest.raises(PeerError) as e:
+        for _ in range(50):
+            b.wait_event(0.2)
+    assert e.value.code == "protocol" and "last_step" in e.value.message
+    assert state_of(server) == before
+    assert "Traceback" not in caplog.text

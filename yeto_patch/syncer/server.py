@@ -434,8 +434,12 @@ class SyncerServer:
             elif t == MsgType.INIT:
                 self._on_init(s, meta, body)
             elif t == MsgType.FINAL:
+                last = meta.get("last_step", 0)
+                if isinstance(last, bool) or not isinstance(last, int) or last < 0:
+                    self._refuse(s, "protocol", f"malformed FINAL: last_step={last!r} (need an integer >= 0)")
+                    return
                 s.wait_pushes(self.cfg.io_timeout_s)  # its final pushes count before the cut
-                coord.finish(s.island, int(meta.get("last_step", 0) or 0))
+                coord.finish(s.island, last)
                 log.info("island %s reached its last step (%s)", s.island, meta.get("last_step"))
             elif t == MsgType.ACK:
                 s.final_acked = meta.get("versions")
