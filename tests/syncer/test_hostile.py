@@ -198,3 +198,53 @@ def test_malformed_final_is_a_protocol_refusal(run, caplog):
     assert e.value.code == "protocol" and "last_step" in e.value.message
     assert state_of(server) == before
     assert "Traceback" not in caplog.text
+
+
+@contextlib.contextmanager
+def raw_socket(addr):
+    host, port = addr.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def logged(caplog, text, timeout=5.0) -> bool:
+    """Whether ``text`` is logged within ``timeout`` (the syncer shuts the socket before it logs why)."""
+    deadline = time.monotonic() + timeout
+    while text not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return text in caplog.text
+
+
+def chunk_frame(inner, total, data, msg_id=1):
+    payload = struct.pack("<QHHQQ", msg_id, inner, 0, total, 0) + data
+    return struct.pack("<4sHHIQQ", b"YETO", 1, MsgType.CHUNK, 0, len(payload),
+                       xxhash.xxh3_64_intdigest(payload)) + payload
+
+
+def test_messages_larger_than_an_island_may_send_are_refused_from_their_header(run, caplog):
+    server, addr, a, b, recorded = run
+    before = state_of(server)
+    caplog.set_level(logging.WARNING, "yeto")
+    # before the handshake only a HELLO or PROBE may come, and no larger than a HELLO
+    for inner, total in ((MsgType.INIT, 1 << 30), (MsgType.PUSH, 1 << 34), (MsgType.HELLO, (16 << 20) + 1)):
+        with raw_socket(addr) as s:
+            s.sendall(chunk_frame(inner, total, b"\0" * 1024))
+            assert closed_by_syncer(s) < 3
+        assert logged(caplog, f"{inner.name} message 1 announces {total} bytes, above the maximum")
+    # after it, a PUSH or INIT is at most a whole fragment in its largest encoding
+    conn = connect(addr, timeout=5, retries=0)
+    _, ch, _ = conn.recv(timeout=5)
+    nonce = auth.new_nonce()
+    meta = dict(recorded, nonce=nonce.hex(), mac=auth.client_mac(
+        KEY, bytes.fromhex(ch["nonce"]), nonce, "b", recorded["incarnation"], auth.manifest_digest(MANIFEST)).hex())
+    conn.send(MsgType.HELLO, meta)
+    assert conn.recv(timeout=5)[0] == MsgType.WELCOME
+    limit = codecs.encoded_nbytes("int8", max(b.welcome.numels), 1) + (1 << 20)
+    conn.sock.sendall(chunk_frame(MsgType.PUSH, limit + 1, b"\0" * 1024))
+    assert closed_by_syncer(conn.sock) < 3
+    conn.close()
+    assert logged(caplog, f"PUSH message 1 announces {limit + 1} bytes, above the maximum {limit}")
+    assert state_of(server) == before

@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from ..wire import auth, codecs
-from ..wire.frames import AuthError, MsgType, PeerError, ProtocolError, WireTimeout
+from ..wire.frames import MAX_PAYLOAD, AuthError, MsgType, PeerError, ProtocolError, WireTimeout
 from ..wire.message import encode_meta
 from ..wire.transport import Connection, listen
 from .checkpoint import CheckpointError, CheckpointWriter, read_checkpoint
@@ -37,6 +37,9 @@ log = logging.getLogger("yeto.syncer")
 SEND_CHUNK = 4 << 20  # bytes per body piece handed to the transport
 MAX_PUSHES_IN_FLIGHT = 2  # per connection, handed to the fold pool and not yet accepted/refused
 BASE_WIRE = ("f32", "bf16")
+#: What an unauthenticated peer may send: one HELLO (or PROBE); anything else is refused from its header, so a
+#: hostile length or chunk total cannot make the syncer reserve memory before the MAC is checked.
+HANDSHAKE_MAX = {t: 64 << 10 for t in MsgType if t not in (MsgType.CHUNK, MsgType.HELLO)}
 
 
 def aligned_meta(meta: dict, align: int = 64) -> dict:
@@ -279,7 +282,8 @@ class SyncerServer:
             except OSError:
                 return
             sock.settimeout(None)
-            conn = Connection(sock, timeout=self.cfg.io_timeout_s)
+            conn = Connection(sock, timeout=self.cfg.io_timeout_s, max_payload=HANDSHAKE_MAX,
+                              max_reassembly_bytes=MAX_PAYLOAD[MsgType.HELLO])
             s = _Session(self, conn)
             self.all_sessions.add(s)
             s.reader = threading.Thread(target=self._session_main, args=(s,), daemon=True,
@@ -296,6 +300,7 @@ class SyncerServer:
     def _session_main(self, s: _Session) -> None:
         try:
             if self._handshake(s):
+                s.conn.set_limits(self._island_max())
                 s.writer = threading.Thread(target=s.writer_loop, daemon=True, name=f"yeto-send-{s.island}")
                 s.writer.start()
                 self._read_loop(s)
@@ -401,6 +406,12 @@ class SyncerServer:
                  " and will send INIT" if needs_init else "")
         self.metrics.connections.set(len(self.sessions))
         return True
+
+    def _island_max(self) -> dict:
+        """Per-type maxima for an authenticated island: INIT and PUSH bodies are one fragment (int8 with block 1
+        is the largest encoding), plus room for the meta; the other messages are small."""
+        bulk = codecs.encoded_nbytes("int8", max(f.numel for f in self.coord.frags), 1) + (1 << 20)
+        return {**{t: 1 << 20 for t in MsgType if t != MsgType.CHUNK}, MsgType.INIT: bulk, MsgType.PUSH: bulk}
 
     def status(self) -> dict:
         c = self.coord

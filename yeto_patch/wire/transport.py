@@ -82,10 +82,8 @@ class Connection:
         self.timeout = timeout
         self.chunk_size = chunk_size
         self.max_payload = dict(MAX_PAYLOAD)
-        if max_payload:
-            for t, n in max_payload.items():
-                self.max_payload[MsgType(t)] = min(int(n), MAX_PAYLOAD[MsgType(t)])
         self._reasm = Reassembler(max_partial, max_reassembly_bytes, self.max_payload)
+        self.set_limits(max_payload or {}, max_reassembly_bytes)
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -97,6 +95,14 @@ class Connection:
             self.peer = "%s:%s" % sock.getpeername()[:2]
         except (OSError, TypeError):
             self.peer = "?"
+
+    def set_limits(self, max_payload: dict, max_reassembly_bytes: Optional[int] = None) -> None:
+        """Lower the per-type receive maxima (never above the protocol's) and bound the combined size of the
+        messages being reassembled; for the next message on (e.g. once a peer has authenticated)."""
+        for t, n in max_payload.items():
+            self.max_payload[MsgType(t)] = min(int(n), MAX_PAYLOAD[MsgType(t)])
+        self._reasm.max_payload = dict(self.max_payload)
+        self._reasm.max_bytes = max_reassembly_bytes
 
     # -------------------------------------------------------------------------------------- state
     def _check_usable(self) -> None:
