@@ -248,3 +248,26 @@ def test_messages_larger_than_an_island_may_send_are_refused_from_their_header(r
     conn.close()
     assert logged(caplog, f"PUSH message 1 announces {limit + 1} bytes, above the maximum {limit}")
     assert state_of(server) == before
+
+
+def test_a_trickled_handshake_is_cut_off_at_the_handshake_timeout(run):
+    server, addr, a, b, recorded = run
+    server.cfg.handshake_timeout_s = 1.0  # (the io timeout stays 120 s: every byte below comes well within it)
+    hello = pack_meta(recorded)
+    frame = struct.pack("<4sHHIQQ", b"YETO", 1, MsgType.HELLO, 0, len(hello), xxhash.xxh3_64_intdigest(hello)) + hello
+    with raw_socket(addr) as s:
+        t0 = time.monotonic()
+        s.settimeout(0.2)
+        for i in range(len(frame)):
+            try:
+                s.sendall(frame[i:i + 1])
+                if s.recv(1 << 16) == b"":
+                    break
+            except socket.timeout:
+                pass
+            except OSError:
+                break
+            if time.monotonic() - t0 > 10:
+                break
+        took = time.monotonic() - t0
+    assert took < 4, f"an unauthenticated peer held its connection open for {took:.1f}s"

@@ -225,6 +225,29 @@ def test_set_limits_bounds_the_messages_open_at_once(raw_pair):
         s.recv(timeout=2)
 
 
+def test_recv_within_bounds_the_whole_message(raw_pair):
+    raw, s = raw_pair  # (stall timeout 1 s: every byte below comes well within it)
+    data = frame(MsgType.HELLO, pack_meta({"pad": "x" * 200}))
+
+    def trickle():
+        for i in range(len(data)):
+            try:
+                raw.sendall(data[i:i + 1])
+            except OSError:
+                return
+            time.sleep(0.05)
+
+    th = threading.Thread(target=trickle, daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    with pytest.raises(WireTimeout, match="not complete within 0.5s"):
+        s.recv(timeout=2, within=0.5)
+    assert time.monotonic() - t0 < 1.5 and s.broken
+    assert s.sock.gettimeout() == s.timeout
+    raw.close()
+    th.join(5)
+
+
 def test_body_iter_length_mismatch_breaks_connection(pair):
     c, s = pair
     with pytest.raises(FrameError, match="yielded"):

@@ -321,7 +321,8 @@ class SyncerServer:
         server_nonce = auth.new_nonce()
         s.conn.send(MsgType.CHALLENGE, {"nonce": server_nonce.hex(), "protocol": 1,
                                         "auth": cfg.key is not None})
-        t, meta, _ = s.conn.recv(timeout=cfg.handshake_timeout_s)
+        # the whole HELLO within the handshake timeout: a peer trickling bytes cannot hold the connection
+        t, meta, _ = s.conn.recv(timeout=cfg.handshake_timeout_s, within=cfg.handshake_timeout_s)
         if t not in (MsgType.HELLO, MsgType.PROBE):
             self._refuse(s, "protocol", f"expected HELLO or PROBE, got {t.name}")
             return False
