@@ -653,7 +653,7 @@ ROWS = ("pushes",) + PRE_AUTH + ("post-auth", "slow", "memory")
 
 class Tally:
     """Per category: inputs sent, frames the syncer read, refusals by ERROR+close / PUSH_REPLY / plain close,
-    connections left open, refusals other than expected, and the slowest close."""
+    junk the syncer rightly ignored, connections left open, refusals other than expected, the slowest close."""
 
     def __init__(self):
         self.rows = {c: collections.Counter() for c in ROWS}
@@ -768,7 +768,8 @@ def fuzz(args, syncer: Syncer, key: bytes, ctx: dict, tally: Tally, violations: 
     violations.extend(push_result.get("failure", []))
     expected, got = push_result.get("expected", collections.Counter()), push_result.get("got", collections.Counter())
     tally.add("pushes", sent=push_result.get("frames", 0), frames=push_result.get("frames", 0),
-              refused=sum(v for (status, _), v in got.items() if status == "refused"))
+              refused=sum(v for (status, _), v in got.items() if status == "refused"),
+              ignored=push_result.get("frames", 0) - push_result.get("pushes", 0))
     # two bad pushes of one fragment and base in flight at once: the second is a duplicate of the first (still
     # being folded) whatever else is wrong with it; any other difference is a violation
     extra, missing = got - expected, expected - got
@@ -876,12 +877,13 @@ def run(args) -> dict:
 
 
 def report(res: dict) -> str:
-    cols = ("sent", "frames", "error", "refused", "closed", "open", "unexpected")
+    cols = ("sent", "frames", "error", "refused", "closed", "ignored", "open", "unexpected")
+    widths = (8, 8, 12, 9, 8, 8, 6, 11)
     lines = [f"{'category':<11}" + "".join(f"{h:>{w}}" for h, w in zip(
-        ("sent", "frames", "ERROR+close", "refused", "closed", "open", "unexpected", "max close s"),
-        (8, 8, 12, 9, 8, 6, 11, 12)))]
+        ("sent", "frames", "ERROR+close", "refused", "closed", "ignored", "open", "unexpected", "max close s"),
+        widths + (12,)))]
     for cat, r in res.get("rows", {}).items():
-        lines.append(f"{cat:<11}" + "".join(f"{r.get(c, 0):>{w}}" for c, w in zip(cols, (8, 8, 12, 9, 8, 6, 11)))
+        lines.append(f"{cat:<11}" + "".join(f"{r.get(c, 0):>{w}}" for c, w in zip(cols, widths))
                      + f"{r.get('max_close_s', 0.0):>12.2f}")
     if "frames" in res:
         lines.append(f"total: {res['frames']} frames in {res['seconds']:.1f}s = {res['frames_per_s']:.0f} frames/s"
