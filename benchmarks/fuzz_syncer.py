@@ -17,7 +17,7 @@ hostile islands that hold the key join it. Then it sends hostile inputs, each pr
               (meta), garbage HELLOs (hello), wrong key, replayed or reflected handshakes, another manifest,
               one island too many (auth)
   post-auth   one connection each, after an authenticated handshake: framing errors and unexpected messages
-  slow        slow-loris: silence, partial frames, and a HELLO trickled a byte at a time, all held open
+  slow        slow-loris: silence, partial frames, a HELLO trickled a byte (or an 8-byte chunk) at a time
   memory      chunked INIT/PUSH messages announcing gigabytes, followed by tens of MiB of data; the largest
               HELLO allowed, held one byte short of complete
 
