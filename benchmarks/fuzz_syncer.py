@@ -92,7 +92,9 @@ def serve(cfg: dict) -> None:
         listen="127.0.0.1:0", islands=islands, fragments=FRAGMENTS, key=bytes.fromhex(cfg["key"]),
         merge=MergeSettings(), rounds=RoundSettings(islands=islands, quorum=1, grace_s=0.0, lease_s=3600.0),
         checkpoint=cfg["checkpoint"], checkpoint_every=1, merge_threads=1,
-        io_timeout_s=cfg["io_timeout"], handshake_timeout_s=cfg["handshake_timeout"]))
+        io_timeout_s=cfg["io_timeout"], handshake_timeout_s=cfg["handshake_timeout"],
+        # every input is to reach the handshake code: the flood cap (tested on its own) must not trip
+        max_handshakes=100_000, max_handshakes_per_host=100_000))
     host, port = server.start()
     print(json.dumps({"port": port}), flush=True)
     for line in sys.stdin:

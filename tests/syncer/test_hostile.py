@@ -274,3 +274,32 @@ def test_a_trickled_handshake_is_cut_off_at_the_handshake_timeout(run):
                 break
         took = time.monotonic() - t0
     assert took < 4, f"an unauthenticated peer held its connection open for {took:.1f}s"
+
+
+def test_strangers_cannot_hold_more_than_the_handshake_limit():
+    """Connections that never finish their handshake are capped (per address and in all): more are closed at
+    once, so strangers cannot make the syncer hold unbounded buffers and threads; islands get in once the
+    strangers' handshake timeout ends."""
+    server, addr = make_server(islands=1, fragments=2, max_handshakes=4, max_handshakes_per_host=2,
+                               handshake_timeout_s=60.0)
+    host, port = addr.rsplit(":", 1)
+    with running(server):
+        squat = [socket.create_connection((host, int(port))) for _ in range(2)]
+        for s in squat:
+            s.settimeout(5)
+            assert s.recv(28)[:4] == b"YETO"   # each got its CHALLENGE and holds a handshake slot
+        extra = socket.create_connection((host, int(port)))
+        extra.settimeout(5)
+        assert extra.recv(100) == b""           # closed at once: over the per-address limit
+        extra.close()
+        c = client(addr, "a", connect_retries=0)
+        with pytest.raises(ProtocolError):
+            c.connect()
+        for s in squat:
+            s.close()
+        time.sleep(0.5)
+        c = client(addr, "a")
+        w = c.connect()
+        vals = init_values()
+        c.wait_ready(10, init_source=lambda f: [vals[i] for i in w.layout[f]])
+        c.close()

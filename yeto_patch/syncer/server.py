@@ -74,6 +74,15 @@ class ServerConfig:
     io_timeout_s: float = 120.0
     handshake_timeout_s: float = 30.0
     final_ack_timeout_s: float = 60.0
+    max_handshakes: int = 64   # connections not yet authenticated held at once (more are closed at once) ...
+    max_handshakes_per_host: int = 16   # ... and from one address
+
+
+def _host_of(sock) -> str:
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:
+        return "?"
 
 
 class _Session:
@@ -88,6 +97,7 @@ class _Session:
         self.closed = False
         self.bye = False
         self.joined = False
+        self.host = "?"
         self.final_acked: Optional[list] = None
         self.writer: Optional[threading.Thread] = None
         self.reader: Optional[threading.Thread] = None
@@ -194,6 +204,7 @@ class SyncerServer:
         self._checkpoint_on_stop = False
         self._deferred: dict[int, float] = {}  # fragment -> since when its due merge waits for a base stream
         self._shut = False
+        self._next_flood_log = 0.0
         self._shutdown_lock = threading.Lock()
         if cfg.checkpoint:
             d = os.path.dirname(os.path.abspath(cfg.checkpoint))
@@ -281,10 +292,25 @@ class SyncerServer:
                 continue
             except OSError:
                 return
+            host = _host_of(sock)
+            waiting = [x for x in list(self.all_sessions) if not x.joined and not x.closed]
+            pending = len(waiting)
+            if pending >= self.cfg.max_handshakes or \
+                    sum(1 for x in waiting if x.host == host) >= self.cfg.max_handshakes_per_host:
+                # bounds what strangers can hold (a HELLO buffer and a thread each) however many connect
+                now = time.monotonic()
+                if now >= self._next_flood_log:
+                    self._next_flood_log = now + 10.0
+                    log.warning("%d connections (from %s: %d) are still in their handshake (--max-handshakes); "
+                                "closing new ones until they finish", pending, host,
+                                sum(1 for x in waiting if x.host == host))
+                sock.close()
+                continue
             sock.settimeout(None)
             conn = Connection(sock, timeout=self.cfg.io_timeout_s, max_payload=HANDSHAKE_MAX,
                               max_reassembly_bytes=MAX_PAYLOAD[MsgType.HELLO])
             s = _Session(self, conn)
+            s.host = host
             self.all_sessions.add(s)
             s.reader = threading.Thread(target=self._session_main, args=(s,), daemon=True,
                                         name=f"yeto-conn-{conn.peer}")
@@ -309,6 +335,11 @@ class SyncerServer:
         except (ProtocolError, OSError) as e:
             if not s.closed and not self.stopping.is_set():
                 log.warning("island %s: connection lost: %s", s.island or s.conn.peer, e)
+                if isinstance(e, ProtocolError) and not isinstance(e, WireTimeout):
+                    try:   # a framing error: tell the peer why before closing (best effort)
+                        s.conn.send_error("protocol", str(e)[:1000])
+                    except (ProtocolError, OSError):
+                        pass
         except Exception:  # noqa: BLE001 - a bug must not take the syncer down
             log.exception("island %s: internal error in its connection handler", s.island)
             self._refuse(s, "internal", "internal error in the syncer (see its log)")
