@@ -57,3 +57,26 @@ def running(server):
 
 def quiet():
     logging.getLogger("yeto").setLevel(logging.INFO)
+
+
+def state_of(server):
+    """Everything a hostile input must not change: committed arrays (hashed), versions, merge count, the island
+    ledger, and what is pending (open rounds, carried pushes, accepted keys, islands' final fragments)."""
+    import hashlib
+
+    from yeto_patch.syncer.rounds import capture
+
+    snap = capture(server.coord)
+    h = hashlib.sha256()
+    for arrays in snap.arrays:
+        for name in sorted(arrays):
+            h.update(name.encode())
+            h.update(arrays[name].tobytes())
+    c = server.coord
+    with c.lock:
+        pending = [(sorted(f.round.contribs), len(f.carry), f.closed) for f in c.frags]
+        finals = {i: (sorted(m.final_fragments), m.finished) for i, m in c.members.items()}
+        seen = sorted(c.seen)
+    return {"arrays": h.hexdigest(), "versions": [f["version"] for f in snap.meta["fragments"]],
+            "merges_total": snap.meta["merges_total"], "ledger": snap.meta["ledger"], "pending": pending,
+            "finals": finals, "seen": seen}

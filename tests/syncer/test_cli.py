@@ -1,5 +1,6 @@
 """The yeto-syncer command line: --help documents every flag, bad arguments fail clearly, a real process runs."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -15,6 +16,18 @@ from yeto_patch.wire.client import SyncerClient
 from .helpers import MANIFEST, init_values
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def _drop_cli_log_handlers():
+    """main() in-process adds a stderr handler to the "yeto" logger; the test's stderr capture is closed after
+    it, so later log lines of other tests' threads would print logging errors."""
+    logger = logging.getLogger("yeto")
+    level = logger.level
+    yield
+    for h in [h for h in logger.handlers if getattr(h, "_yeto_syncer", False)]:
+        logger.removeHandler(h)
+    logger.setLevel(level)
 
 
 def test_help_lists_every_flag_with_its_default(capsys):

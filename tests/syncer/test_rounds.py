@@ -239,3 +239,46 @@ def test_quorum_one_merges_alone():
     c.join("a", "1")
     push(c, "a", 0, 0, np.ones(c.frags[0].numel, np.float32))
     assert c.due() == [0]
+
+
+def test_a_push_being_folded_is_no_answer_yet_and_a_refused_one_leaves_no_trace(monkeypatch):
+    import dataclasses
+    import threading
+
+    from yeto_patch.syncer import rounds as rounds_mod
+    c = make(islands=2)
+    c.rs = dataclasses.replace(c.rs, quorum=1, grace_s=0.0)
+    started, release = threading.Event(), threading.Event()
+    real = rounds_mod.codecs.decode_accumulate
+
+    def slow_decode(*a, **kw):  # the fold of the first push takes a while
+        if not started.is_set():
+            started.set()
+            release.wait(10)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(rounds_mod.codecs, "decode_accumulate", slow_decode)
+    n = c.frags[0].numel
+    bad = np.zeros(n, np.float32)
+    bad[3] = np.nan
+    out = []
+
+    def hostile():
+        try:
+            c.accept(Push(island="i1", fragment=0, base_version=0, codec="f32", block=256, body=bad.view(np.uint8),
+                          local_step=9, final=True))
+        except PushRefused as e:
+            out.append(e.code)
+
+    th = threading.Thread(target=hostile)
+    th.start()
+    assert started.wait(10)
+    assert c.due() == [] and c.next_deadline() is None  # not an answer while it is being folded
+    release.set()
+    th.join(10)
+    assert out == ["nonfinite"]
+    m = c.members["i1"]
+    assert m.last_step == 0 and m.final_fragments == set() and c.due() == []  # no trace of it
+    assert c.frags[0].round.t_first is None and not c.frags[0].round.contribs
+    assert push(c, "i0", 0, 0, np.ones(n, np.float32)) == ("accepted", 0)
+    assert c.due() == [0]

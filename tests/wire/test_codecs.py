@@ -232,9 +232,12 @@ def test_bad_codec_and_block():
 def test_decoder_validates_length(codec):
     x = np.ones(100, np.float32)
     enc = codecs.encode(codec, x, 16).tobytes()
+    codecs.check_encoded(codec, enc, 100, 16)  # what decodes passes the check without decoding
     for bad in (enc[:-1], enc + b"\0", b""):
         with pytest.raises(CodecError, match="must be"):
             codecs.decode(codec, bad, 100, 16)
+        with pytest.raises(CodecError, match="must be"):
+            codecs.check_encoded(codec, bad, 100, 16)
     with pytest.raises(CodecError):
         codecs.decode(codec, enc, 101, 16)
     with pytest.raises(CodecError):
@@ -249,6 +252,8 @@ def test_decoder_refuses_bad_scales_and_leaves_acc_unchanged(codec, scale):
     enc[4 * 2: 4 * 3] = np.frombuffer(np.float32(scale).tobytes(), np.uint8)
     with pytest.raises(CodecError, match="block 2"):
         codecs.decode(codec, enc, 64, 16)
+    with pytest.raises(CodecError, match="block 2"):  # above the maximum scale too, not only non-finite
+        codecs.check_encoded(codec, enc, 64, 16)
     acc = np.ones(64, np.float32)
     with pytest.raises(CodecError):
         codecs.decode_accumulate(codec, enc, 64, 1.0, acc, 16)
@@ -265,6 +270,8 @@ def test_plain_decoders_refuse_non_finite_and_leave_acc_unchanged(codec, bits):
                                               .tobytes(), np.uint8)
     with pytest.raises(CodecError, match=f"index {pos}"):
         codecs.decode(codec, enc, x.size)
+    with pytest.raises(CodecError, match=f"index {pos}"):
+        codecs.check_encoded(codec, enc, x.size)
     acc = np.zeros(x.size, np.float32)
     with pytest.raises(CodecError):
         codecs.decode_accumulate(codec, enc, x.size, 0.5, acc)

@@ -203,6 +203,51 @@ def test_receiver_max_payload_override():
     c.close(), s.close(), ls.close()
 
 
+def test_set_limits_lowers_the_maxima_for_the_next_message(raw_pair):
+    raw, s = raw_pair
+    s.set_limits({MsgType.PUSH: 1000, MsgType.HELLO: 1 << 40}, max_reassembly_bytes=3000)
+    assert s.max_payload[MsgType.HELLO] == frames.MAX_PAYLOAD[MsgType.HELLO]  # never above the protocol's
+    payload = pack_meta({}) + b"x" * 900
+    raw.sendall(frame(MsgType.PUSH, payload))
+    assert bytes(s.recv(timeout=2)[2]) == b"x" * 900
+    # chunked: checked on the envelope, before the message buffer is reserved
+    raw.sendall(frame(MsgType.CHUNK, chunks.pack_envelope(3, MsgType.PUSH, 1001, 0) + b"x"))
+    with pytest.raises(FrameError, match="PUSH message 3 announces 1001 bytes, above the maximum 1000"):
+        s.recv(timeout=2)
+
+
+def test_set_limits_bounds_the_messages_open_at_once(raw_pair):
+    raw, s = raw_pair
+    s.set_limits({}, max_reassembly_bytes=3000)
+    raw.sendall(frame(MsgType.CHUNK, chunks.pack_envelope(1, MsgType.HELLO, 2000, 0) + b"x") +
+                frame(MsgType.CHUNK, chunks.pack_envelope(2, MsgType.HELLO, 2000, 0) + b"x"))
+    with pytest.raises(FrameError, match="exceeds the reassembly budget"):
+        s.recv(timeout=2)
+
+
+def test_recv_within_bounds_the_whole_message(raw_pair):
+    raw, s = raw_pair  # (stall timeout 1 s: every byte below comes well within it)
+    data = frame(MsgType.HELLO, pack_meta({"pad": "x" * 200}))
+
+    def trickle():
+        for i in range(len(data)):
+            try:
+                raw.sendall(data[i:i + 1])
+            except OSError:
+                return
+            time.sleep(0.05)
+
+    th = threading.Thread(target=trickle, daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    with pytest.raises(WireTimeout, match="not complete within 0.5s"):
+        s.recv(timeout=2, within=0.5)
+    assert time.monotonic() - t0 < 1.5 and s.broken
+    assert s.sock.gettimeout() == s.timeout
+    raw.close()
+    th.join(5)
+
+
 def test_body_iter_length_mismatch_breaks_connection(pair):
     c, s = pair
     with pytest.raises(FrameError, match="yielded"):

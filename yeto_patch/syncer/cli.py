@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--io-timeout", type=_pos_float, default=120.0, help="seconds a socket operation may stall "
                    "before the connection is dropped; also how long a due merge lets a base of its fragment still "
                    "streaming to a slow island finish before it waits for it")
+    g.add_argument("--max-handshakes", type=_pos_int, default=64, help="connections still in their handshake held "
+                   "at once; more are closed at once (bounds what strangers can make the syncer hold)")
+    g.add_argument("--max-handshakes-per-host", type=_pos_int, default=16, help="the same limit per peer address")
     g.add_argument("--final-ack-timeout", type=_pos_float, default=60.0, help="seconds to wait for the islands' "
                    "acknowledgements of the final model")
     g = p.add_argument_group("checkpoints")
@@ -154,7 +157,8 @@ def config_from_args(a: argparse.Namespace):
                         checkpoint_every=a.checkpoint_every, background_checkpoint=a.background_checkpoint,
                         resume=a.resume, metrics_port=a.metrics_port, metrics_addr=a.metrics_addr, tape=a.tape,
                         merge_threads=a.merge_threads, io_timeout_s=a.io_timeout,
-                        final_ack_timeout_s=a.final_ack_timeout)
+                        final_ack_timeout_s=a.final_ack_timeout, max_handshakes=a.max_handshakes,
+                        max_handshakes_per_host=a.max_handshakes_per_host)
 
 
 def _setup_logging(level: str, path: Optional[str]) -> None:

@@ -40,8 +40,9 @@ def normalize_manifest(manifest: Iterable) -> list[tuple[str, tuple[int, ...], s
             raise ValueError(f"manifest entry {i}: duplicate name {name!r}")
         names.add(name)
         if not isinstance(shape, (list, tuple)) or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise ValueError(f"manifest entry {i} ({name}): shape must be a list of non-negative ints, got {shape!r}")
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 63 for d in shape):
+            raise ValueError(f"manifest entry {i} ({name}): shape must be a list of ints in [0, 2**63), "
+                             f"got {shape!r}")
         if not isinstance(dtype, str) or not dtype:
             raise ValueError(f"manifest entry {i} ({name}): dtype must be a string, got {dtype!r}")
         out.append((name, tuple(int(d) for d in shape), dtype))

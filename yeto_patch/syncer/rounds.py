@@ -128,6 +128,11 @@ class _Round:
     next_wait_log: float = 0.0
     fold_lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def answered(self) -> set:
+        """Islands whose push is in the round: folded (or held, in exact mode). A push still being folded is
+        not an answer yet: it may be refused, and must not make the round due meanwhile."""
+        return {i for i, c in self.contribs.items() if c.folded}
+
 
 class RWLock:
     """Many readers (broadcasts streaming a base) or one writer (a merge committing); writers preferred."""
@@ -235,29 +240,9 @@ class MergeRecord:
 
 
 def validate_encoded(codec: str, body, numel: int, block: int) -> None:
-    """Check an encoded push without decoding it: size, finite values (f32/bf16) or finite >= 0 scales."""
-    codecs.check_codec(codec, block)
-    mv = memoryview(body).cast("B")
-    want = codecs.encoded_nbytes(codec, numel, block)
-    if mv.nbytes != want:
-        raise CodecError(f"{codec} data for {numel} values (block {block}) must be {want} bytes, got {mv.nbytes}")
-    raw = np.frombuffer(mv, np.uint8)
-    step = 1 << 20
-    if codec == "f32":
-        v = raw.view(np.float32) if raw.ctypes.data % 4 == 0 else raw.copy().view(np.float32)
-        for a in range(0, v.size, step):
-            if not np.isfinite(v[a:a + step]).all():
-                raise CodecError(f"f32 data has a non-finite value near index {a}")
-    elif codec == "bf16":
-        u = raw.view(np.uint16) if raw.ctypes.data % 2 == 0 else raw.copy().view(np.uint16)
-        for a in range(0, u.size, step):
-            if ((u[a:a + step] & np.uint16(0x7F80)) == 0x7F80).any():
-                raise CodecError(f"bf16 data has a non-finite value near index {a}")
-    else:
-        nb = -(-numel // block)
-        s = raw[:4 * nb].copy().view(np.float32)
-        if nb and not (np.isfinite(s).all() and (s >= 0).all()):
-            raise CodecError(f"{codec} data has an invalid (non-finite or negative) scale")
+    """Check an encoded push without decoding it (size, scales in range, finite values), exactly as the
+    decoder will at merge time: a held push that passes here cannot be dropped later."""
+    codecs.check_encoded(codec, memoryview(body).cast("B"), numel, block, threads=1)
 
 
 class Coordinator:
@@ -427,13 +412,15 @@ class Coordinator:
         with self.lock:
             if not self.initialized:
                 raise PushRefused("not-initialized", "the run has no base yet (waiting for INIT); push refused")
-            if not (isinstance(p.fragment, int) and 0 <= p.fragment < len(self.frags)):
+            frag = p.fragment
+            if isinstance(frag, bool) or not (isinstance(frag, int) and 0 <= frag < len(self.frags)):
                 raise PushRefused("bad-fragment", f"push for fragment {p.fragment!r}; the layout has "
                                                   f"{len(self.frags)} fragments")
             f = self.frags[p.fragment]
             if f.closed:
                 return "closed", 0
-            if not isinstance(p.base_version, int) or p.base_version < 0 or p.base_version > f.version:
+            if (isinstance(p.base_version, bool) or not isinstance(p.base_version, int) or p.base_version < 0
+                    or p.base_version > f.version):
                 raise PushRefused("bad-base", f"push of fragment {f.index} relative to base v{p.base_version}, but "
                                               f"the syncer's newest is v{f.version}")
             try:
@@ -490,29 +477,39 @@ class Coordinator:
         """(lock held) Record an accepted push; returns the contribution when it still has to be folded."""
         c = _Contrib(p, w, lag=lag, held=held)
         self.seen.add(key)
-        m = self.members.get(p.island)
-        if m is not None:
-            m.last_seen = self.clock()
-            if p.final:
-                m.final_fragments.add(f.index)
-            m.last_step = max(m.last_step, int(p.local_step or 0))
         if lag != 0:
+            self._credit(p, f)
             f.carry.append(c)
             self.cond.notify_all()
             return None
         if not self.ms.exact:
             r.inflight += 1
         r.contribs[p.island] = c
-        now = self.clock()
-        if r.t_first is None:
-            r.t_first = now
-        if r.t_quorum is None and len(r.contribs) >= self.rs.k:
-            r.t_quorum = now
         if self.ms.exact:
             c.folded = True
+            self._answer(r, p, f)
             self.cond.notify_all()
             return None
         return c
+
+    def _answer(self, r: _Round, p: Push, f: _Fragment) -> None:
+        """(lock held) A push became an answer of round ``r``: round timing and the island's bookkeeping."""
+        now = self.clock()
+        if r.t_first is None:
+            r.t_first = now
+        if r.t_quorum is None and len(r.answered()) >= self.rs.k:
+            r.t_quorum = now
+        self._credit(p, f)
+
+    def _credit(self, p: Push, f: _Fragment) -> None:
+        """(lock held) The island's bookkeeping for an accepted push; a push refused while it is being folded
+        must leave none (its final flag would drop the island from the fragment's expected set)."""
+        m = self.members.get(p.island)
+        if m is not None:
+            m.last_seen = self.clock()
+            if p.final:
+                m.final_fragments.add(f.index)
+            m.last_step = max(m.last_step, int(p.local_step or 0))
 
     def _fold(self, p: Push, f: _Fragment, r: _Round, c: _Contrib, w: float, key) -> tuple[str, int]:
         """Streaming fold of an accepted push into its round's accumulator, outside the central lock."""
@@ -530,13 +527,10 @@ class Coordinator:
             c.push.body = None  # the decoded values live in the accumulator now
             if err is None:
                 c.folded = True
-            else:
+                self._answer(r, p, f)
+            else:  # it never was an answer: nothing to undo but its registration
                 r.contribs.pop(p.island, None)
                 self.seen.discard(key)
-                if len(r.contribs) < self.rs.k:
-                    r.t_quorum = None
-                if not r.contribs:
-                    r.t_first = None
             self.cond.notify_all()
         if err is not None:
             log.warning("refused push of fragment %d from island %s: %s", f.index, p.island, err)
@@ -571,9 +565,9 @@ class Coordinator:
         with self.lock:
             for f in self.frags:
                 r = f.round
-                if f.closed or r.closed or not r.contribs:
+                answered = r.answered()
+                if f.closed or r.closed or not answered:
                     continue
-                answered = set(r.contribs)
                 exp = self.expected(f, now)
                 if exp <= answered and self._joined_enough() and len(answered) >= self._floor(f):
                     out.append(f.index)
@@ -595,7 +589,7 @@ class Coordinator:
             ts = []
             for f in self.frags:
                 r = f.round
-                if f.closed or r.closed or len(r.contribs) < self.rs.k:
+                if f.closed or r.closed or len(r.answered()) < self.rs.k:
                     continue  # below quorum only events (pushes, lease expiry) can make a round due
                 if r.t_quorum is not None:
                     ts.append(r.t_quorum + self.rs.grace_s)

@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from ..wire import auth, codecs
-from ..wire.frames import AuthError, MsgType, PeerError, ProtocolError, WireTimeout
+from ..wire.frames import MAX_PAYLOAD, AuthError, MsgType, PeerError, ProtocolError, WireTimeout
 from ..wire.message import encode_meta
 from ..wire.transport import Connection, listen
 from .checkpoint import CheckpointError, CheckpointWriter, read_checkpoint
@@ -37,6 +37,9 @@ log = logging.getLogger("yeto.syncer")
 SEND_CHUNK = 4 << 20  # bytes per body piece handed to the transport
 MAX_PUSHES_IN_FLIGHT = 2  # per connection, handed to the fold pool and not yet accepted/refused
 BASE_WIRE = ("f32", "bf16")
+#: What an unauthenticated peer may send: one HELLO (or PROBE); anything else is refused from its header, so a
+#: hostile length or chunk total cannot make the syncer reserve memory before the MAC is checked.
+HANDSHAKE_MAX = {t: 64 << 10 for t in MsgType if t not in (MsgType.CHUNK, MsgType.HELLO)}
 
 
 def aligned_meta(meta: dict, align: int = 64) -> dict:
@@ -71,6 +74,15 @@ class ServerConfig:
     io_timeout_s: float = 120.0
     handshake_timeout_s: float = 30.0
     final_ack_timeout_s: float = 60.0
+    max_handshakes: int = 64   # connections not yet authenticated held at once (more are closed at once) ...
+    max_handshakes_per_host: int = 16   # ... and from one address
+
+
+def _host_of(sock) -> str:
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:
+        return "?"
 
 
 class _Session:
@@ -85,6 +97,7 @@ class _Session:
         self.closed = False
         self.bye = False
         self.joined = False
+        self.host = "?"
         self.final_acked: Optional[list] = None
         self.writer: Optional[threading.Thread] = None
         self.reader: Optional[threading.Thread] = None
@@ -191,6 +204,7 @@ class SyncerServer:
         self._checkpoint_on_stop = False
         self._deferred: dict[int, float] = {}  # fragment -> since when its due merge waits for a base stream
         self._shut = False
+        self._next_flood_log = 0.0
         self._shutdown_lock = threading.Lock()
         if cfg.checkpoint:
             d = os.path.dirname(os.path.abspath(cfg.checkpoint))
@@ -278,9 +292,25 @@ class SyncerServer:
                 continue
             except OSError:
                 return
+            host = _host_of(sock)
+            waiting = [x for x in list(self.all_sessions) if not x.joined and not x.closed]
+            pending = len(waiting)
+            if pending >= self.cfg.max_handshakes or \
+                    sum(1 for x in waiting if x.host == host) >= self.cfg.max_handshakes_per_host:
+                # bounds what strangers can hold (a HELLO buffer and a thread each) however many connect
+                now = time.monotonic()
+                if now >= self._next_flood_log:
+                    self._next_flood_log = now + 10.0
+                    log.warning("%d connections (from %s: %d) are still in their handshake (--max-handshakes); "
+                                "closing new ones until they finish", pending, host,
+                                sum(1 for x in waiting if x.host == host))
+                sock.close()
+                continue
             sock.settimeout(None)
-            conn = Connection(sock, timeout=self.cfg.io_timeout_s)
+            conn = Connection(sock, timeout=self.cfg.io_timeout_s, max_payload=HANDSHAKE_MAX,
+                              max_reassembly_bytes=MAX_PAYLOAD[MsgType.HELLO])
             s = _Session(self, conn)
+            s.host = host
             self.all_sessions.add(s)
             s.reader = threading.Thread(target=self._session_main, args=(s,), daemon=True,
                                         name=f"yeto-conn-{conn.peer}")
@@ -296,6 +326,7 @@ class SyncerServer:
     def _session_main(self, s: _Session) -> None:
         try:
             if self._handshake(s):
+                s.conn.set_limits(self._island_max())
                 s.writer = threading.Thread(target=s.writer_loop, daemon=True, name=f"yeto-send-{s.island}")
                 s.writer.start()
                 self._read_loop(s)
@@ -304,6 +335,11 @@ class SyncerServer:
         except (ProtocolError, OSError) as e:
             if not s.closed and not self.stopping.is_set():
                 log.warning("island %s: connection lost: %s", s.island or s.conn.peer, e)
+                if isinstance(e, ProtocolError) and not isinstance(e, WireTimeout):
+                    try:   # a framing error: tell the peer why before closing (best effort)
+                        s.conn.send_error("protocol", str(e)[:1000])
+                    except (ProtocolError, OSError):
+                        pass
         except Exception:  # noqa: BLE001 - a bug must not take the syncer down
             log.exception("island %s: internal error in its connection handler", s.island)
             self._refuse(s, "internal", "internal error in the syncer (see its log)")
@@ -316,7 +352,8 @@ class SyncerServer:
         server_nonce = auth.new_nonce()
         s.conn.send(MsgType.CHALLENGE, {"nonce": server_nonce.hex(), "protocol": 1,
                                         "auth": cfg.key is not None})
-        t, meta, _ = s.conn.recv(timeout=cfg.handshake_timeout_s)
+        # the whole HELLO within the handshake timeout: a peer trickling bytes cannot hold the connection
+        t, meta, _ = s.conn.recv(timeout=cfg.handshake_timeout_s, within=cfg.handshake_timeout_s)
         if t not in (MsgType.HELLO, MsgType.PROBE):
             self._refuse(s, "protocol", f"expected HELLO or PROBE, got {t.name}")
             return False
@@ -402,6 +439,12 @@ class SyncerServer:
         self.metrics.connections.set(len(self.sessions))
         return True
 
+    def _island_max(self) -> dict:
+        """Per-type maxima for an authenticated island: INIT and PUSH bodies are one fragment (int8 with block 1
+        is the largest encoding), plus room for the meta; the other messages are small."""
+        bulk = codecs.encoded_nbytes("int8", max(f.numel for f in self.coord.frags), 1) + (1 << 20)
+        return {**{t: 1 << 20 for t in MsgType if t != MsgType.CHUNK}, MsgType.INIT: bulk, MsgType.PUSH: bulk}
+
     def status(self) -> dict:
         c = self.coord
         with c.lock:
@@ -434,8 +477,12 @@ class SyncerServer:
             elif t == MsgType.INIT:
                 self._on_init(s, meta, body)
             elif t == MsgType.FINAL:
+                last = meta.get("last_step", 0)
+                if isinstance(last, bool) or not isinstance(last, int) or last < 0:
+                    self._refuse(s, "protocol", f"malformed FINAL: last_step={last!r} (need an integer >= 0)")
+                    return
                 s.wait_pushes(self.cfg.io_timeout_s)  # its final pushes count before the cut
-                coord.finish(s.island, int(meta.get("last_step", 0) or 0))
+                coord.finish(s.island, last)
                 log.info("island %s reached its last step (%s)", s.island, meta.get("last_step"))
             elif t == MsgType.ACK:
                 s.final_acked = meta.get("versions")

@@ -434,6 +434,9 @@ class SyncerClient:
              timeout: Optional[float] = None) -> Optional[PushReply]:
         """Send a fragment's encoded delta. See the module docstring."""
         conn = self._need()
+        if isinstance(fragment, bool) or not (isinstance(fragment, int) and 0 <= fragment < self.welcome.fragments):
+            raise ProtocolError(f"push of fragment {fragment!r}: the syncer's layout has fragments "
+                                f"0..{self.welcome.fragments - 1}")
         numel = self.welcome.numels[fragment]
         want = codecs.encoded_nbytes(codec, numel, block)
         if body_iter is None:

@@ -30,7 +30,7 @@ if sys.byteorder != "little":  # the bit manipulations below assume a little-end
     raise ImportError("yeto_patch.wire.codecs requires a little-endian host")
 
 __all__ = ["CODECS", "DEFAULT_BLOCK", "encoded_nbytes", "encode", "decode", "decode_accumulate", "residual",
-           "set_threads", "check_codec"]
+           "set_threads", "check_codec", "check_encoded"]
 
 CODECS = ("f32", "bf16", "int8", "int4", "int4-log")
 DEFAULT_BLOCK = 256
@@ -386,6 +386,14 @@ def _check_decode_args(codec, buf, numel, block):
                              f"(scales must be finite, >= 0 and <= {float(_MAX_SCALE[codec]):.3e})")
         b = b[4 * nb:]
     return b, scales
+
+
+def check_encoded(codec: str, buf, numel: int, block: int = DEFAULT_BLOCK, *, threads: Optional[int] = None) -> None:
+    """Validate encoded data without decoding it, exactly as the decoders do: length, scales (block codecs),
+    finite values (f32/bf16). Raises :class:`CodecError`; data that passes decodes without error."""
+    codes, _ = _check_decode_args(codec, buf, numel, block)
+    if codec in ("f32", "bf16") and numel:
+        _run(int(numel), block, lambda a, b: _validate_plain(codec, codes, a, b), threads)
 
 
 def decode(codec: str, buf, numel: int, block: int = DEFAULT_BLOCK, out: Optional[np.ndarray] = None, *,

@@ -82,10 +82,10 @@ class Connection:
         self.timeout = timeout
         self.chunk_size = chunk_size
         self.max_payload = dict(MAX_PAYLOAD)
-        if max_payload:
-            for t, n in max_payload.items():
-                self.max_payload[MsgType(t)] = min(int(n), MAX_PAYLOAD[MsgType(t)])
         self._reasm = Reassembler(max_partial, max_reassembly_bytes, self.max_payload)
+        self.set_limits(max_payload or {}, max_reassembly_bytes)
+        self._end: Optional[float] = None  # monotonic time by which the message being received must be complete
+        self._within: Optional[float] = None
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -97,6 +97,14 @@ class Connection:
             self.peer = "%s:%s" % sock.getpeername()[:2]
         except (OSError, TypeError):
             self.peer = "?"
+
+    def set_limits(self, max_payload: dict, max_reassembly_bytes: Optional[int] = None) -> None:
+        """Lower the per-type receive maxima (never above the protocol's) and bound the combined size of the
+        messages being reassembled; for the next message on (e.g. once a peer has authenticated)."""
+        for t, n in max_payload.items():
+            self.max_payload[MsgType(t)] = min(int(n), MAX_PAYLOAD[MsgType(t)])
+        self._reasm.max_payload = dict(self.max_payload)
+        self._reasm.max_bytes = max_reassembly_bytes
 
     # -------------------------------------------------------------------------------------- state
     def _check_usable(self) -> None:
@@ -256,9 +264,18 @@ class Connection:
             self.sock.settimeout(first_wait)
         try:
             while got < n:
+                if self._end is not None:  # a total bound: a peer sending a byte at a time cannot extend it
+                    left = self._end - time.monotonic()
+                    if left <= 0:
+                        self._break("message not complete in time")
+                        raise WireTimeout(f"message from {self.peer} not complete within {self._within}s")
+                    self.sock.settimeout(min(left, first_wait if got == 0 and first_wait is not None
+                                             else self.timeout))
                 try:
                     r = self.sock.recv_into(view[got:], n - got)
                 except socket.timeout:
+                    if self._end is not None and time.monotonic() >= self._end:
+                        continue  # reported above
                     if got == 0 and first_wait is not None:
                         raise WireTimeout(f"no message from {self.peer} within {first_wait}s") from None
                     self._break("receive timed out mid-frame")
@@ -276,20 +293,26 @@ class Connection:
                     self.sock.settimeout(self.timeout)
                 got += r
         finally:
-            if first_wait is not None:
+            if first_wait is not None or self._end is not None:
                 self.sock.settimeout(self.timeout)
 
-    def recv(self, timeout: Optional[float] = None) -> tuple[MsgType, dict, memoryview]:
+    def recv(self, timeout: Optional[float] = None, *, within: Optional[float] = None
+             ) -> tuple[MsgType, dict, memoryview]:
         """Receive the next complete message. ``timeout`` bounds the wait for it to start (default: the
-        connection timeout); once a frame has started each read must progress within the connection timeout."""
+        connection timeout); once a frame has started each read must progress within the connection timeout.
+        ``within``: the whole message must have arrived within this many seconds (else WireTimeout, and the
+        connection is unusable)."""
         with self._recv_lock:
             self._check_usable()
             wait = self.timeout if timeout is None else timeout
+            self._end, self._within = (None, None) if within is None else (time.monotonic() + within, within)
             try:
                 return self._recv(wait)
             except (FrameError, DigestError) as e:
                 self._break(str(e))
                 raise
+            finally:
+                self._end = None
 
     def _recv(self, wait: float) -> tuple[MsgType, dict, memoryview]:
         hdr = bytearray(HEADER_SIZE)
