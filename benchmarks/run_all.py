@@ -11,6 +11,7 @@ Benchmarks (each is a script in this folder that prints its own table and exits)
   gather       master_gather.py       chunked FP32 master gathers over gloo
   overhead     boundary_overhead.py   island throughput with yeto-patch next to without
   convergence  convergence.py         DiLoCo via yeto-patch against synchronous data parallel, loss and bytes
+  fuzz         fuzz_syncer.py         hostile frames and handshakes against a running syncer; state unchanged
 
 The report starts with one summary table (benchmark, command, status, wall time) followed by each benchmark's
 own output. A benchmark that is missing or fails is reported as such; the others still run.
@@ -33,6 +34,7 @@ BENCHMARKS = [
     ("gather", "master_gather.py"),
     ("overhead", "boundary_overhead.py"),
     ("convergence", "convergence.py"),
+    ("fuzz", "fuzz_syncer.py"),
 ]
 
 

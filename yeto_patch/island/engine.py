@@ -40,6 +40,7 @@ key) is raised on every rank with rank 0's message; errors inside collectives ar
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import queue
 import threading
@@ -450,6 +451,7 @@ class Engine:
         self._repushed: set = set()           # rank 0: (fragment, base) sent again after a reconnect
         self._adopt: set = set()              # rank 0: fragments whose (older) syncer base replaces the anchor
         self._skip: Dict[int, int] = {}       # rank 0: boundaries to skip per fragment after a restart
+        self._refusals = collections.deque()  # rank 0: refusals the sender thread met (raised by _poll)
 
     def _have_all_bases(self):
         self._poll()
@@ -462,6 +464,8 @@ class Engine:
         from yeto_patch.wire.client import SyncerRefusal, recoverable
         while True:
             try:
+                if self._refusals:
+                    raise self._refusals.popleft()
                 if self.sender is not None:
                     self.sender.check()
                 bases = self.client.poll()
@@ -750,14 +754,20 @@ class Engine:
     def _send_push(self, f, rec):
         """Rank 0: queue the push recorded in `rec` on the background sender (a lost link: reconnect, which
         sends it again)."""
-        from yeto_patch.wire.client import recoverable
+        from yeto_patch.wire.client import SyncerRefusal, recoverable
         s = self.settings
         client, body, timing = self.client, rec["_body"], rec["_send"]
 
         def send():
             t = time.perf_counter()
-            client.push(f, base_version=rec["base_version"], local_step=rec["step"], steps=rec["steps"],
-                        tokens=rec["tokens"], codec=rec["codec"], block=s.block, body=body, final=rec["final"])
+            while True:
+                try:
+                    client.push(f, base_version=rec["base_version"], local_step=rec["step"], steps=rec["steps"],
+                                tokens=rec["tokens"], codec=rec["codec"], block=s.block, body=body,
+                                final=rec["final"])
+                    break
+                except SyncerRefusal as e:   # an earlier push's refusal, raised before this one went out:
+                    self._refusals.append(e)  # the training thread handles it (_poll); send this push still
             timing["ms"] = round((time.perf_counter() - t) * 1000, 2)
         try:
             self.sender.submit(send, int(body.nbytes), timeout=s.timeout)
