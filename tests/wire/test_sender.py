@@ -98,10 +98,11 @@ def test_drain_timeout_and_closed():
 
 def test_abort_drops_queued_jobs_and_lets_the_running_one_end():
     s = BackgroundSender(1000)
-    gate, ran = threading.Event(), []
-    s.submit(lambda: (gate.wait(5), ran.append("first")), 10)
+    gate, started, ran = threading.Event(), threading.Event(), []
+    s.submit(lambda: (started.set(), gate.wait(5), ran.append("first")), 10)
     for i in range(3):
         s.submit(lambda i=i: ran.append(i), 10)
+    assert started.wait(5)   # the first job is running when the link is declared gone
     threading.Timer(0.2, gate.set).start()
     s.abort(timeout=5)
     assert ran == ["first"] and s.queued_bytes == 0
