@@ -42,6 +42,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -307,7 +308,7 @@ class Engine:
 
         def read():
             path = sync_state.state_path(directory, iteration)
-            if not __import__("os").path.exists(path):
+            if not os.path.exists(path):
                 log.warning("yeto-patch: Megatron resumed from iteration %d but %s does not exist (a checkpoint "
                             "saved without yeto-patch?): this island starts from the syncer's current bases",
                             iteration, path)
@@ -342,11 +343,10 @@ class Engine:
         local progress; the error-feedback residuals (rank 0). A fragment the syncer merged past the saved anchor
         (with this island's pushes made before it died, whose steps it now trains again) skips that many of its
         next boundaries, so the island's rounds line up with the other islands' again."""
-        if self.rank == 0:
-            for f in range(self.P):
-                ahead = int(versions[str(f)]) - int(state["anchor_version"][f])
-                if f not in keep and ahead > 0:
-                    self._skip[f] = ahead
+        for f in range(self.P):
+            ahead = int(versions[str(f)]) - int(state["anchor_version"][f])
+            if f not in keep and ahead > 0:
+                self._skip[f] = ahead
         for f in keep:
             self.steps_since[f] = int(state["steps_since"][f])
             self.tokens_since[f] = int(state["tokens_since"][f])
@@ -410,7 +410,6 @@ class Engine:
                                    timeout=s.timeout, insecure=s.insecure, connect_retries=retries,
                                    backoff=0.5, max_backoff=10.0)
         w = self.client.connect()
-        self._welcome_shape = (list(w.layout), list(w.numels))
         self.sender = BackgroundSender(s.send_queue_bytes, name="yeto-push-sender")
         return dict(layout=w.layout, numels=w.numels, fragments=w.fragments, versions=w.versions,
                     needs_init=list(w.needs_init), final=bool(w.final))
@@ -450,7 +449,7 @@ class Engine:
         self._outage: Optional[float] = None  # rank 0: when the link to the syncer was lost (None: it is up)
         self._repushed: set = set()           # rank 0: (fragment, base) sent again after a reconnect
         self._adopt: set = set()              # rank 0: fragments whose (older) syncer base replaces the anchor
-        self._skip: Dict[int, int] = {}       # rank 0: boundaries to skip per fragment after a restart
+        self._skip: Dict[int, int] = {}       # boundaries (final push included) to skip after a restart
         self._refusals = collections.deque()  # rank 0: refusals the sender thread met (raised by _poll)
 
     def _have_all_bases(self):
@@ -534,7 +533,7 @@ class Engine:
                                       f"{_describe(e, 'reconnect')}") from e
                 time.sleep(min(wait, max(0.0, left)))
                 wait = min(wait * 2, 10.0)
-        if (list(w.layout), list(w.numels)) != self._welcome_shape:
+        if [[int(i) for i in frag] for frag in w.layout] != self.layout or list(w.numels) != self.frag_numel:
             c.abort()
             raise EngineError(f"yeto-patch: the syncer at {s.syncer} came back with a different fragment layout "
                               f"(another --fragments or another run); this island cannot continue with it")
@@ -793,11 +792,8 @@ class Engine:
             by_syncer = self.client.final_cut
             final = self.step >= self.total or by_syncer
             due = [] if final else self._due()
-            for f in [f for f in due if self._skip.get(f)]:   # merged before this island's restart: done
-                self._skip[f] -= 1
-                due.remove(f)
-                log.info("yeto-patch: step %d: fragment %d's round at this boundary was merged before the restart "
-                         "(with this island's push of then); not pushing it again", self.step, f)
+            skip = [f for f in due if self._skip.get(f)]   # merged before this island's restart: done
+            due = [f for f in due if f not in skip]
             # a fragment due now (or at the final cut) pushes its local progress first, relative to its anchor
             # (late, so carried or refused as stale by the syncer), and takes a newer base as the answer:
             # installing that base before the push would throw the progress away. (A syncer that is behind this
@@ -806,8 +802,10 @@ class Engine:
             installs = [] if by_syncer else [[f, b.version] for f, b in sorted(self.arrived.items())
                                              if f in self._adopt or (b.version > self.anchor_version[f]
                                                                      and f not in pushing)]
-            return {"install": installs, "push": due, "final": final, "by_syncer": by_syncer}
+            return {"install": installs, "push": due, "skip": skip, "final": final, "by_syncer": by_syncer}
         plan = self._rank0(decide, f"plan step {self.step}")
+        for f in plan["skip"]:
+            self._skip_boundary(int(f))
         for f, v in plan["install"]:
             self._install(int(f), int(v), mode, why="arrived")
         if plan["final"]:
@@ -821,6 +819,14 @@ class Engine:
         overdue = [f for f, p in sorted(self.pending.items()) if self.step - p["step"] >= tau]
         if overdue:
             self._await_answers(overdue, None)
+
+    def _skip_boundary(self, f):
+        """Every rank: fragment f's round at this boundary was merged with this island's push before it
+        restarted (the steps since were trained again): pushing again would count that progress twice."""
+        self._skip[f] -= 1
+        if self.rank == 0:
+            log.info("yeto-patch: step %d: fragment %d's round at this boundary was merged before the restart "
+                     "(with this island's push of then); not pushing it again", self.step, f)
 
     def _due(self):
         from yeto_patch.island.schedule import due_fragments
@@ -862,7 +868,10 @@ class Engine:
             if self.pending:
                 self._await_answers(sorted(self.pending), None)
             for f in range(self.P):
-                self._push(f, final=True)
+                if self._skip.get(f):   # its final round was merged with this island's push before a restart
+                    self._skip_boundary(f)
+                else:
+                    self._push(f, final=True)
             if self.rank == 0:
                 log.info("yeto-patch: step %d: final cut: pushed the final deltas of %d fragments; waiting for "
                          "the final model", self.step, self.P)
