@@ -35,6 +35,8 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
+from tests.shim.procs import as_bf16, syncer_model  # noqa: E402  (the tests' readers of the same files)
+
 
 def parse():
     ap = argparse.ArgumentParser()
@@ -189,25 +191,6 @@ def load_jsonl(path):
 def island_model(out, kind):
     with np.load(os.path.join(out, "model.npz")) as z:
         return {k[len(kind) + 1:]: z[k] for k in z.files if k.startswith(kind + "/")}
-
-
-def syncer_model(path):
-    from yeto_patch.syncer.checkpoint import read_checkpoint
-    meta, arrays = read_checkpoint(path)
-    manifest, out = meta["manifest"], {}
-    for f, idx in enumerate(meta["layout"]):
-        base, off = arrays[f]["base"], 0
-        for i in idx:
-            name, shape, _ = manifest[i]
-            n = int(np.prod(shape))
-            out[name] = base[off:off + n].reshape(shape)
-            off += n
-    return out, {fm["index"]: fm["version"] for fm in meta["fragments"]}
-
-
-def as_bf16(x):
-    import torch
-    return torch.from_numpy(np.ascontiguousarray(x)).bfloat16().float().numpy()
 
 
 def same_bits(x, y):
