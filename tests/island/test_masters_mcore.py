@@ -115,3 +115,15 @@ def test_peak_memory_is_bounded_by_the_chunk_not_the_model(mcore_pool):
         assert r["read_peak"] <= 3 * chunk and r["write_peak"] <= 3 * chunk, r
         # measured resident memory: far below one model copy (allocator noise allowed)
         assert r["read_rss"] < model_bytes / 8 and r["write_rss"] < model_bytes / 8, r
+
+
+def test_relative_write_adds_the_owners_anchor_exactly(mcore_pool):
+    """Quantized base updates from the syncer: value = anchor + change on the owner, bit for bit, for the
+    anchor-only pass, a replace and a blended install; without anchors every rank refuses."""
+    res = mcore_pool.run(f"{W}:relative_write", LAYOUTS["pp2tp2_bf16_distopt"], 0.5, timeout=240)
+    for r in res:
+        assert r["err"] and "no anchor for" in r["err"], res
+    r = res[0]
+    assert r["changed"] and r["keep_masters"] and r["keep_anchor"]
+    assert r["replace"] and r["replace_anchor"] and r["blend_anchor"]
+    assert r["blend_err"] < 1e-6

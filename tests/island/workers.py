@@ -421,3 +421,47 @@ def blend_with_anchor_value(cfg_kwargs, c=0.25, alpha=0.5):
     err_cur = max(float(np.max(np.abs(cur[e] - (alpha * full[e] + (1 - alpha) * src[e])))) for e in full)
     err_delta = max(float(np.max(np.abs(d[e] - (src[e] - cur[e])))) for e in full)
     return dict(err_cur=err_cur, err_delta=err_delta, mean_delta=float(np.mean([np.mean(x) for x in d.values()])))
+
+
+def relative_write(cfg_kwargs, alpha=0.5):
+    """write(..., relative=True): rank 0 sends changes, each owner adds its anchor (the syncer's quantized base
+    updates). Anchor-only pass (blend alpha 1), replace, blend; and without anchors every rank refuses."""
+    ctx, man, view = _setup(cfg_kwargs, 1)
+    rank0 = dist.get_rank() == 0
+    rng = np.random.default_rng(5)
+    err = None
+    try:
+        view.write(None, {0: np.zeros(man.entries[0].numel, np.float32)} if rank0 else None, relative=True)
+    except IslandError as e:
+        err = str(e)
+    view.snapshot_anchor()
+    anchor = collect_arrays(view)
+    harness.train_steps(ctx, 2)
+    local = collect_arrays(view)
+
+    def change():
+        return {e: (rng.standard_normal(a.shape) * 0.01).astype(np.float32) for e, a in anchor.items()} \
+            if rank0 else None
+    d1, d2, d3 = change(), change(), change()
+    view.write(None, d1, mode="blend", alpha=1.0, set_anchor=True, anchor="value", relative=True)
+    after1 = collect_arrays(view)
+    delta1 = collect_arrays(view, delta=True)
+    view.write(None, d2, mode="replace", set_anchor=True, relative=True)
+    after2 = collect_arrays(view)
+    delta2 = collect_arrays(view, delta=True)
+    view.write(None, d3, mode="blend", alpha=alpha, set_anchor=True, anchor="value", relative=True)
+    after3 = collect_arrays(view)
+    delta3 = collect_arrays(view, delta=True)
+    if not rank0:
+        return dict(err=err)
+    a1 = {e: anchor[e] + d1[e] for e in anchor}          # float32 additions, as the syncer does them
+    a2 = {e: a1[e] + d2[e] for e in anchor}
+    a3 = {e: a2[e] + d3[e] for e in anchor}
+    return dict(
+        err=err, changed=any(not np.array_equal(anchor[e], local[e]) for e in anchor),
+        keep_masters=all(np.array_equal(after1[e], local[e]) for e in anchor),
+        keep_anchor=all(np.array_equal(delta1[e], a1[e] - local[e]) for e in anchor),
+        replace=all(np.array_equal(after2[e], a2[e]) for e in anchor),
+        replace_anchor=all(not np.any(delta2[e]) for e in anchor),
+        blend_err=max(float(np.max(np.abs(after3[e] - (alpha * a2[e] + (1 - alpha) * a3[e])))) for e in anchor),
+        blend_anchor=all(np.array_equal(delta3[e], a3[e] - after3[e]) for e in anchor))

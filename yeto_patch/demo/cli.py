@@ -53,7 +53,7 @@ def build_parser():
     g.add_argument("--merge-alpha", type=float, default=0.5)
     g.add_argument("--outer-lr", type=float, default=0.7)
     g.add_argument("--outer-momentum", type=float, default=0.9)
-    g.add_argument("--base-wire", choices=["f32", "bf16"], default="bf16",
+    g.add_argument("--base-wire", choices=["f32", "bf16", "int8", "int4"], default="bf16",
                    help="dtype of the merged bases the syncer sends after each merge (the initial and final "
                         "models are always f32); bf16 measured no loss difference and 1.6x fewer bytes")
     g.add_argument("--sync-timeout", type=float, default=300, help="YETO_DILOCO_TIMEOUT of the islands")

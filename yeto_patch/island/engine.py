@@ -490,7 +490,9 @@ class Engine:
         self._outage = None
         for b in bases:
             cur = self.arrived.get(b.fragment)
-            if cur is None or b.version >= cur.version or b.fragment in self._adopt:
+            if b.relative:   # an update of the previous base (--base-wire int8/int4): applied in order
+                self.arrived[b.fragment] = b if cur is None else cur.then(b)
+            elif cur is None or b.version >= cur.version or b.fragment in self._adopt:
                 self.arrived[b.fragment] = b
 
     def _reconnect(self, cause):
@@ -632,29 +634,51 @@ class Engine:
         bridge.close()
         log.info("yeto-patch: sent INIT of fragment %d (%.1f M values)", f, self.frag_numel[f] / 1e6)
 
-    def _install(self, f, version, mode, why, answered=None):
-        """Every rank: install the base of fragment f held by rank 0 (version `version`)."""
+    def _install_plan(self, f):
+        """Rank 0: [fragment, version, number of base updates] for installing the base rank 0 holds for f."""
+        b = self.arrived[f]
+        if not b.relative:
+            return [f, b.version, 0]
+        if b.start != self.anchor_version[f]:
+            raise EngineError(f"yeto-patch: fragment {f}: the syncer's base update applies to v{b.start}, but this "
+                              f"island's anchor is v{self.anchor_version[f]}")
+        return [f, b.version, len(b.deltas)]
+
+    def _install(self, f, version, mode, why, answered=None, updates=0):
+        """Every rank: install the base of fragment f held by rank 0 (version `version`). With `updates` > 0
+        rank 0 holds that many quantized changes of the anchor (--base-wire int8/int4), not the base: each
+        owner adds them to its anchor, the first ones to the anchor only, the last one as the install."""
         s = self.settings
         t0 = time.perf_counter()
         idx = self.layout[f]
         base = None
+        sources = [None] * max(1, updates)
         if self.rank == 0:
             base = self.arrived.pop(f)
-            if base.version != version:
+            if base.version != version or (len(base.deltas) if base.relative else 0) != updates:
                 raise EngineError(f"internal: fragment {f} base v{base.version} is not the planned v{version}")
-            values, offs = base.values, self.frag_offsets[f]
+            offs = self.frag_offsets[f]
+            if base.relative:
+                def update(i):
+                    return lambda e, off, n: base.delta_range(i, offs[e] + off, n)
+                sources = [update(i) for i in range(updates)]
+            else:
+                values = base.values
 
-            def source(e, off, n):
-                a = offs[e] + off
-                return values[a:a + n]
-        else:
-            source = None
+                def full(e, off, n):
+                    a = offs[e] + off
+                    return values[a:a + n]
+                sources = [full]
+        for src in sources[:-1]:   # intermediate updates: anchors only (alpha 1 keeps every master as it is)
+            self.view.write(idx, src, mode="blend", alpha=1.0, set_anchor=True, anchor="value", relative=True)
+        source = sources[-1]
+        rel = {"relative": True} if updates else {}
         if mode == "replace":
-            self.view.write(idx, source, mode="replace", set_anchor=True)
+            self.view.write(idx, source, mode="replace", set_anchor=True, **rel)
         elif mode == "keep":   # a restart where the syncer is still at this anchor: local masters stay, anchor := base
-            self.view.write(idx, source, mode="blend", alpha=1.0, set_anchor=True, anchor="value")
+            self.view.write(idx, source, mode="blend", alpha=1.0, set_anchor=True, anchor="value", **rel)
         else:
-            self._install_blend(idx, source, s.merge_alpha)
+            self._install_blend(idx, source, s.merge_alpha, **rel)
         self.anchor_version[f] = int(version)
         self._adopt.discard(f)
         self.steps_since[f] = 0
@@ -664,7 +688,7 @@ class Engine:
             rec = self.pending.pop(f, None) if answered is None else answered
             if rec is not None:
                 rec.update(version=int(version), installed=True, mode=mode, install_ms=round(ms, 2),
-                           pull_lag=self.step - rec["step"])
+                           pull_lag=self.step - rec["step"], updates=updates)
                 rec["send_ms"] = rec.pop("_send", {}).get("ms")
                 rec.pop("_body", None)
                 self.log.write("boundary", **rec)
@@ -673,11 +697,11 @@ class Engine:
                          rec.get("wait_ms", 0.0))
             elif why != "start":
                 self.log.write("install", step=self.step, fragment=f, version=int(version), mode=mode,
-                               install_ms=round(ms, 2), reason=why)
+                               install_ms=round(ms, 2), reason=why, updates=updates)
         elif f in self.pending:
             self.pending.pop(f)
 
-    def _install_blend(self, idx, source, alpha):
+    def _install_blend(self, idx, source, alpha, **rel):
         """masters := alpha * local + (1 - alpha) * base, anchor := base (exactly: the next push is relative to it).
 
         Uses MasterView.write(..., anchor="value") when the island core offers it (one pass). Otherwise three
@@ -685,8 +709,8 @@ class Engine:
         of local values, not the fragment): read the local values, install the base as anchor, install the
         blend."""
         import inspect
-        if "anchor" in inspect.signature(self.view.write).parameters:
-            self.view.write(idx, source, mode="blend", alpha=alpha, set_anchor=True, anchor="value")
+        if "anchor" in inspect.signature(self.view.write).parameters or rel:
+            self.view.write(idx, source, mode="blend", alpha=alpha, set_anchor=True, anchor="value", **rel)
             return
         ent = self.manifest.entries
         batches, cur, size = [], [], 0
@@ -799,15 +823,15 @@ class Engine:
             # installing that base before the push would throw the progress away. (A syncer that is behind this
             # island lacks the anchor's version: its base is installed first.)
             pushing = set(range(self.P)) if final else set(due)
-            installs = [] if by_syncer else [[f, b.version] for f, b in sorted(self.arrived.items())
+            installs = [] if by_syncer else [self._install_plan(f) for f, b in sorted(self.arrived.items())
                                              if f in self._adopt or (b.version > self.anchor_version[f]
                                                                      and f not in pushing)]
             return {"install": installs, "push": due, "skip": skip, "final": final, "by_syncer": by_syncer}
         plan = self._rank0(decide, f"plan step {self.step}")
         for f in plan["skip"]:
             self._skip_boundary(int(f))
-        for f, v in plan["install"]:
-            self._install(int(f), int(v), mode, why="arrived")
+        for f, v, k in plan["install"]:
+            self._install(int(f), int(v), mode, why="arrived", updates=int(k))
         if plan["final"]:
             self._final_cut(by_syncer=plan["by_syncer"])
             return
@@ -850,11 +874,11 @@ class Engine:
             return all(f in self.arrived and (self.arrived[f].version > want[f] or f in self._adopt) for f in frags)
         self._await(ready, desc)
         waited = (time.perf_counter() - t0) * 1000
-        v = self._rank0(lambda: {str(f): self.arrived[f].version for f in frags}, "answered versions")
+        v = self._rank0(lambda: {str(f): self._install_plan(f)[1:] for f in frags}, "answered versions")
         for f in frags:
             if self.rank == 0 and f in self.pending:
                 self.pending[f]["wait_ms"] = round(waited, 2)
-            self._install(f, int(v[str(f)]), mode, why="answer")
+            self._install(f, int(v[str(f)][0]), mode, why="answer", updates=int(v[str(f)][1]))
 
     # ================================================================================ final cut
     def _final_cut(self, by_syncer=False):

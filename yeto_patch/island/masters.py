@@ -18,7 +18,9 @@ the others may pass None, and a rank that passes different arguments makes every
   `source(entry_index, offset, count)` values (or a dict of full arrays) go to each element's owner, which
   (blend) computes `alpha * current + (1 - alpha) * value`, and are broadcast to every holder, which installs
   them into its FP32 masters and its model parameters (cast to their dtype). Adam moments and step counts are
-  not touched. With `set_anchor` the owners' anchors become the installed values.
+  not touched. With `set_anchor` the owners' anchors become the installed values. With `relative` rank 0's
+  values are a change: each owner adds its anchor first (value = anchor + change, in float32), so a syncer that
+  sends quantized base updates is followed bit for bit (the anchors must hold the previous base exactly).
 - `snapshot_anchor(indices)` / `set_anchor_from_current(indices)`: local, no communication.
 
 Memory: per round at most `chunk_bytes` of payload; rank 0 holds at most ~2 chunks (assembly of interleaved
@@ -473,18 +475,21 @@ class MasterView:
     # -- write ---------------------------------------------------------------------------------------------
     def write(self, indices: Optional[Sequence[int]] = None, source=None, *, mode: Optional[str] = None,
               alpha: Optional[float] = None, set_anchor: Optional[bool] = None,
-              anchor: Optional[str] = None) -> None:
+              anchor: Optional[str] = None, relative: Optional[bool] = None) -> None:
         """Install rank 0's full float32 values into FP32 masters and model params on every holder.
 
         `source(index, offset, count) -> float32 array` or a dict {index: full array} (rank 0 only).
         mode "replace": new = value; mode "blend": new = alpha * current + (1 - alpha) * value (owner's master).
         set_anchor: the owners' anchors become the installed values (anchor="installed", default) or rank 0's
         values before blending (anchor="value": DiLoCo's "anchor := base" with a blended install).
+        relative: rank 0's values are changes to the owners' anchors: value = anchor + change (the anchors of
+        every element written must exist).
         Ranks other than 0 may pass None for everything; what they pass is checked against rank 0's plan."""
         if self.rank == 0:
             mode = mode or "replace"
             set_anchor = bool(set_anchor)
             anchor = anchor or "installed"
+            relative = bool(relative)
         if anchor is not None and anchor not in ("installed", "value"):
             raise IslandError(f"write: anchor must be 'installed' or 'value', got {anchor!r}")
         if mode is not None and mode not in ("replace", "blend"):
@@ -495,15 +500,24 @@ class MasterView:
         if self.rank == 0 and source is None:
             raise IslandError("write: rank 0 needs a source")
         plan = self._plan("write", indices, mode=mode, alpha=None if alpha is None else float(alpha),
-                          set_anchor=set_anchor, anchor=anchor)
+                          set_anchor=set_anchor, anchor=anchor, relative=relative)
         mode, alpha, set_anchor = plan["mode"], plan["alpha"], plan["set_anchor"]
+        relative = bool(plan.get("relative"))
+        if relative:   # value = anchor + change: every owner needs the anchor of what it owns (agreed first)
+            err = None
+            try:
+                for e, r, x, y in self._owned(plan["entries"]):
+                    self._anchor_slice(e, r, x, y)
+            except IslandError as ex:
+                err = ex
+            self.comm.agree(err, "write: anchors for a relative write")
         keep_value = set_anchor and mode == "blend" and plan["anchor"] == "value"
         raw = {}      # (round position) -> rank 0's value, kept by the owner for anchor="value"
         if isinstance(source, dict):
             arrays = source
             source = lambda e, off, n: np.asarray(arrays[e], dtype=np.float32).reshape(-1)[off: off + n]  # noqa: E731
         self._quiesce_param_gather()
-        if set_anchor:
+        if set_anchor and not relative:
             hull = {}
             for e, r, x, y in self._owned(plan["entries"]):
                 h = hull.setdefault((e, r), [x, y])
@@ -550,7 +564,7 @@ class MasterView:
                     if self.rank == 0:
                         src = (bufs[r] if interleave else chunk)[x - a: y - a]
                         if o == 0:
-                            vals.append((it, r, x, y, o, src.clone() if mode == "blend" else src))
+                            vals.append((it, r, x, y, o, src.clone() if mode == "blend" or relative else src))
                         else:
                             works.append(self.comm.isend(src, o))
                     if self.rank == o and o != 0:
@@ -568,6 +582,11 @@ class MasterView:
             bworks = []
             raw.clear()
             for k, (it, r, x, y, o, t) in enumerate(vals):
+                if self.rank == o and relative:
+                    try:
+                        t.add_(self._anchor_slice(it.entry, r, x, y))
+                    except Exception as ex:  # noqa: BLE001
+                        pending_err = pending_err or ex
                 if self.rank == o and mode == "blend":
                     try:
                         if keep_value:

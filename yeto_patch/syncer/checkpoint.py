@@ -41,7 +41,7 @@ _HEAD = struct.Struct("<8sII")
 _FOOT = struct.Struct("<QQQ8s")
 _ALIGN = 64
 _IO_CHUNK = 8 << 20
-ARRAY_NAMES = ("base", "momentum", "delay_buf")
+ARRAY_NAMES = ("base", "momentum", "delay_buf", "shadow")
 
 
 class CheckpointError(Exception):

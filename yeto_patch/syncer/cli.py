@@ -103,8 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--merge-threads", type=_pos_int, default=None, help="threads for decoding and merging"
                    "; results are bit-identical for any count (default: the CPU count, at most 32)")
     g = p.add_argument_group("transfer")
-    g.add_argument("--base-wire", choices=("f32", "bf16"), default="f32", help="dtype of the merged bases sent "
-                   "after each merge (the initial, rejoin and final bases are always f32)")
+    g.add_argument("--base-wire", choices=("f32", "bf16", "int8", "int4"), default="f32", help="how merged bases "
+                   "go out after each merge: f32, bf16, or int8/int4: the block-quantized change from the base the "
+                   "island holds, with the quantization error carried into the next update (islands hold exactly "
+                   "the syncer's shadow base; 4x/8x fewer bytes than f32). The initial, rejoin and final bases, and "
+                   "any base to an island that missed the previous one, are always f32")
     g.add_argument("--io-timeout", type=_pos_float, default=120.0, help="seconds a socket operation may stall "
                    "before the connection is dropped; also how long a due merge lets a base of its fragment still "
                    "streaming to a slow island finish before it waits for it")

@@ -187,6 +187,8 @@ class _Fragment:
         self.carry: list[_Contrib] = []
         self.rw = RWLock()
         self.closed = False  # total rounds reached / final cut done
+        self.down: Optional[np.ndarray] = None   # encoded update shadow(version - 1) -> shadow(version)
+        self.down_version = -1
 
 
 @dataclass
@@ -271,6 +273,10 @@ class Coordinator:
         self.protect: Optional[Callable[[int], None]] = None  # called before a fragment's state changes
         self._spare: Optional[np.ndarray] = None  # one released accumulator, reused (no fresh page faults)
         self._spare_lock = threading.Lock()
+        # --base-wire int8/int4: merged bases go out as quantized updates of a shadow base (what every island
+        # holds), with the quantization error left in base - shadow and so carried into the next update
+        self.down_codec: Optional[str] = None
+        self.down_block = codecs.DEFAULT_BLOCK
 
     def _take_acc(self, n: int) -> np.ndarray:
         with self._spare_lock:
@@ -318,6 +324,8 @@ class Coordinator:
                 raise PushRefused("nonfinite", f"INIT of fragment {index} has a non-finite value near {a}")
         with self.lock:
             f.t.base = values if values.flags.writeable else values.copy()
+            if self.down_codec is not None:
+                f.t.shadow = f.t.base.copy()
             if all(fr.t.base is not None for fr in self.frags):
                 for fr in self.frags:
                     self.opt.ensure_state(fr.t)
@@ -670,6 +678,8 @@ class Coordinator:
             ok, reason = True, ""
         except (NonFiniteMerge, CodecError) as e:
             ok, reason, norm = False, str(e), float("nan")
+        if ok and f.t.shadow is not None:
+            self._base_update(f, acc, version + 1)
         nbytes = sum(r_["bytes"] for r_ in responders)
         with self.lock:
             for c in fresh + carried:
@@ -700,6 +710,21 @@ class Coordinator:
                            if ok else 0.0, bytes=nbytes, quorum_s=max(0.0, t0 - t_first), merge_s=t1 - t0,
                            grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall)
 
+    def _base_update(self, f: _Fragment, scratch: np.ndarray, version: int) -> None:
+        """shadow += decode(encode(base - shadow)); the encoded update goes to islands holding the previous
+        shadow. (The merge holds the fragment's write lock; ``scratch`` is the spent accumulator.)"""
+        try:
+            np.subtract(f.t.base, f.t.shadow, out=scratch)
+            body = codecs.encode(self.down_codec, scratch, self.down_block, name=f"fragment {f.index} base update",
+                                 threads=self.runner.threads)
+            codecs.decode(self.down_codec, body, f.numel, self.down_block, out=scratch, threads=self.runner.threads)
+            np.add(f.t.shadow, scratch, out=f.t.shadow)
+            f.down, f.down_version = body, version
+        except CodecError as e:   # not expected (base and shadow are finite): islands get the full base instead
+            log.error("fragment %d: base update to v%d not encodable (%s); sending the full base", f.index, version, e)
+            np.copyto(f.t.shadow, f.t.base)
+            f.down, f.down_version = None, -1
+
     @staticmethod
     def _resp(c: _Contrib, lag: int, w: float, carried: bool) -> dict:
         p = c.push
@@ -725,6 +750,8 @@ def capture(coord: Coordinator, extra: Optional[dict] = None):
                 d["momentum"] = f.t.momentum
             if f.t.delay_buf is not None:
                 d["delay_buf"] = f.t.delay_buf
+            if f.t.shadow is not None:
+                d["shadow"] = f.t.shadow
             arrays.append(d)
         # pushes already merged (refused as duplicates after a resume); those of open rounds are not merged
         # and are lost with the process: their islands push them again
@@ -770,6 +797,9 @@ def restore(coord: Coordinator, meta: dict, arrays: list) -> None:
             f.t.base = arr["base"]
             f.t.momentum = arr.get("momentum")
             f.t.delay_buf = arr.get("delay_buf")
+            if coord.down_codec is not None:   # islands rejoin with the full shadow; without one: shadow = base
+                sh = arr.get("shadow")
+                f.t.shadow = sh if sh is not None and sh.size == f.numel else f.t.base.copy()
             coord.opt.ensure_state(f.t)
             f.version = int(fm["version"])
             f.round = _Round(f.version)

@@ -36,7 +36,8 @@ __all__ = ["ServerConfig", "SyncerServer", "aligned_meta"]
 log = logging.getLogger("yeto.syncer")
 SEND_CHUNK = 4 << 20  # bytes per body piece handed to the transport
 MAX_PUSHES_IN_FLIGHT = 2  # per connection, handed to the fold pool and not yet accepted/refused
-BASE_WIRE = ("f32", "bf16")
+BASE_WIRE = ("f32", "bf16", "int8", "int4")
+BASE_UPDATES = ("int8", "int4")   # quantized change from the island's previous base, error carried to the next
 #: What an unauthenticated peer may send: one HELLO (or PROBE); anything else is refused from its header, so a
 #: hostile length or chunk total cannot make the syncer reserve memory before the MAC is checked.
 HANDSHAKE_MAX = {t: 64 << 10 for t in MsgType if t not in (MsgType.CHUNK, MsgType.HELLO)}
@@ -103,6 +104,7 @@ class _Session:
         self.reader: Optional[threading.Thread] = None
         self.inflight = False
         self.pushes_inflight = 0
+        self.held: dict = {}   # fragment -> version of the last base sent on this connection (writer thread)
 
     def wait_pushes(self, timeout: float) -> None:
         """Wait (bounded) until the pushes this connection handed to the fold pool are accepted or refused."""
@@ -184,6 +186,8 @@ class SyncerServer:
         self.cfg = cfg
         self.runner = ChunkRunner(cfg.merge_threads)
         self.coord = Coordinator(cfg.merge, cfg.rounds, self.runner)
+        if cfg.base_wire in BASE_UPDATES:
+            self.coord.down_codec = cfg.base_wire
         self.fold_pool = ThreadPoolExecutor(max(2, min(8, cfg.islands)), thread_name_prefix="yeto-fold")
         self.metrics = Metrics()
         self.tape = Tape(cfg.tape)
@@ -622,12 +626,23 @@ class SyncerServer:
         f = self.coord.frags[frag]
         f.rw.acquire_read()
         try:
-            base = f.t.base
+            # islands hold the shadow when bases go out as updates (the final model is the base itself)
+            base = f.t.base if final or f.t.shadow is None else f.t.shadow
             n = f.numel
-            meta = aligned_meta({"fragment": frag, "version": f.version, "dtype": dtype, "numel": n,
-                                 "final": final})
+            update = (dtype in BASE_UPDATES and not final and f.down is not None and f.down_version == f.version
+                      and s.held.get(frag) == f.version - 1)
+            if dtype in BASE_UPDATES and not update:
+                dtype = "f32"   # the island does not hold the previous version: the full shadow
+            meta = {"fragment": frag, "version": f.version, "dtype": dtype, "numel": n, "final": final}
+            if update:
+                meta.update(delta_from=f.version - 1, block=self.coord.down_block)
+            meta = aligned_meta(meta)
             step = SEND_CHUNK // 4
-            if dtype == "f32":
+            if update:
+                body = memoryview(f.down).cast("B")
+                body_len = body.nbytes
+                it = (body[a:a + SEND_CHUNK] for a in range(0, body_len, SEND_CHUNK))
+            elif dtype == "f32":
                 body_len = 4 * n
                 it = (memoryview(base[a:a + step]).cast("B") for a in range(0, n, step))
             else:
@@ -635,6 +650,7 @@ class SyncerServer:
                 it = (codecs.encode("bf16", base[a:a + step], name=f"fragment {frag}", threads=1)
                       for a in range(0, n, step))
             s.conn.send(MsgType.FINAL_BASE if final else MsgType.BASE, meta, body_len=body_len, body_iter=it)
+            s.held[frag] = f.version
         finally:
             f.rw.release_read()
         self.metrics.bytes_out.labels("final" if final else "base").inc(body_len)

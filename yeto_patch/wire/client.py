@@ -38,7 +38,10 @@ API::
     probe(address, key, *, timeout=10.0, insecure=False, island_id="doctor") -> dict
         # authenticated handshake without joining a run (yeto-patch doctor): the syncer's status
 
-    Base: fragment, version, dtype ("f32" | "bf16" on the wire), values (flat float32 numpy array), final
+    Base: fragment, version, dtype ("f32" | "bf16" | "int8" | "int4" on the wire), values (flat float32 numpy
+        array) or, for a base update (--base-wire int8/int4), values None and `deltas`: encoded changes to apply
+        in order to the island's base of version `start` (base.delta_range(i, start, count) decodes a piece);
+        base_a.then(base_b) composes a base with the updates that follow it (exactly as the syncer did), final
     PushReply: fragment, base_version, status ("accepted" | "carried" | "closed"), lag, version, message
 
 Errors: everything raised is a :class:`~.frames.ProtocolError`: :class:`SyncerRefusal` (a refused push:
@@ -94,13 +97,56 @@ class Welcome:
     final: bool
 
 
+DELTA_CODECS = ("int8", "int4")
+_COMPOSE_PIECE = 1 << 18
+
+
 @dataclass
 class Base:
     fragment: int
     version: int
     dtype: str
-    values: np.ndarray
+    values: Optional[np.ndarray]
     final: bool = False
+    deltas: tuple = ()              # ((codec, block, encoded body), ...) when values is None
+    start: Optional[int] = None     # the base version the first delta applies to
+    size: int = 0                   # values of the fragment (when values is None)
+
+    @property
+    def relative(self) -> bool:
+        return self.values is None
+
+    def delta_range(self, i: int, start: int, count: int) -> np.ndarray:
+        codec, block, body = self.deltas[i]
+        return codecs.decode_range(codec, body, self.numel, start, count, block)
+
+    @property
+    def numel(self) -> int:
+        if self.values is not None:
+            return int(self.values.size)
+        return int(self.size)
+
+    def then(self, nxt: "Base") -> "Base":
+        """This base followed by ``nxt``: a full base replaces it; an update must start at this version and is
+        added (a full base + updates becomes the full newer base, float32 additions in order, exactly as the
+        syncer computed it; updates to updates are chained)."""
+        if not nxt.relative:
+            return nxt
+        if nxt.start != self.version:
+            raise ProtocolError(f"base update of fragment {nxt.fragment} applies to v{nxt.start}, but the base "
+                                f"held is v{self.version}")
+        if self.relative:
+            return Base(self.fragment, nxt.version, nxt.dtype, None, nxt.final, self.deltas + nxt.deltas, self.start,
+                        self.size)
+        vals = self.values if self.values.flags.writeable else self.values.copy()
+        n = vals.size
+        for i in range(len(nxt.deltas)):
+            for a in range(0, n, _COMPOSE_PIECE):
+                k = min(_COMPOSE_PIECE, n - a)
+                vals[a:a + k] += nxt.delta_range(i, a, k)
+        if not np.isfinite(vals).all():
+            raise ProtocolError(f"base update of fragment {nxt.fragment} to v{nxt.version} makes it non-finite")
+        return Base(self.fragment, nxt.version, "f32", vals, nxt.final)
 
 
 @dataclass
@@ -208,6 +254,7 @@ class SyncerClient:
         self._cv = threading.Condition()
         self._bases: "collections.OrderedDict[int, Base]" = collections.OrderedDict()
         self._final: dict[int, Base] = {}
+        self._held: dict[int, int] = {}   # fragment -> version of the last base received on this connection
         self._replies: dict = {}
         self._waiting: set = set()
         self._init_requests: list = []
@@ -310,6 +357,9 @@ class SyncerClient:
             if self.welcome is not None and not (0 <= frag < self.welcome.fragments
                                                  and numel == self.welcome.numels[frag]):
                 raise ProtocolError(f"base for fragment {frag} of {numel} values does not match the layout")
+            if meta.get("delta_from") is not None:
+                self._base_update(t, meta, body, frag, version, dtype, numel)
+                return
             if dtype == "f32":
                 mv = memoryview(body).cast("B")
                 if mv.nbytes != 4 * numel:
@@ -328,6 +378,7 @@ class SyncerClient:
                     self._final[frag] = b
                 self._bases.pop(frag, None)
                 self._bases[frag] = b
+                self._held[frag] = version
                 self._cv.notify_all()
         elif t == MsgType.PUSH_REPLY:
             r = PushReply(meta.get("fragment"), meta.get("base_version"), meta.get("status", "?"),
@@ -351,6 +402,31 @@ class SyncerClient:
                     self._error = ProtocolError(f"the syncer closed the session: {meta.get('reason', 'goodbye')}")
                 self._cv.notify_all()
         # HEARTBEAT and anything else: the reader saw the syncer alive; nothing to do
+
+    def _base_update(self, t, meta, body, frag, version, dtype, numel) -> None:
+        """A BASE that carries the change from the previous base (``--base-wire int8/int4``): validated, then
+        composed with a base not yet polled (or kept as an update the island applies to its anchors)."""
+        start = meta["delta_from"]
+        block = meta.get("block", codecs.DEFAULT_BLOCK)
+        if t != MsgType.BASE or meta.get("final"):
+            raise ProtocolError("a final base must be a full float32 base, not an update")
+        if dtype not in DELTA_CODECS or isinstance(start, bool) or not isinstance(start, int) \
+                or isinstance(block, bool) or not isinstance(block, int):
+            raise ProtocolError(f"base update of fragment {frag}: bad dtype/delta_from/block "
+                                f"{dtype!r}/{start!r}/{block!r}")
+        if start != version - 1 or self._held.get(frag) != start:
+            raise ProtocolError(f"base update of fragment {frag} from v{start} to v{version}, but the last base "
+                                f"received for it is v{self._held.get(frag)}")
+        try:
+            codecs.check_encoded(dtype, body, numel, block)
+        except CodecError as e:
+            raise ProtocolError(f"base update of fragment {frag} to v{version}: {e}") from None
+        b = Base(frag, version, dtype, None, False, ((dtype, block, np.frombuffer(body, np.uint8)),), start, numel)
+        with self._cv:
+            cur = self._bases.pop(frag, None)
+            self._bases[frag] = b if cur is None else cur.then(b)
+            self._held[frag] = version
+            self._cv.notify_all()
 
     def _heartbeat(self) -> None:
         period = self.welcome.heartbeat_s if self.welcome else 5.0

@@ -29,8 +29,8 @@ from .frames import CodecError
 if sys.byteorder != "little":  # the bit manipulations below assume a little-endian host
     raise ImportError("yeto_patch.wire.codecs requires a little-endian host")
 
-__all__ = ["CODECS", "DEFAULT_BLOCK", "encoded_nbytes", "encode", "decode", "decode_accumulate", "residual",
-           "set_threads", "check_codec", "check_encoded"]
+__all__ = ["CODECS", "DEFAULT_BLOCK", "encoded_nbytes", "encode", "decode", "decode_accumulate", "decode_range",
+           "residual", "set_threads", "check_codec", "check_encoded"]
 
 CODECS = ("f32", "bf16", "int8", "int4", "int4-log")
 DEFAULT_BLOCK = 256
@@ -410,6 +410,35 @@ def decode(codec: str, buf, numel: int, block: int = DEFAULT_BLOCK, out: Optiona
         fn = _DECODERS[codec]
         _run(numel, block, lambda a, b: fn(codes, scales, out, a, b, block, None, 1.0), threads)
     return out
+
+
+def decode_range(codec: str, buf, numel: int, start: int, count: int, block: int = DEFAULT_BLOCK) -> np.ndarray:
+    """Values ``[start, start + count)`` of ``decode(codec, buf, numel, block)``, bit-identical, decoding only the
+    blocks that cover them (bounded memory when a large encoded vector is consumed piece by piece)."""
+    check_codec(codec, block)
+    numel, start, count = int(numel), int(start), int(count)
+    if start < 0 or count < 0 or start + count > numel:
+        raise CodecError(f"range [{start}, {start + count}) is outside the {numel} encoded values")
+    b = _as_bytes(buf)
+    want = encoded_nbytes(codec, numel, block)
+    if b.size != want:
+        raise CodecError(f"{codec} data for {numel} values (block {block}) must be {want} bytes, got {b.size}")
+    if count == 0:
+        return np.empty(0, np.float32)
+    if codec in ("f32", "bf16"):
+        w = 4 if codec == "f32" else 2
+        return decode(codec, b[w * start: w * (start + count)], count, block)
+    nb = _nblocks(numel, block)
+    b0, b1 = start // block, _nblocks(start + count, block)
+    lo, hi = b0 * block, min(b1 * block, numel)        # whole blocks (block is even for the nibble codecs)
+    codes = b[4 * nb:]
+    if codec == "int8":
+        sub_codes = codes[lo:hi]
+    else:
+        sub_codes = codes[lo // 2: (hi + 1) // 2]
+    sub = np.concatenate([b[4 * b0: 4 * b1], sub_codes])
+    out = decode(codec, sub, hi - lo, block)
+    return out[start - lo: start - lo + count]
 
 
 def decode_accumulate(codec: str, buf, numel: int, weight: float, acc: np.ndarray, block: int = DEFAULT_BLOCK,

@@ -1,0 +1,161 @@
+"""--base-wire int8/int4: merged bases go out as quantized updates of a shadow base that every island holds
+exactly; the quantization error stays in base - shadow and is carried into the next update."""
+import threading
+
+import numpy as np
+import pytest
+
+from yeto_patch.syncer.checkpoint import read_checkpoint
+from yeto_patch.wire import codecs
+from yeto_patch.wire.client import Base
+from yeto_patch.wire.frames import MsgType, ProtocolError
+
+from .helpers import client, fragment_flat, init_values, make_server, running
+from .reference import RefFragment
+
+pytestmark = pytest.mark.timeout(60)
+F = 3
+
+
+def _join(addr, names, values):
+    cs = [client(addr, n) for n in names]
+    ws = [c.connect() for c in cs]
+    layout = ws[0].layout
+    bases = [c.wait_ready(20, init_source=lambda f: [values[i] for i in layout[f]]) for c in cs]
+    return cs, ws, layout, bases
+
+
+def _round(cs, f, rnd, n, rng, fold):
+    for c in cs:
+        d = (rng.standard_normal(n) * 0.02).astype(np.float32)
+        r = c.push(f, base_version=rnd, local_step=rnd, steps=1, tokens=1, codec="f32", body=codecs.encode("f32", d),
+                   wait=True)
+        assert r.status == "accepted"
+        fold.append((d, 1.0))
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_islands_follow_the_shadow_bit_for_bit_and_the_base_exactly(tmp_path, codec):
+    ckpt = tmp_path / "s.bin"
+    server, addr = make_server(islands=2, fragments=F, base_wire=codec, checkpoint=str(ckpt), checkpoint_every=1)
+    values = init_values(seed=4)
+    with running(server):
+        cs, ws, layout, bases = _join(addr, ["a", "b"], values)
+        assert ws[0].base_wire == codec
+        refs = [RefFragment(fragment_flat(values, layout, f)) for f in range(F)]
+        shadow = [r.base.copy() for r in refs]             # what the islands hold, computed independently
+        held = [[bases[k][f] for f in range(F)] for k in range(2)]
+        rng = np.random.default_rng(2)
+        nbytes = 0
+        for rnd in range(6):
+            for f in range(F):
+                n = refs[f].base.size
+                fold = []
+                _round(cs, f, rnd, n, rng, fold)
+                refs[f].merge(fold)
+                enc = codecs.encode(codec, refs[f].base - shadow[f])
+                shadow[f] = shadow[f] + codecs.decode(codec, enc, n)
+                for k, c in enumerate(cs):
+                    b = c.wait_base(f, rnd + 1, 20)
+                    assert b.relative and b.start == rnd and b.dtype == codec and b.version == rnd + 1
+                    assert bytes(b.deltas[0][2]) == enc.tobytes()
+                    nbytes += enc.nbytes
+                    held[k][f] = held[k][f].then(b)
+                    assert held[k][f].version == rnd + 1
+                    assert np.array_equal(held[k][f].values, shadow[f])
+        for f in range(F):
+            t = server.coord.frags[f].t
+            assert np.array_equal(t.base, refs[f].base)        # the outer step is untouched by the wire
+            assert np.array_equal(t.shadow, shadow[f])
+            # what the islands lack is one update's quantization error, not an accumulation
+            step = np.abs(codecs.decode(codec, codecs.encode(codec, t.base - t.shadow), t.base.size)
+                          - (t.base - t.shadow)).max()
+            assert 0 < np.abs(t.base - t.shadow).max() < 0.2 * np.abs(refs[f].base - fragment_flat(
+                values, layout, f)).max()
+            assert step <= np.abs(t.base - t.shadow).max()
+        full = sum(4 * refs[f].base.size for f in range(F)) * 6 * 2
+        assert nbytes < full / (3.5 if codec == "int8" else 6.5)
+        # the checkpoint holds the shadow (a resumed syncer sends it to rejoining islands)
+        _, arrays = read_checkpoint(str(ckpt))
+        assert all(np.array_equal(arrays[f]["shadow"], shadow[f]) for f in range(F))
+
+        # an island that reconnects gets the full f32 shadow, then updates again
+        cs[1].close()
+        b2 = client(addr, "b")
+        b2.connect()
+        got = b2.wait_ready(20)
+        for f in range(F):
+            assert got[f].dtype == "f32" and not got[f].relative and np.array_equal(got[f].values, shadow[f])
+        cs[1] = b2
+        fold = []
+        _round(cs, 0, 6, refs[0].base.size, rng, fold)
+        refs[0].merge(fold)
+        assert cs[1].wait_base(0, 7, 20).relative
+
+        # the final model is the syncer's base itself, in f32
+        results = [None, None]
+
+        def fin(k):
+            results[k] = cs[k].finish(last_step=7, timeout=20)
+        th = [threading.Thread(target=fin, args=(k,)) for k in range(2)]
+        [t.start() for t in th]
+        [t.join(30) for t in th]
+        for res in results:
+            for f in range(F):
+                assert res[f].dtype == "f32" and np.array_equal(res[f].values, refs[f].base)
+        assert server.wait(20) == 0
+        for c in cs:
+            c.close()
+
+
+def test_resume_keeps_the_shadow(tmp_path):
+    ckpt = tmp_path / "s.bin"
+    server, addr = make_server(islands=1, fragments=1, base_wire="int4", checkpoint=str(ckpt), checkpoint_every=1)
+    values = init_values(seed=1)
+    with running(server):
+        cs, ws, layout, _ = _join(addr, ["a"], values)
+        fold = []
+        _round(cs, 0, 0, ws[0].numels[0], np.random.default_rng(0), fold)
+        cs[0].wait_base(0, 1, 20)
+        shadow = server.coord.frags[0].t.shadow.copy()
+        assert not np.array_equal(shadow, server.coord.frags[0].t.base)
+        cs[0].abort()
+    server2, addr2 = make_server(islands=1, fragments=1, base_wire="int4", checkpoint=str(ckpt), resume=True)
+    with running(server2):
+        assert np.array_equal(server2.coord.frags[0].t.shadow, shadow)
+        c = client(addr2, "a", incarnation=cs[0].incarnation)
+        c.connect()
+        got = c.wait_ready(20)
+        assert got[0].version == 1 and np.array_equal(got[0].values, shadow)
+        c.close()
+
+
+def test_client_refuses_updates_that_do_not_follow_its_base():
+    c = client("127.0.0.1:1", "x")
+    n = 300
+    body = codecs.encode("int8", np.full(n, 0.5, np.float32))
+    meta = {"fragment": 0, "version": 4, "dtype": "int8", "numel": n, "delta_from": 3, "block": 256}
+    with pytest.raises(ProtocolError, match="last base received for it is vNone"):
+        c._dispatch(MsgType.BASE, meta, memoryview(body))
+    c._held[0] = 3
+    with pytest.raises(ProtocolError, match="must be a full float32 base"):
+        c._dispatch(MsgType.FINAL_BASE, dict(meta, final=True), memoryview(body))
+    with pytest.raises(ProtocolError, match="bad dtype"):
+        c._dispatch(MsgType.BASE, dict(meta, dtype="f32"), memoryview(body))
+    bad = body.copy()
+    bad[:4] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
+    with pytest.raises(ProtocolError, match="invalid scale"):
+        c._dispatch(MsgType.BASE, meta, memoryview(bad))
+    with pytest.raises(ProtocolError, match="must be"):
+        c._dispatch(MsgType.BASE, meta, memoryview(body[:-1]))
+    assert not c._bases and c._held == {0: 3}           # nothing of a refused update was kept
+    c._dispatch(MsgType.BASE, meta, memoryview(body))
+    got = c.poll()[0]
+    assert got.relative and got.start == 3 and c._held == {0: 4}
+    full = Base(0, 3, "f32", np.ones(n, np.float32))
+    comp = full.then(got)
+    assert comp.version == 4 and np.array_equal(comp.values, np.ones(n, np.float32) + codecs.decode("int8", body, n))
+    with pytest.raises(ProtocolError, match="applies to v3, but the base held is v4"):
+        comp.then(got)
+    two = got.then(Base(0, 5, "int8", None, False, got.deltas, 4, n))
+    assert two.relative and two.start == 3 and len(two.deltas) == 2
