@@ -35,6 +35,10 @@ YETO_DILOCO_BLOCK               256                        Quantization block si
 YETO_DILOCO_ERROR_FEEDBACK      0                          1: carry each push's quantization residual into the next
                                                            push of that fragment (costs 4 bytes per parameter of
                                                            host memory on island rank 0).
+YETO_DILOCO_START_DIGEST        1                          1: at start rank 0 reads the model once and sends a
+                                                           digest per tensor; fragments whose weights already equal
+                                                           the syncer's base (islands started from the same seed or
+                                                           checkpoint) are not downloaded. 0: always download.
 YETO_DILOCO_OVERLAP_STEPS       0                          tau: steps a fragment's merged base may trail its push
                                                            before the island waits for it. 0 = synchronous DiLoCo.
                                                            Must be smaller than YETO_DILOCO_SYNC_EVERY.
@@ -89,6 +93,7 @@ VARIABLES = (
     ("YETO_DILOCO_PUSH_DTYPE", "int4", "push wire dtype: " + ", ".join(PUSH_DTYPES)),
     ("YETO_DILOCO_BLOCK", "256", "quantization block size"),
     ("YETO_DILOCO_ERROR_FEEDBACK", "0", "1: carry quantization residuals into the next push"),
+    ("YETO_DILOCO_START_DIGEST", "1", "1: skip downloading initial bases this island already holds"),
     ("YETO_DILOCO_OVERLAP_STEPS", "0", "tau: steps a base may trail its push (0 = synchronous)"),
     ("YETO_DILOCO_MERGE_ALPHA", "0.5", "alpha: installed = alpha*local + (1-alpha)*base when tau > 0"),
     ("YETO_DILOCO_CHUNK_BYTES", "64MiB", "gather/scatter chunk size"),
@@ -120,6 +125,7 @@ class Settings:
     push_dtype: str
     block: int
     error_feedback: bool
+    start_digest: bool
     overlap_steps: int              # tau
     merge_alpha: float
     chunk_bytes: int
@@ -152,6 +158,7 @@ class Settings:
             ("YETO_DILOCO_PUSH_DTYPE", self.push_dtype),
             ("YETO_DILOCO_BLOCK", self.block),
             ("YETO_DILOCO_ERROR_FEEDBACK", int(self.error_feedback)),
+            ("YETO_DILOCO_START_DIGEST", int(self.start_digest)),
             ("YETO_DILOCO_OVERLAP_STEPS", self.overlap_steps),
             ("YETO_DILOCO_MERGE_ALPHA", self.merge_alpha),
             ("YETO_DILOCO_CHUNK_BYTES", _fmt_bytes(self.chunk_bytes)),
@@ -363,6 +370,7 @@ def from_env(env: Optional[Mapping[str, str]] = None) -> Settings:
         push_dtype=_choice(env, "YETO_DILOCO_PUSH_DTYPE", "int4", PUSH_DTYPES),
         block=_int(env, "YETO_DILOCO_BLOCK", 256, 8, 65536, "elements per quantization scale"),
         error_feedback=_bool(env, "YETO_DILOCO_ERROR_FEEDBACK", False),
+        start_digest=_bool(env, "YETO_DILOCO_START_DIGEST", True),
         overlap_steps=overlap,
         merge_alpha=_float(env, "YETO_DILOCO_MERGE_ALPHA", 0.5, 0.0, 1.0, "weight of the local model when a base "
                            "is installed under overlap"),

@@ -143,3 +143,7 @@ def test_slow_island_below_quorum_is_carried_or_refused_and_catches_up(tmp_path)
     # int4 base updates: the slow island applied several queued updates of a fragment in one install (the
     # intermediate ones to its anchors only), and still ends with the syncer's model (checked above)
     assert max(r.get("updates", 0) for r in slow_installs) >= 2, slow_installs
+    # same seed and layout: the initializing island already held the initial base and downloaded none of it
+    # (the other one too, unless the first merged a fragment before it joined)
+    starts = [r for name in ("a", "b") for r in P.metrics(str(tmp_path / name)) if r["event"] == "start"]
+    assert [r["held"] for r in starts if r["init"]] == [list(range(FRAGMENTS))], starts

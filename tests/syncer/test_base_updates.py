@@ -159,3 +159,64 @@ def test_client_refuses_updates_that_do_not_follow_its_base():
         comp.then(got)
     two = got.then(Base(0, 5, "int8", None, False, got.deltas, 4, n))
     assert two.relative and two.start == 3 and len(two.deltas) == 2
+
+
+def _digests(values):
+    import xxhash
+    return [xxhash.xxh3_64_hexdigest(np.ascontiguousarray(v, "<f4").tobytes()) for v in values]
+
+
+def test_islands_declaring_the_initial_weights_download_nothing_at_start():
+    server, addr = make_server(islands=4, fragments=F, base_wire="int8", rounds={"quorum": 2, "grace_s": 0.0})
+    values = init_values(seed=6)
+    other = [v.copy() for v in values]
+    other[1] = other[1] + np.float32(1.0)                 # island c holds a different tensor 1
+    with running(server):
+        a = client(addr, "a", held=_digests(values))
+        wa = a.connect()
+        layout = wa.layout
+        b = client(addr, "b", held=_digests(values))
+        b.connect()
+        c = client(addr, "c", held=_digests(other))
+        c.connect()
+        src = lambda f: [values[i] for i in layout[f]]  # noqa: E731
+        ga = a.wait_ready(20, init_source=src)
+        gb, gc = b.wait_ready(20), c.wait_ready(20)
+        f1 = next(f for f in range(F) if 1 in layout[f])
+        for f in range(F):
+            # the initializer and b hold the base already: a bodiless 'held' base each
+            for g in (ga, gb):
+                assert g[f].held and g[f].relative and not g[f].deltas and g[f].version == 0
+            if f == f1:
+                assert not gc[f].held and np.array_equal(gc[f].values, fragment_flat(values, layout, f))
+            else:
+                assert gc[f].held
+        out = server.metrics.bytes_out.labels("base")._value.get()
+        assert out == sum(4 * w for w in [wa.numels[f1]])          # only c's differing fragment went out in full
+        # updates then apply to the held base (composed into a chain that starts from the island's weights)
+        for k in (a, b):
+            k.push(0, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
+                   body=codecs.encode("f32", np.full(wa.numels[0], 0.01, np.float32)), wait=True)
+        u = a.wait_base(0, 1, 20)
+        assert u.relative and not u.held and u.start == 0
+        assert ga[0].then(u).held and ga[0].then(u).start == 0 and len(ga[0].then(u).deltas) == 1
+        # an island joining later with the initial weights gets the current shadow in full (it changed)
+        d = client(addr, "d", held=_digests(values))
+        d.connect()
+        gd = d.wait_ready(20)
+        assert not gd[0].held and gd[0].version == 1
+        assert np.array_equal(gd[0].values, server.coord.frags[0].t.shadow)
+        assert all(gd[f].held for f in range(1, F))              # fragments not merged yet: still held
+        for k in (a, b, c, d):
+            k.close()
+
+
+def test_malformed_declarations_are_refused():
+    server, addr = make_server(islands=1, fragments=F)
+    with running(server):
+        with pytest.raises(ValueError, match="16-hex-digit"):
+            client(addr, "a", held=["0" * 16])
+        bad = client(addr, "a", held=_digests(init_values()))
+        bad.held[0] = "zz" * 8
+        with pytest.raises(Exception, match="held"):
+            bad.connect()

@@ -234,6 +234,7 @@ class Engine:
         if self.rank == 0:
             from yeto_patch.island.boundary_log import BoundaryLog
             self.log = BoundaryLog(s.metrics_path, s.island_id)
+        self._declared = self._start_digests() if s.start_digest else None
         welcome = self._rank0(self._connect, f"connect to the syncer at {s.syncer}")
         self._adopt_layout(welcome)
         if welcome["final"]:
@@ -243,13 +244,14 @@ class Engine:
         for f in welcome["needs_init"]:
             self._send_init(f)
         self._await(lambda: self._have_all_bases(), "the initial base of every fragment", init_ok=True)
-        v = self._rank0(lambda: {str(f): self.arrived[f].version for f in range(self.P)}, "initial versions")
+        plans = self._rank0(lambda: {str(f): self._install_plan(f)[1:] for f in range(self.P)}, "initial versions")
+        v = {f: p[0] for f, p in plans.items()}
         keep = set()
         if state is not None:   # a restart: fragments whose anchor is still the syncer's base keep local progress
             keep = {f for f in range(self.P) if state["anchor_version"][f] == int(v[str(f)])}
         for f in range(self.P):
             self._install(f, int(v[str(f)]), mode="keep" if f in keep else "replace",
-                          why="resume" if f in keep else "start")
+                          why="resume" if f in keep else "start", updates=plans[str(f)][1], held=plans[str(f)][2])
         if state is not None:
             self._restore(state, arrays, keep, v)
         self.started = True
@@ -260,7 +262,8 @@ class Engine:
                      s.overlap_steps, self.total, time.time() - t0)
             self.log.write("start", step=self.step, fragments=self.P, versions=[self.anchor_version[f]
                                                                                 for f in range(self.P)],
-                           init=welcome["needs_init"], seconds=round(time.time() - t0, 3))
+                           init=welcome["needs_init"], seconds=round(time.time() - t0, 3),
+                           held=[f for f in range(self.P) if plans[str(f)][2]])
             atexit.register(self.close)
 
     # ================================================================================ restart
@@ -408,7 +411,7 @@ class Engine:
         self._key = key
         self.client = SyncerClient(s.syncer, key, s.island_id, self.manifest.wire_manifest(),
                                    timeout=s.timeout, insecure=s.insecure, connect_retries=retries,
-                                   backoff=0.5, max_backoff=10.0)
+                                   backoff=0.5, max_backoff=10.0, held=self._declared)
         w = self.client.connect()
         self.sender = BackgroundSender(s.send_queue_bytes, name="yeto-push-sender")
         return dict(layout=w.layout, numels=w.numels, fragments=w.fragments, versions=w.versions,
@@ -634,17 +637,41 @@ class Engine:
         bridge.close()
         log.info("yeto-patch: sent INIT of fragment %d (%.1f M values)", f, self.frag_numel[f] / 1e6)
 
+    def _start_digests(self):
+        """Every rank: one read of the model; rank 0 gets the xxh3_64 digest of each tensor's float32 values (the
+        syncer skips sending initial bases this island already holds)."""
+        import xxhash
+        n = len(self.manifest)
+        hs = [xxhash.xxh3_64() for _ in range(n)]
+        pos = [0] * n
+
+        def sink(e, off, arr):
+            if off != pos[e]:
+                raise EngineError(f"internal: start digest of tensor {e} read out of order")
+            a = np.ascontiguousarray(arr, dtype="<f4")
+            hs[e].update(memoryview(a).cast("B"))
+            pos[e] += a.size
+        t0 = time.perf_counter()
+        self.view.read(None, sink if self.rank == 0 else None)
+        if self.rank != 0:
+            return None
+        log.info("yeto-patch: start digests of %d tensors in %.1fs", n, time.perf_counter() - t0)
+        return [h.hexdigest() for h in hs]
+
     def _install_plan(self, f):
-        """Rank 0: [fragment, version, number of base updates] for installing the base rank 0 holds for f."""
+        """Rank 0: [fragment, version, number of base updates, held] for installing the base rank 0 holds for f
+        (held: the base is the weights this island already holds, plus the updates)."""
         b = self.arrived[f]
         if not b.relative:
-            return [f, b.version, 0]
+            return [f, b.version, 0, False]
+        if b.held:
+            return [f, b.version, len(b.deltas), True]
         if b.start != self.anchor_version[f]:
             raise EngineError(f"yeto-patch: fragment {f}: the syncer's base update applies to v{b.start}, but this "
                               f"island's anchor is v{self.anchor_version[f]}")
-        return [f, b.version, len(b.deltas)]
+        return [f, b.version, len(b.deltas), False]
 
-    def _install(self, f, version, mode, why, answered=None, updates=0):
+    def _install(self, f, version, mode, why, answered=None, updates=0, held=False):
         """Every rank: install the base of fragment f held by rank 0 (version `version`). With `updates` > 0
         rank 0 holds that many quantized changes of the anchor (--base-wire int8/int4), not the base: each
         owner adds them to its anchor, the first ones to the anchor only, the last one as the install."""
@@ -655,7 +682,8 @@ class Engine:
         sources = [None] * max(1, updates)
         if self.rank == 0:
             base = self.arrived.pop(f)
-            if base.version != version or (len(base.deltas) if base.relative else 0) != updates:
+            if base.version != version or (len(base.deltas) if base.relative else 0) != updates \
+                    or base.held != held:
                 raise EngineError(f"internal: fragment {f} base v{base.version} is not the planned v{version}")
             offs = self.frag_offsets[f]
             if base.relative:
@@ -669,11 +697,17 @@ class Engine:
                     a = offs[e] + off
                     return values[a:a + n]
                 sources = [full]
+        if held:   # the island's weights are the base (digests matched): they become the anchor
+            self.view.snapshot_anchor(idx)
+            if not updates:
+                sources = []
         for src in sources[:-1]:   # intermediate updates: anchors only (alpha 1 keeps every master as it is)
             self.view.write(idx, src, mode="blend", alpha=1.0, set_anchor=True, anchor="value", relative=True)
-        source = sources[-1]
+        source = sources[-1] if sources else None
         rel = {"relative": True} if updates else {}
-        if mode == "replace":
+        if held and not updates:
+            pass
+        elif mode == "replace":
             self.view.write(idx, source, mode="replace", set_anchor=True, **rel)
         elif mode == "keep":   # a restart where the syncer is still at this anchor: local masters stay, anchor := base
             self.view.write(idx, source, mode="blend", alpha=1.0, set_anchor=True, anchor="value", **rel)
@@ -830,8 +864,8 @@ class Engine:
         plan = self._rank0(decide, f"plan step {self.step}")
         for f in plan["skip"]:
             self._skip_boundary(int(f))
-        for f, v, k in plan["install"]:
-            self._install(int(f), int(v), mode, why="arrived", updates=int(k))
+        for f, v, k, held in plan["install"]:
+            self._install(int(f), int(v), mode, why="arrived", updates=int(k), held=bool(held))
         if plan["final"]:
             self._final_cut(by_syncer=plan["by_syncer"])
             return
@@ -878,7 +912,8 @@ class Engine:
         for f in frags:
             if self.rank == 0 and f in self.pending:
                 self.pending[f]["wait_ms"] = round(waited, 2)
-            self._install(f, int(v[str(f)][0]), mode, why="answer", updates=int(v[str(f)][1]))
+            self._install(f, int(v[str(f)][0]), mode, why="answer", updates=int(v[str(f)][1]),
+                          held=bool(v[str(f)][2]))
 
     # ================================================================================ final cut
     def _final_cut(self, by_syncer=False):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+import xxhash
 
 from ..wire import auth, codecs
 from ..wire.frames import MAX_PAYLOAD, AuthError, MsgType, PeerError, ProtocolError, WireTimeout
@@ -105,6 +106,7 @@ class _Session:
         self.inflight = False
         self.pushes_inflight = 0
         self.held: dict = {}   # fragment -> version of the last base sent on this connection (writer thread)
+        self.declared: Optional[list] = None   # HELLO's per-tensor digests of the weights the island holds
 
     def wait_pushes(self, timeout: float) -> None:
         """Wait (bounded) until the pushes this connection handed to the fold pool are accepted or refused."""
@@ -137,7 +139,7 @@ class _Session:
                 return
             old = self.bases.pop(fragment, None)
             if old is not None:
-                dtype = "f32" if "f32" in (dtype, old[0]) else dtype
+                dtype = "f32" if "f32" in (dtype, old[0]) else "check" if "check" in (dtype, old[0]) else dtype
                 final = final or old[1]
             self.bases[fragment] = (dtype, final)
             self.cv.notify()
@@ -393,6 +395,13 @@ class SyncerServer:
         except (ValueError, TypeError) as e:
             self._refuse(s, "manifest", f"bad manifest: {e}")
             return False
+        held = meta.get("held")
+        if held is not None:
+            if not (isinstance(held, list) and len(held) == len(manifest) and all(
+                    isinstance(h, str) and len(h) == 16 and all(c in "0123456789abcdef" for c in h) for h in held)):
+                self._refuse(s, "protocol", "malformed HELLO: 'held' must hold one 16-hex-digit digest per tensor")
+                return False
+            s.declared = held
         if auth.manifest_digest(manifest) != digest:
             self._refuse(s, "auth", "the manifest does not match the authenticated manifest digest")
             return False
@@ -433,7 +442,7 @@ class SyncerServer:
                        "final": self.final_started}
             if coord.initialized:  # queued now (the writer starts after WELCOME went out)
                 for f in range(len(coord.frags)):
-                    s.post_base(f, "f32", final=self.final_done)
+                    s.post_base(f, "check" if s.declared and not self.final_done else "f32", final=self.final_done)
         s.conn.send(MsgType.WELCOME, welcome)  # outside the central lock: a slow reader blocks only itself
         if old is not None and old is not s:
             log.info("island %s reconnected (incarnation %s); closing its previous connection", island, incarnation)
@@ -532,7 +541,7 @@ class SyncerServer:
                 self._checkpoint(final=False)
             for other in list(self.sessions.values()):
                 for f in range(len(coord.frags)):
-                    other.post_base(f, "f32")
+                    other.post_base(f, "check" if other.declared else "f32")
 
     def _on_push(self, s: _Session, meta: dict, body) -> None:
         def count(name):
@@ -631,6 +640,10 @@ class SyncerServer:
             n = f.numel
             update = (dtype in BASE_UPDATES and not final and f.down is not None and f.down_version == f.version
                       and s.held.get(frag) == f.version - 1)
+            if dtype == "check":   # the island declared what it holds: skip the download when it is this base
+                dtype = "held" if (not final and frag not in s.held
+                                   and self._digests(f, base) == [s.declared[i] for i in self.coord.layout[frag]]) \
+                    else "f32"
             if dtype in BASE_UPDATES and not update:
                 dtype = "f32"   # the island does not hold the previous version: the full shadow
             meta = {"fragment": frag, "version": f.version, "dtype": dtype, "numel": n, "final": final}
@@ -638,7 +651,9 @@ class SyncerServer:
                 meta.update(delta_from=f.version - 1, block=self.coord.down_block)
             meta = aligned_meta(meta)
             step = SEND_CHUNK // 4
-            if update:
+            if dtype == "held":
+                body_len, it = 0, iter(())
+            elif update:
                 body = memoryview(f.down).cast("B")
                 body_len = body.nbytes
                 it = (body[a:a + SEND_CHUNK] for a in range(0, body_len, SEND_CHUNK))
@@ -654,6 +669,21 @@ class SyncerServer:
         finally:
             f.rw.release_read()
         self.metrics.bytes_out.labels("final" if final else "base").inc(body_len)
+
+    def _digests(self, f, arr) -> list:
+        """xxh3_64 of each tensor of fragment f in ``arr`` (f32 little-endian bytes), cached per version (called
+        under the fragment's read lock)."""
+        key = (f.version, id(arr))
+        cached = getattr(f, "digests", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        out, off = [], 0
+        for i in self.coord.layout[f.index]:
+            n = int(np.prod(self.coord.manifest[i][1], dtype=np.int64))
+            out.append(xxhash.xxh3_64_hexdigest(memoryview(arr[off:off + n]).cast("B")))
+            off += n
+        f.digests = (key, out)
+        return out
 
     # ---------------------------------------------------------------------------------------- scheduling
     def _schedule_loop(self) -> None:

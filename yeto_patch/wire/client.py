@@ -40,7 +40,8 @@ API::
 
     Base: fragment, version, dtype ("f32" | "bf16" | "int8" | "int4" on the wire), values (flat float32 numpy
         array) or, for a base update (--base-wire int8/int4), values None and `deltas`: encoded changes to apply
-        in order to the island's base of version `start` (base.delta_range(i, start, count) decodes a piece);
+        in order to the island's base of version `start` (base.delta_range(i, start, count) decodes a piece),
+        with `held` True when that base is the weights the island already holds (declared in its HELLO);
         base_a.then(base_b) composes a base with the updates that follow it (exactly as the syncer did), final
     PushReply: fragment, base_version, status ("accepted" | "carried" | "closed"), lag, version, message
 
@@ -111,6 +112,7 @@ class Base:
     deltas: tuple = ()              # ((codec, block, encoded body), ...) when values is None
     start: Optional[int] = None     # the base version the first delta applies to
     size: int = 0                   # values of the fragment (when values is None)
+    held: bool = False              # start from the weights the island holds (they equal the base of `start`)
 
     @property
     def relative(self) -> bool:
@@ -130,14 +132,14 @@ class Base:
         """This base followed by ``nxt``: a full base replaces it; an update must start at this version and is
         added (a full base + updates becomes the full newer base, float32 additions in order, exactly as the
         syncer computed it; updates to updates are chained)."""
-        if not nxt.relative:
+        if not nxt.relative or nxt.held:
             return nxt
         if nxt.start != self.version:
             raise ProtocolError(f"base update of fragment {nxt.fragment} applies to v{nxt.start}, but the base "
                                 f"held is v{self.version}")
         if self.relative:
             return Base(self.fragment, nxt.version, nxt.dtype, None, nxt.final, self.deltas + nxt.deltas, self.start,
-                        self.size)
+                        self.size, self.held)
         vals = self.values if self.values.flags.writeable else self.values.copy()
         n = vals.size
         for i in range(len(nxt.deltas)):
@@ -234,7 +236,8 @@ def probe(address: str, key: Optional[bytes], *, timeout: float = 10.0, insecure
 class SyncerClient:
     def __init__(self, address: str, key: Optional[bytes], island_id: str, manifest, *,
                  incarnation: Optional[int] = None, timeout: float = 60.0, insecure: bool = False,
-                 connect_retries: int = 10, backoff: float = 0.5, max_backoff: float = 10.0):
+                 connect_retries: int = 10, backoff: float = 0.5, max_backoff: float = 10.0,
+                 held: Optional[list] = None):
         if key is None:
             auth.check_insecure(address, insecure)
         self.address = address
@@ -248,6 +251,10 @@ class SyncerClient:
         self.connect_retries = connect_retries
         self.backoff = backoff
         self.max_backoff = max_backoff
+        if held is not None and (len(held) != len(self.manifest) or not all(
+                isinstance(h, str) and len(h) == 16 for h in held)):
+            raise ValueError("held: one 16-hex-digit xxh3_64 digest per manifest tensor")
+        self.held = None if held is None else list(held)
         self.conn: Optional[Connection] = None
         self.welcome: Optional[Welcome] = None
         self.local_step = 0
@@ -274,7 +281,8 @@ class SyncerClient:
                        max_backoff=self.max_backoff)
         try:
             meta = _handshake(conn, self.key, self.insecure, MsgType.HELLO, self.island_id, self.incarnation,
-                              self.digest, {"manifest": [[n, list(s), d] for n, s, d in self.manifest]},
+                              self.digest, {"manifest": [[n, list(s), d] for n, s, d in self.manifest],
+                                            **({"held": self.held} if self.held is not None else {})},
                               self.timeout)
             w = Welcome(island_id=meta["island_id"], layout=meta["layout"], numels=meta["numels"],
                         fragments=meta["fragments"], versions=meta.get("versions"),
@@ -359,6 +367,18 @@ class SyncerClient:
                 raise ProtocolError(f"base for fragment {frag} of {numel} values does not match the layout")
             if meta.get("delta_from") is not None:
                 self._base_update(t, meta, body, frag, version, dtype, numel)
+                return
+            if dtype == "held":   # the base is what this island declared it holds (digests in its HELLO)
+                if self.held is None or t != MsgType.BASE or meta.get("final") or len(memoryview(body)) \
+                        or frag in self._held:
+                    raise ProtocolError(f"unexpected 'held' base for fragment {frag} (this island declared no "
+                                        f"digests, or it is not the first base of the fragment, or it has a body)")
+                b = Base(frag, version, "held", None, False, (), version, numel, held=True)
+                with self._cv:
+                    self._bases.pop(frag, None)
+                    self._bases[frag] = b
+                    self._held[frag] = version
+                    self._cv.notify_all()
                 return
             if dtype == "f32":
                 mv = memoryview(body).cast("B")
