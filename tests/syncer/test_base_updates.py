@@ -193,6 +193,14 @@ def test_islands_declaring_the_initial_weights_download_nothing_at_start():
                 assert gc[f].held
         out = server.metrics.bytes_out.labels("base")._value.get()
         assert out == sum(4 * w for w in [wa.numels[f1]])          # only c's differing fragment went out in full
+        # a second request for a version this connection already carried (an island joining while INIT
+        # completes is asked twice) sends nothing
+        for f in range(F):
+            server.sessions["b"].post_base(f, "check")
+            server.sessions["c"].post_base(f, "f32")
+        server.sessions["b"].drain(5)
+        server.sessions["c"].drain(5)
+        assert server.metrics.bytes_out.labels("base")._value.get() == out and not b.poll() and not c.poll()
         # updates then apply to the held base (composed into a chain that starts from the island's weights)
         for k in (a, b):
             k.push(0, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",

@@ -635,6 +635,8 @@ class SyncerServer:
         f = self.coord.frags[frag]
         f.rw.acquire_read()
         try:
+            if not final and s.held.get(frag) == f.version:
+                return   # this connection already carried this version (an island joining while INIT completed)
             # islands hold the shadow when bases go out as updates (the final model is the base itself)
             base = f.t.base if final or f.t.shadow is None else f.t.shadow
             n = f.numel
