@@ -131,8 +131,8 @@ def main(argv=None):
     ap.add_argument("--layouts", default="single", help="island layout(s), as in yeto-patch demo")
     ap.add_argument("--baseline-layout", default="dp2")
     ap.add_argument("--fragments", type=int, default=1)
-    ap.add_argument("--base-wire", choices=("f32", "bf16", "int8", "int4"), default="bf16", help="dtype of merged bases sent to "
-                    "islands (initial and final models are f32 regardless)")
+    ap.add_argument("--base-wire", choices=("f32", "bf16", "int8", "int4"), default="int4",
+                    help="how merged bases go to islands (the syncer's --base-wire; final models are f32)")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate (momentum 0.9)")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
