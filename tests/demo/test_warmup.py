@@ -49,3 +49,38 @@ def test_init_from_a_snapshot_continues_the_run_bit_for_bit(tmp_path):
     assert ea[0] > 5.0 and ea[15] < 4.0  # the resumed run did not start from a fresh model
     end = [r for r in rb if r["event"] == "end"][0]
     assert end["start_step"] == 15 and end["initial_heldout_loss"] == ea[15]
+
+
+@pytest.mark.slow
+@needs_megatron
+@pytest.mark.skipif(not (_has("yeto_patch.syncer.cli") and _has("yeto_patch.island.engine")),
+                    reason="the syncer CLI or the island engine is not in this checkout yet")
+def test_demo_sync_warmup_islands_start_from_the_baselines_step_k(tmp_path):
+    """--short with single-rank islands and --sync-warmup 20: the baseline runs first and keeps its state after
+    step 20; both islands evaluate that model before their first step (the same held-out loss as the baseline's
+    own evaluation at step 20, far below a fresh model's), train steps 21..60 and end identical; the bytes
+    ratios count the warm-up's 20 all-reduce steps."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "yeto_patch.demo", "--short", "--layouts", "single", "--sync-warmup", "20",
+           "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--progress-every", "30"]
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=540)
+    assert p.returncode == 0, f"demo failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    res = json.loads((out / "result.json").read_text())
+    at_k = res["baseline_heldout_at_warmup"]
+    assert at_k is not None and at_k < 4.0  # byte-level loss of a fresh model is about ln(256) = 5.55
+    assert res["initial_heldout_loss"] == pytest.approx(at_k, abs=1e-6)
+    base = _recs(out / "baseline.jsonl")
+    assert [r["heldout_loss"] for r in base if r["event"] == "eval"][0] > 5.0
+    for name in res["ids"]:
+        recs = _recs(out / f"island-{name}.jsonl")
+        assert [r["step"] for r in recs if r["event"] == "resume"] == [20]
+        assert [r["step"] for r in recs if r["event"] == "train"] == list(range(21, 61))
+        first = [r for r in recs if r["event"] == "eval"][0]
+        assert first["step"] == 20 and first["heldout_loss"] == pytest.approx(at_k, abs=1e-6)
+    assert res["islands_identical"] is True, res["islands_compare"]
+    assert res["merges"] > 0 and res["warmup_steps"] == 20
+    assert res["warmup_allreduce_bytes"] == res["allreduce_bytes"] * 20 // 60
+    assert res["bytes_ratio"] < res["bytes_ratio_diloco_only"]
+    print(f"warm-up demo: {time.time() - t0:.0f}s, baseline at step 20 {at_k:.4f}, islands start "
+          f"{res['initial_heldout_loss']:.4f}, final ratio {res['loss_ratio']:.4f}")
