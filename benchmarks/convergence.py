@@ -64,7 +64,7 @@ def demo_flags(c, a):
          "--hidden", a.hidden, "--layers", a.layers, "--seq-length", a.seq_length, "--batch", a.batch,
          "--micro-batch", a.micro_batch, "--lr", a.lr, "--warmup", a.warmup, "--eval-interval", a.eval_interval,
          "--eval-seqs", a.eval_seqs, "--progress-every", 30, "--baseline-layout", a.baseline_layout,
-         "--base-wire", a.base_wire, "--outer-lr", a.outer_lr,
+         "--base-wire", a.base_wire, "--outer-lr", a.outer_lr, "--sync-warmup", a.sync_warmup,
          "--error-feedback" if c["ef"] else "--no-error-feedback"]
     for k, v in c.get("extra", {}).items():
         f += [f"--{k.replace('_', '-')}", v]
@@ -89,7 +89,8 @@ def run_one(c, a, out_root):
         f.write(buf.getvalue())
     keep = ("initial_heldout_loss", "global_heldout_loss", "baseline_heldout_loss", "loss_ratio", "bytes_pushed",
             "bytes_pulled", "bytes_between", "allreduce_bytes", "bytes_ratio", "upload_ratio", "merges",
-            "islands_identical", "islands_wall_s", "params")
+            "islands_identical", "islands_wall_s", "params", "warmup_steps", "warmup_allreduce_bytes",
+            "bytes_ratio_diloco_only", "upload_ratio_diloco_only", "baseline_heldout_at_warmup")
     return dict(config=c, out=out, wall_s=time.time() - t0, **{k: res.get(k) for k in keep})
 
 
@@ -98,9 +99,12 @@ def _mb(x):
 
 
 def table(rows, target=1.01):
+    warm = any(r.get("warmup_steps") for r in rows)
     head = ("| config | final loss | baseline | ratio | MB between | MB all-reduce | bytes ratio | push ratio | "
             "same model | wall s |")
-    lines = [head, "|" + "---|" * 10]
+    if warm:  # with a synchronous warm-up the ratios above include its K steps of all-reduce
+        head += " warm-up K | bytes ratio, DiLoCo steps only | push ratio, DiLoCo steps only |"
+    lines = [head, "|" + "---|" * (13 if warm else 10)]
     for r in rows:
         if "error" in r:
             lines.append(f"| {label(r['config'])} | FAILED: {r['error'][:80]} |||||||||")
@@ -114,7 +118,9 @@ def table(rows, target=1.01):
             f"| {label(c)} | {r['global_heldout_loss']:.4f} | {r['baseline_heldout_loss']:.4f} | "
             f"{ratio:.4f}{flag} | {_mb(r['bytes_between'])} | {_mb(r['allreduce_bytes'])} | "
             f"{(r['bytes_ratio'] or 0):.0f}x | {(r['upload_ratio'] or 0):.0f}x | "
-            f"{'yes' if r['islands_identical'] else 'NO'} | {r['wall_s']:.0f} |")
+            f"{'yes' if r['islands_identical'] else 'NO'} | {r['wall_s']:.0f} |"
+            + (f" {r.get('warmup_steps') or 0} | {(r.get('bytes_ratio_diloco_only') or 0):.0f}x | "
+               f"{(r.get('upload_ratio_diloco_only') or 0):.0f}x |" if warm else ""))
     return "\n".join(lines)
 
 
@@ -134,6 +140,9 @@ def main(argv=None):
     ap.add_argument("--base-wire", choices=("f32", "bf16", "int8", "int4"), default="int4",
                     help="how merged bases go to islands (the syncer's --base-wire; final models are f32)")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate (momentum 0.9)")
+    ap.add_argument("--sync-warmup", type=int, default=0, metavar="K", help="train the first K steps "
+                    "synchronously (the baseline's own first K steps), then DiLoCo for the rest; the K steps' "
+                    "all-reduce bytes count in the bytes ratios (sweep it with --sweep sync_warmup=50,100)")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq-length", type=int, default=64)
@@ -160,7 +169,7 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     print(f"convergence: {len(configs)} configuration(s), {a.steps} steps, GPT {a.layers}x{a.hidden} "
           f"seq {a.seq_length}, {a.batch} sequences/step/island, islands {a.layouts}, outer lr {a.outer_lr}, "
-          f"bases {a.base_wire}; output {a.out}", flush=True)
+          f"bases {a.base_wire}, synchronous warm-up {a.sync_warmup} steps; output {a.out}", flush=True)
     rows = []
     t0 = time.time()
     for i, c in enumerate(configs):

@@ -91,7 +91,18 @@ def parse_args(argv=None):
     g.add_argument("--log-interval", type=int, default=10, help="print every N steps (JSONL gets every step)")
     g.add_argument("--log-jsonl", default=None)
     g.add_argument("--save-npz", default=None)
+    g.add_argument("--snapshot-at", type=int, default=0,
+                   help="after this many steps also write --snapshot: a training state that --init-from resumes")
+    g.add_argument("--snapshot", default=None, help="where --snapshot-at writes (npz: FP32 masters, model weights, "
+                   "Adam moments and step count, layout-independent names)")
+    g.add_argument("--init-from", default=None,
+                   help="start from a --snapshot written after step K (by any layout): weights, FP32 masters, Adam "
+                        "state and the LR schedule position are restored; training runs steps K+1..--train-iters")
     a = p.parse_args(argv)
+    if bool(a.snapshot_at) != bool(a.snapshot):
+        p.error("--snapshot-at and --snapshot go together")
+    if a.snapshot_at and not 0 < a.snapshot_at <= a.train_iters:
+        p.error(f"--snapshot-at must be in 1..--train-iters ({a.train_iters})")
     a.shards = [int(s) for s in str(a.shards).split(",") if s.strip() != ""]
     if not a.shards or any(not 0 <= s < a.num_shards for s in a.shards):
         p.error(f"--shards {a.shards} must name shards in 0..{a.num_shards - 1}")
@@ -239,23 +250,50 @@ def _layer_index_map(gpt):
     return out
 
 
-def _full_master(optimizer, p):
-    """FP32 master of model param p (TP-local shape) assembled over the data-parallel group, or None if the
-    optimizer keeps no FP32 master for it."""
+def _distrib_optimizer_of(optimizer, p):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     for o in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(o, DistributedOptimizer) and p in {q for b in o.buffers for q in b.params}:
-            out = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-            if p in o.model_param_gbuf_map and p in o.model_param_group_index_map:
-                rng = o._get_model_param_range_map(p)["param"]
-                main = o._get_main_param_and_optimizer_states(p)["param"]
-                out[rng.start: rng.end] = main.detach().float().view(-1)
-            dist.all_reduce(out, group=o.data_parallel_group)
-            return out.view(p.shape)
+            return o
+    return None
+
+
+def _full_master(optimizer, p, state="param"):
+    """FP32 master of model param p (TP-local shape) assembled over the data-parallel group, or None if the
+    optimizer keeps no FP32 master for it.  state="exp_avg" / "exp_avg_sq": the Adam moment instead (zeros
+    before the first step; DistributedOptimizer only)."""
+    o = _distrib_optimizer_of(optimizer, p)
+    if o is not None:
+        out = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        if p in o.model_param_gbuf_map and p in o.model_param_group_index_map:
+            rng = o._get_model_param_range_map(p)["param"]
+            t = o._get_main_param_and_optimizer_states(p).get(state)
+            if t is not None:
+                out[rng.start: rng.end] = t.detach().float().view(-1)
+        dist.all_reduce(out, group=o.data_parallel_group)
+        return out.view(p.shape)
+    if state != "param":
+        return None
     mp = getattr(p, "main_param", None)
     if torch.is_tensor(mp) and mp.numel() == p.numel() and not getattr(p, "main_param_sharded", False):
         return mp.detach().float().view(p.shape)
     return None
+
+
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+
+
+def _adam_step(optimizer, device):
+    """Adam's step count (the same for every parameter), agreed over all ranks."""
+    n = 0
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(o, "optimizer", None)
+        for st in (getattr(inner, "state", None) or {}).values():
+            if "step" in st:
+                n = max(n, int(float(st["step"])))
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def _tp_full(t, p):
@@ -267,8 +305,9 @@ def _tp_full(t, p):
     return torch.cat(parts, dim=p.partition_dim)
 
 
-def gather_full_model(model, optimizer, vocab):
-    """{name: float32 numpy} of the whole model on global rank 0 (None elsewhere). Every rank must call it."""
+def gather_full_model(model, optimizer, vocab, optimizer_state=False):
+    """{name: float32 numpy} of the whole model on global rank 0 (None elsewhere). Every rank must call it.
+    optimizer_state: also the Adam moments (``exp_avg/<name>``, ``exp_avg_sq/<name>``)."""
     from megatron.core import parallel_state as ps
     gpt = model
     while hasattr(gpt, "module"):
@@ -287,7 +326,10 @@ def gather_full_model(model, optimizer, vocab):
             continue
         gname = names[n]
         master = _full_master(optimizer, p)
-        for kind, t in (("param", p.detach().float()), ("master", master)):
+        kinds = [("param", p.detach().float()), ("master", master)]
+        if optimizer_state:
+            kinds += [(k, _full_master(optimizer, p, k)) for k in ADAM_STATES]
+        for kind, t in kinds:
             if t is None:
                 continue
             full = _tp_full(t, p)
@@ -319,6 +361,73 @@ def gather_full_model(model, optimizer, vocab):
                 dist.recv(t, src)
                 out[k] = t.cpu().numpy()
     return out
+
+
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _local_part(full, p, gname, vocab, current):
+    """The TP-local part (p's shape) of a full, un-padded float32 array; rows past the vocabulary (Megatron's
+    padding) keep `current`."""
+    from megatron.core import parallel_state as ps
+    t = torch.from_numpy(np.ascontiguousarray(full)).float()
+    tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    split = bool(getattr(p, "tensor_model_parallel", False)) and tp > 1
+    padded = gname in VOCAB_PARAMS
+    if padded:
+        rows = p.shape[0] * (tp if split else 1)
+        if rows > t.shape[0]:
+            t = torch.cat([t, torch.zeros((rows - t.shape[0],) + tuple(t.shape[1:]))])
+    if split:
+        t = t.chunk(tp, dim=p.partition_dim)[r]
+    t = t.reshape(p.shape).clone()
+    if padded:
+        first = r * p.shape[0] if split else 0
+        keep = max(0, min(p.shape[0], first + p.shape[0] - vocab))
+        if keep:
+            t[p.shape[0] - keep:] = current.reshape(p.shape)[p.shape[0] - keep:].float().cpu()
+    return t.to(p.device)
+
+
+def load_snapshot(path, model, optimizer, vocab):
+    """Restore a --snapshot into this run (any layout): model weights, FP32 masters, Adam moments and step.
+    Returns the step the snapshot was taken after."""
+    arrays = {}
+    with zipfile.ZipFile(path) as z:
+        for n in z.namelist():
+            with z.open(n) as f:
+                arrays[n[:-4]] = np.lib.format.read_array(f, allow_pickle=False)
+    step, adam_step = int(arrays["meta/step"]), int(arrays["meta/adam_step"])
+    gpt = model
+    while hasattr(gpt, "module"):
+        gpt = gpt.module
+    names = _layer_index_map(gpt)
+    tied_copy = gpt.share_embeddings_and_output_weights and not gpt.pre_process
+    from torch.optim.optimizer import _get_scalar_dtype
+    for n, p in gpt.named_parameters():
+        g = "embedding.word_embeddings.weight" if tied_copy and n == "output_layer.weight" else names[n]
+        if f"param/{g}" not in arrays:
+            raise SystemExit(f"--init-from {path}: no parameter {g} (a different model?)")
+        o = _distrib_optimizer_of(optimizer, p)
+        if o is None:
+            raise SystemExit("--init-from needs the DistributedOptimizer (drop --no-distributed-optimizer)")
+        with torch.no_grad():
+            master = _local_part(arrays.get(f"master/{g}", arrays[f"param/{g}"]), p, g, vocab, p.detach())
+            p.data.copy_(_local_part(arrays[f"param/{g}"], p, g, vocab, p.detach()).to(p.dtype))
+            if p in o.model_param_gbuf_map and p in o.model_param_group_index_map:
+                rng = o._get_model_param_range_map(p)["param"]
+                gi, go = o.model_param_group_index_map[p]
+                main = o.optimizer.param_groups[gi]["params"][go]
+                main.data.copy_(master.view(-1)[rng.start: rng.end].view_as(main))
+                st = o.optimizer.state[main]
+                zero = torch.zeros_like(p, dtype=torch.float32)
+                for k in ADAM_STATES:
+                    if f"{k}/{g}" not in arrays:
+                        raise SystemExit(f"--init-from {path}: no Adam state {k} for {g}")
+                    st[k] = _local_part(arrays[f"{k}/{g}"], p, g, vocab, zero).view(-1)[
+                        rng.start: rng.end].view_as(main).to(main.dtype).clone()
+                st["step"] = torch.tensor(float(adam_step), dtype=_get_scalar_dtype())
+    return step
 
 
 def save_npz(path, arrays):
@@ -400,10 +509,18 @@ def main(argv=None):
         say(f"step {step:5d} | held-out loss {loss:.4f}")
         return loss
 
-    initial = run_eval(0)
+    start = 0
+    if a.init_from:
+        start = load_snapshot(a.init_from, model, optimizer, VOCAB)
+        if not 0 < start < a.train_iters:
+            raise SystemExit(f"--init-from {a.init_from}: taken after step {start}, not within --train-iters")
+        scheduler.step(increment=start)  # the same position of the same LR schedule
+        say(f"resumed from {a.init_from} after step {start} (weights, FP32 masters, Adam state, LR schedule)")
+        log(event="resume", step=start, path=os.path.abspath(a.init_from), lr=optimizer.param_groups[0]["lr"])
+    initial = run_eval(start)
     tokens = 0
     t_train = time.time()
-    for it in range(a.train_iters):
+    for it in range(start, a.train_iters):
         ts = time.time()
         rows = corpus.global_batch(a.shards, it, a.global_batch_size, a.seq_length)[dp_rank * per_dp:(dp_rank + 1) * per_dp]
         model.zero_grad_buffer()
@@ -424,6 +541,14 @@ def main(argv=None):
             say(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | {time.time() - ts:.3f}s/step")
         if a.eval_interval and step % a.eval_interval == 0 and step != a.train_iters:
             run_eval(step)
+        if step == a.snapshot_at:
+            arrays = gather_full_model(model, optimizer, VOCAB, optimizer_state=True)
+            adam_step = _adam_step(optimizer, device)
+            if rank == 0:
+                arrays["meta/step"] = np.array(step, dtype=np.int64)
+                arrays["meta/adam_step"] = np.array(adam_step, dtype=np.int64)
+                save_npz(a.snapshot, arrays)
+                say(f"snapshot after step {step} written to {a.snapshot}")
     train_s = time.time() - t_train
     final = run_eval(a.train_iters)
     if a.save_npz:
@@ -431,7 +556,7 @@ def main(argv=None):
         if rank == 0:
             save_npz(a.save_npz, arrays)
             say(f"saved {len([k for k in arrays if k.startswith('param/')])} parameters to {a.save_npz}")
-    log(event="end", step=a.train_iters, initial_heldout_loss=initial, final_heldout_loss=final, tokens=tokens,
+    log(event="end", step=a.train_iters, start_step=start, initial_heldout_loss=initial, final_heldout_loss=final, tokens=tokens,
         train_s=round(train_s, 3), elapsed_s=round(time.time() - t0, 3))
     dist.barrier()
     ps.destroy_model_parallel()

@@ -45,21 +45,30 @@ def baseline_key(train_flags, nproc, code_paths, corpus_desc, python):
     return hashlib.sha256(blob).hexdigest()[:20], ident
 
 
-def cached(cache_dir, key):
-    """Path of the cached baseline JSONL for `key`, or None."""
+def cached(cache_dir, key, extra=()):
+    """Path of the cached baseline JSONL for `key`, or None (also None when a file named in `extra`, e.g. a
+    warm-up snapshot, is not cached beside it)."""
     d = os.path.join(cache_dir, key)
     path = os.path.join(d, "baseline.jsonl")
-    if os.path.exists(os.path.join(d, "complete")) and os.path.exists(path):
+    if os.path.exists(os.path.join(d, "complete")) and os.path.exists(path) and \
+            all(os.path.exists(os.path.join(d, n)) for n in extra):
         return path
     return None
 
 
-def store(cache_dir, key, ident, jsonl_path):
-    """Copy a finished baseline into the cache (atomically: a folder renamed into place)."""
+def store(cache_dir, key, ident, jsonl_path, extra=None):
+    """Copy a finished baseline into the cache (atomically: a folder renamed into place). `extra`: {name: path}
+    of further files (warm-up snapshots); those an earlier run cached under the same key are kept."""
     d = os.path.join(cache_dir, key)
     tmp = f"{d}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    if os.path.exists(os.path.join(d, "complete")):
+        for n in os.listdir(d):
+            if n.startswith("warm-"):
+                shutil.copyfile(os.path.join(d, n), os.path.join(tmp, n))
+    for n, p in (extra or {}).items():
+        shutil.copyfile(p, os.path.join(tmp, n))
     shutil.copyfile(jsonl_path, os.path.join(tmp, "baseline.jsonl"))
     with open(os.path.join(tmp, "settings.json"), "w") as f:
         json.dump(ident, f, indent=1, sort_keys=True)

@@ -69,6 +69,11 @@ def build_parser():
     g.add_argument("--rebaseline", action="store_true", help="retrain the baseline even if cached")
     g.add_argument("--baseline-layout", default="dp2")
     g.add_argument("--cache-dir", default=None, help="baseline cache (default ~/.cache/yeto-patch/demo-baseline)")
+    g.add_argument("--sync-warmup", type=int, default=0, metavar="K",
+                   help="synchronous warm-up: the islands start DiLoCo from the baseline's training state after its "
+                        "step K (weights, FP32 masters, Adam state, LR schedule position) and train steps "
+                        "K+1..--steps, so the tokens stay equal to the baseline's; the K synchronous steps' "
+                        "all-reduce bytes count in the bytes ratio")
     g = p.add_argument_group("misc")
     g.add_argument("--python", default=None, help="interpreter for the child processes (default: this one)")
     g.add_argument("--progress-every", type=float, default=5.0, help="seconds between progress lines")
@@ -89,6 +94,10 @@ def parse(argv=None):
             parse_layouts(text, n)
         except ValueError as err:
             p.error(f"{flag}: {err}")
+    if not 0 <= a.sync_warmup < a.steps:
+        p.error("--sync-warmup must be in 0..--steps - 1")
+    if a.sync_warmup and a.no_baseline:
+        p.error("--sync-warmup starts from the baseline's model: it cannot go with --no-baseline")
     if a.overlap_steps >= a.sync_every:
         p.error("--overlap-steps must be smaller than --sync-every")
     return a

@@ -89,6 +89,8 @@ def build_report(result, o):
     global_loss = float(np.mean(island_final)) if island_final else None
     initial = finals[ids[0]][1]
     base_final, base_initial = _final(base) if base else (None, None)
+    warm = getattr(o, "sync_warmup", 0) or 0
+    base_at_warm = [r["heldout_loss"] for r in _events(base, "eval") if r.get("step") == warm]
     ratio = global_loss / base_final if global_loss and base_final else None
     # bytes that crossed between islands and the syncer, measured on the demo's link (both ways)
     pushed = sum(boundary_bytes(r) for i in ids for r in bounds[i])
@@ -98,17 +100,26 @@ def build_report(result, o):
     up, down = link.get("up", 0), link.get("down", 0)
     total = up + down
     ar = allreduce_bytes(params, len(ids), steps) if params else None
+    # a synchronous warm-up (--sync-warmup K) all-reduced every one of its K steps: those bytes count against
+    # DiLoCo; the "DiLoCo only" ratios compare the islands' N - K steps with what crossed while they ran
+    ar_warm = allreduce_bytes(params, len(ids), warm) if params else 0
+    ar_diloco = allreduce_bytes(params, len(ids), steps - warm) if params else None
     identical, detail, _ = compare_npz([os.path.join(out, f"island-{i}.npz") for i in ids]) \
         if not o.without_yeto else (None, "not compared (islands trained independently)", 0.0)
     result.update(initial_heldout_loss=initial, island_final_heldout_loss={i: finals[i][0] for i in ids},
                   global_heldout_loss=global_loss, baseline_heldout_loss=base_final, loss_ratio=ratio,
                   params=params, bytes_pushed=pushed, pushes=n_push, bytes_up=up, bytes_down=down,
                   bytes_between=total, merges=merges, allreduce_bytes=ar,
-                  bytes_ratio=(ar / total) if ar and total else None,
-                  upload_ratio=(ar / pushed) if ar and pushed else None,
+                  bytes_ratio=(ar / (total + ar_warm)) if ar and total else None,
+                  upload_ratio=(ar / (pushed + ar_warm)) if ar and pushed else None,
+                  warmup_steps=warm, warmup_allreduce_bytes=ar_warm,
+                  baseline_heldout_at_warmup=base_at_warm[-1] if warm and base_at_warm else None,
+                  bytes_ratio_diloco_only=(ar_diloco / total) if ar_diloco and total else None,
+                  upload_ratio_diloco_only=(ar_diloco / pushed) if ar_diloco and pushed else None,
                   islands_identical=identical, islands_compare=detail)
     name = "DiLoCo via yeto-patch" if not o.without_yeto else "independent islands (no yeto-patch)"
-    rows = [("initial model (held-out loss)", _f(initial), "")]
+    rows = [(f"model after the synchronous warm-up (step {warm})" if warm else "initial model (held-out loss)",
+             _f(initial), "")]
     for i in ids:
         rows.append((f"  island {i} after the final cut" if not o.without_yeto else f"  island {i}",
                      _f(finals[i][0]), ""))
@@ -126,6 +137,13 @@ def build_report(result, o):
         brows.append(("syncer -> islands (measured on the link)", fmt_bytes(down),
                       f"bases after {merges} merges ({o.base_wire}), initial + final model (f32)"))
         brows.append(("total between islands and syncer", fmt_bytes(total), ""))
+    if warm and ar:
+        brows.append((f"synchronous warm-up: {warm} steps of all-reduce", fmt_bytes(ar_warm),
+                      "counted with the DiLoCo bytes in the ratios below"))
+        if result.get("bytes_ratio_diloco_only") and result.get("upload_ratio_diloco_only"):
+            brows.append((f"DiLoCo only: all-reduce of its {steps - warm} steps", fmt_bytes(ar_diloco),
+                          f"{result['bytes_ratio_diloco_only']:.0f}x the total; "
+                          f"{result['upload_ratio_diloco_only']:.0f}x the pushes"))
     if ar:
         brows.append(("per-step FP32 gradient all-reduce, same steps", fmt_bytes(ar),
                       (f"{result['bytes_ratio']:.0f}x the total; {result['upload_ratio']:.0f}x the pushes"

@@ -105,7 +105,7 @@ def island_env(o, island_id, port, key_file, out):
         "YETO_DILOCO_ERROR_FEEDBACK": "1" if o.error_feedback else "0",
         "YETO_DILOCO_OVERLAP_STEPS": str(o.overlap_steps),
         "YETO_DILOCO_MERGE_ALPHA": str(o.merge_alpha),
-        "YETO_DILOCO_TOTAL_STEPS": str(o.steps),
+        "YETO_DILOCO_TOTAL_STEPS": str(o.steps - getattr(o, "sync_warmup", 0)),  # the islands' own steps
         "YETO_DILOCO_VOCAB_SIZE": str(VOCAB),
         "YETO_DILOCO_TIMEOUT": str(o.sync_timeout),
         "YETO_DILOCO_METRICS": os.path.join(out, f"island-{island_id}.boundaries.jsonl"),
@@ -180,10 +180,50 @@ def run(o):
     say(f"  output: {out}")
     result = {"settings": {k: v for k, v in vars(o).items()}, "ids": ids,
               "layouts": [vars(lay) for lay in layouts], "corpus": corpus, "out": out}
+    warm = getattr(o, "sync_warmup", 0)
+    warm_name = f"warm-{warm}.npz"
+
+    def run_baseline(sup):
+        """Train (or reuse) the synchronous data-parallel baseline; with a warm-up also its snapshot after step
+        K, returned as a path in `out`."""
+        result["baseline"] = None
+        if o.no_baseline:
+            return None
+        extra = [warm_name] if warm else []
+        path = None if o.rebaseline else bl.cached(cache_dir, key, extra)
+        dest = os.path.join(out, "baseline.jsonl")
+        snap = os.path.join(out, f"baseline-{warm_name}") if warm else None
+        if path:
+            shutil.copyfile(path, dest)
+            if snap:
+                shutil.copyfile(os.path.join(os.path.dirname(path), warm_name), snap)
+            result["baseline"] = {"cached": True, "key": key, "wall_s": None}
+            say(f"baseline: reusing the cached synchronous data-parallel run ({path})")
+        else:
+            say(f"baseline: training synchronous data parallel ({base_layout.name}, "
+                f"{o.batch * o.islands} sequences/step = the islands' tokens together)"
+                + (f", keeping its state after step {warm} for the warm-up" if warm else "") + " ...")
+            t_b = time.time()
+            argv = _launcher(python, base_layout.nproc) + [TRAIN_SCRIPT] + base_layout.flags() + \
+                base_flags + ["--log-jsonl", dest]
+            if snap:  # not part of the cache key: the snapshot does not change the run
+                argv += ["--snapshot-at", str(warm), "--snapshot", snap]
+            b = sup.start("baseline", argv, env=_clean_env(), cwd=REPO)
+            bprog = Progress(out, ["baseline"], o.steps, files={"baseline": dest})
+            sup.wait([b], o.timeout, tick=bprog.tick, tick_every_s=o.progress_every)
+            bprog.done()
+            result["baseline"] = {"cached": False, "key": key, "wall_s": time.time() - t_b}
+            bl.store(cache_dir, key, ident, dest, {warm_name: snap} if snap else None)
+        if snap:
+            say(f"synchronous warm-up: the islands start from the baseline's state after step {warm} and train "
+                f"steps {warm + 1}..{o.steps}")
+        return snap
+
     keydir = tempfile.mkdtemp(prefix="yeto-demo-")
     link = None
     try:
         with Supervisor(os.path.join(out, "logs")) as sup:
+            warm_npz = run_baseline(sup) if warm else None  # the warm-up comes first: the islands start from it
             t_isl = time.time()
             children, syncer = [], None
             port = o.port
@@ -203,6 +243,8 @@ def run(o):
                     "--global-batch-size", str(o.batch), "--shards", str(shard),
                     "--log-jsonl", os.path.join(out, f"island-{iid}.jsonl"),
                     "--save-npz", os.path.join(out, f"island-{iid}.npz")]
+                if warm_npz:
+                    argv += ["--init-from", warm_npz]
                 env = (island_env(o, iid, port, key_file, out) if not o.without_yeto
                        else _clean_env())
                 islands.append(sup.start(f"island-{iid}", argv, env=env, cwd=REPO))
@@ -217,27 +259,8 @@ def run(o):
                 if link.errors:
                     raise DemoError("; ".join(link.errors))
             say(f"islands finished in {result['islands_wall_s']:.0f}s")
-            # --- the synchronous data-parallel baseline -------------------------------------------------
-            result["baseline"] = None
-            if not o.no_baseline:
-                path = None if o.rebaseline else bl.cached(cache_dir, key)
-                dest = os.path.join(out, "baseline.jsonl")
-                if path:
-                    shutil.copyfile(path, dest)
-                    result["baseline"] = {"cached": True, "key": key, "wall_s": None}
-                    say(f"baseline: reusing the cached synchronous data-parallel run ({path})")
-                else:
-                    say(f"baseline: training synchronous data parallel ({base_layout.name}, "
-                        f"{o.batch * o.islands} sequences/step = the islands' tokens together) ...")
-                    t_b = time.time()
-                    argv = _launcher(python, base_layout.nproc) + [TRAIN_SCRIPT] + base_layout.flags() + \
-                        base_flags + ["--log-jsonl", dest]
-                    b = sup.start("baseline", argv, env=_clean_env(), cwd=REPO)
-                    bprog = Progress(out, ["baseline"], o.steps, files={"baseline": dest})
-                    sup.wait([b], o.timeout, tick=bprog.tick, tick_every_s=o.progress_every)
-                    bprog.done()
-                    result["baseline"] = {"cached": False, "key": key, "wall_s": time.time() - t_b}
-                    bl.store(cache_dir, key, ident, dest)
+            if not warm:
+                run_baseline(sup)
     except ChildFailed as err:
         raise DemoError(str(err)) from None
     except TimeoutError as err:
