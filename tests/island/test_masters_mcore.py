@@ -120,7 +120,7 @@ def test_peak_memory_is_bounded_by_the_chunk_not_the_model(mcore_pool):
 def test_relative_write_adds_the_owners_anchor_exactly(mcore_pool):
     """Quantized base updates from the syncer: value = anchor + change on the owner, bit for bit, for the
     anchor-only pass, a replace and a blended install; without anchors every rank refuses."""
-    res = mcore_pool.run(f"{W}:relative_write", LAYOUTS["pp2tp2_bf16_distopt"], 0.5, timeout=240)
+    res = mcore_pool.run(f"{W}:relative_write", LAYOUTS["tp2dp2_bf16_distopt"], 0.5, timeout=480)
     for r in res:
         assert r["err"] and "no anchor for" in r["err"], res
     r = res[0]
