@@ -289,3 +289,22 @@ def test_decode_out_and_unaligned_buffers():
         np.testing.assert_array_equal(out, codecs.decode(codec, enc, 1001, 64))
         with pytest.raises(CodecError, match="out must be"):
             codecs.decode(codec, enc, 1001, 64, out=np.empty(1000, np.float32))
+
+
+def test_decode_range_is_bit_identical_to_slicing_a_full_decode():
+    rng = np.random.default_rng(0)
+    for codec in codecs.CODECS:
+        for n in (1, 255, 257, 1001):
+            x = rng.standard_normal(n).astype(np.float32)
+            for block in (2, 64, 256):
+                enc = codecs.encode(codec, x, block)
+                full = codecs.decode(codec, enc, n, block)
+                for _ in range(10):
+                    a = int(rng.integers(0, n + 1))
+                    k = int(rng.integers(0, n - a + 1))
+                    got = codecs.decode_range(codec, enc, n, a, k, block)
+                    assert got.tobytes() == full[a:a + k].tobytes(), (codec, n, block, a, k)
+    with pytest.raises(CodecError, match="outside"):
+        codecs.decode_range("int8", codecs.encode("int8", x), x.size, x.size - 1, 2)
+    with pytest.raises(CodecError, match="must be"):
+        codecs.decode_range("int8", codecs.encode("int8", x)[:-1], x.size, 0, 1)
