@@ -1,6 +1,7 @@
 """Scripted islands over loopback against an in-process syncer."""
 import contextlib
 import logging
+import threading
 
 import numpy as np
 
@@ -45,6 +46,31 @@ def client(addr, island, key=KEY, manifest=MANIFEST, **kw):
     kw.setdefault("connect_retries", 2)
     c = SyncerClient(addr, key, island, manifest, insecure=key is None, **kw)
     return c
+
+
+def join_all(addr, names, values=None, **kw):
+    """Connect islands ``names``; the first INITs the run with ``values``; returns (clients, welcomes, layout,
+    the bases each received)."""
+    values = values if values is not None else init_values()
+    cs = [client(addr, n, **kw) for n in names]
+    ws = [c.connect() for c in cs]
+    layout = ws[0].layout
+    src = lambda f: [values[i] for i in layout[f]]  # noqa: E731
+    bases = [c.wait_ready(20, init_source=src) for c in cs]
+    return cs, ws, layout, bases
+
+
+def finish_all(cs, last_step):
+    """Every island's final cut at once (the syncer ends the run when all reached their last step)."""
+    results = [None] * len(cs)
+
+    def fin(k):
+        results[k] = cs[k].finish(last_step=last_step, timeout=20)
+
+    th = [threading.Thread(target=fin, args=(k,)) for k in range(len(cs))]
+    [t.start() for t in th]
+    [t.join(30) for t in th]
+    return results
 
 
 @contextlib.contextmanager

@@ -1,7 +1,5 @@
 """--base-wire int8/int4: merged bases go out as quantized updates of a shadow base that every island holds
 exactly; the quantization error stays in base - shadow and is carried into the next update."""
-import threading
-
 import numpy as np
 import pytest
 
@@ -10,19 +8,11 @@ from yeto_patch.wire import codecs
 from yeto_patch.wire.client import Base
 from yeto_patch.wire.frames import MsgType, ProtocolError
 
-from .helpers import client, fragment_flat, init_values, make_server, running
+from .helpers import client, finish_all, fragment_flat, init_values, join_all, make_server, running
 from .reference import RefFragment
 
 pytestmark = pytest.mark.timeout(60)
 F = 3
-
-
-def _join(addr, names, values):
-    cs = [client(addr, n) for n in names]
-    ws = [c.connect() for c in cs]
-    layout = ws[0].layout
-    bases = [c.wait_ready(20, init_source=lambda f: [values[i] for i in layout[f]]) for c in cs]
-    return cs, ws, layout, bases
 
 
 def _round(cs, f, rnd, n, rng, fold):
@@ -40,7 +30,7 @@ def test_islands_follow_the_shadow_bit_for_bit_and_the_base_exactly(tmp_path, co
     server, addr = make_server(islands=2, fragments=F, base_wire=codec, checkpoint=str(ckpt), checkpoint_every=1)
     values = init_values(seed=4)
     with running(server):
-        cs, ws, layout, bases = _join(addr, ["a", "b"], values)
+        cs, ws, layout, bases = join_all(addr, ["a", "b"], values)
         assert ws[0].base_wire == codec
         refs = [RefFragment(fragment_flat(values, layout, f)) for f in range(F)]
         shadow = [r.base.copy() for r in refs]             # what the islands hold, computed independently
@@ -93,14 +83,7 @@ def test_islands_follow_the_shadow_bit_for_bit_and_the_base_exactly(tmp_path, co
         assert cs[1].wait_base(0, 7, 20).relative
 
         # the final model is the syncer's base itself, in f32
-        results = [None, None]
-
-        def fin(k):
-            results[k] = cs[k].finish(last_step=7, timeout=20)
-        th = [threading.Thread(target=fin, args=(k,)) for k in range(2)]
-        [t.start() for t in th]
-        [t.join(30) for t in th]
-        for res in results:
+        for res in finish_all(cs, 7):
             for f in range(F):
                 assert res[f].dtype == "f32" and np.array_equal(res[f].values, refs[f].base)
         assert server.wait(20) == 0
@@ -113,7 +96,7 @@ def test_resume_keeps_the_shadow(tmp_path):
     server, addr = make_server(islands=1, fragments=1, base_wire="int4", checkpoint=str(ckpt), checkpoint_every=1)
     values = init_values(seed=1)
     with running(server):
-        cs, ws, layout, _ = _join(addr, ["a"], values)
+        cs, ws, layout, _ = join_all(addr, ["a"], values)
         fold = []
         _round(cs, 0, 0, ws[0].numels[0], np.random.default_rng(0), fold)
         cs[0].wait_base(0, 1, 20)

@@ -13,20 +13,10 @@ from yeto_patch.wire.client import SyncerRefusal, probe
 from yeto_patch.wire.frames import MsgType, PeerError
 from yeto_patch.wire.transport import connect
 
-from .helpers import KEY, MANIFEST, client, fragment_flat, init_values, make_server, running
+from .helpers import KEY, MANIFEST, client, finish_all, fragment_flat, init_values, join_all, make_server, running
 from .reference import RefFragment
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def join_all(addr, names, values=None, **kw):
-    values = values if values is not None else init_values()
-    cs = [client(addr, n, **kw) for n in names]
-    ws = [c.connect() for c in cs]
-    layout = ws[0].layout
-    src = lambda f: [values[i] for i in layout[f]]  # noqa: E731
-    bases = [c.wait_ready(20, init_source=src) for c in cs]
-    return cs, ws, layout, bases
 
 
 def test_diloco_matches_numpy_reference_over_many_rounds(tmp_path):
@@ -62,15 +52,7 @@ def test_diloco_matches_numpy_reference_over_many_rounds(tmp_path):
         for f in range(3):
             assert np.array_equal(server.coord.frags[f].t.momentum, refs[f].m)
         # final cut: every island reports its last step; final model f32 with versions, acknowledged
-        results = [None] * 3
-
-        def fin(k):
-            results[k] = cs[k].finish(last_step=50, timeout=20)
-
-        th = [threading.Thread(target=fin, args=(k,)) for k in range(3)]
-        [t.start() for t in th]
-        [t.join(30) for t in th]
-        for res in results:
+        for res in finish_all(cs, 50):
             assert sorted(res) == [0, 1, 2]
             for f in range(3):
                 assert res[f].final and res[f].version == 5 and np.array_equal(res[f].values, refs[f].base)

@@ -128,7 +128,7 @@ def build_report(result, o):
                  f"{ratio:.4f}x baseline" if ratio else ""))
     if base:
         bw = result["baseline"].get("wall_s")
-        rows.append((f"synchronous data parallel, same tokens", _f(base_final),
+        rows.append(("synchronous data parallel, same tokens", _f(base_final),
                      "cached" if result["baseline"].get("cached") else f"trained in {bw:.0f}s"))
     brows = []
     if not o.without_yeto:

@@ -699,20 +699,17 @@ class Engine:
                 sources = [full]
         if held:   # the island's weights are the base (digests matched): they become the anchor
             self.view.snapshot_anchor(idx)
-            if not updates:
-                sources = []
-        for src in sources[:-1]:   # intermediate updates: anchors only (alpha 1 keeps every master as it is)
-            self.view.write(idx, src, mode="blend", alpha=1.0, set_anchor=True, anchor="value", relative=True)
-        source = sources[-1] if sources else None
+            sources = sources if updates else []
         rel = {"relative": True} if updates else {}
-        if held and not updates:
-            pass
-        elif mode == "replace":
-            self.view.write(idx, source, mode="replace", set_anchor=True, **rel)
-        elif mode == "keep":   # a restart where the syncer is still at this anchor: local masters stay, anchor := base
-            self.view.write(idx, source, mode="blend", alpha=1.0, set_anchor=True, anchor="value", **rel)
-        else:
-            self._install_blend(idx, source, s.merge_alpha, **rel)
+        for src in sources[:-1]:   # intermediate updates: anchors only (alpha 1 keeps every master as it is)
+            self.view.write(idx, src, mode="blend", alpha=1.0, set_anchor=True, anchor="value", **rel)
+        if sources:
+            if mode == "replace":
+                self.view.write(idx, sources[-1], mode="replace", set_anchor=True, **rel)
+            else:   # blend: masters := alpha * local + (1 - alpha) * base, anchor := base (the next push's base);
+                # keep (a restart where the syncer is still at this anchor): alpha 1, local masters stay
+                alpha = 1.0 if mode == "keep" else s.merge_alpha
+                self.view.write(idx, sources[-1], mode="blend", alpha=alpha, set_anchor=True, anchor="value", **rel)
         self.anchor_version[f] = int(version)
         self._adopt.discard(f)
         self.steps_since[f] = 0
@@ -734,46 +731,6 @@ class Engine:
                                install_ms=round(ms, 2), reason=why, updates=updates)
         elif f in self.pending:
             self.pending.pop(f)
-
-    def _install_blend(self, idx, source, alpha, **rel):
-        """masters := alpha * local + (1 - alpha) * base, anchor := base (exactly: the next push is relative to it).
-
-        Uses MasterView.write(..., anchor="value") when the island core offers it (one pass). Otherwise three
-        passes with the public API, over batches of tensors of at most the chunk size (so rank 0 holds one batch
-        of local values, not the fragment): read the local values, install the base as anchor, install the
-        blend."""
-        import inspect
-        if "anchor" in inspect.signature(self.view.write).parameters or rel:
-            self.view.write(idx, source, mode="blend", alpha=alpha, set_anchor=True, anchor="value", **rel)
-            return
-        ent = self.manifest.entries
-        batches, cur, size = [], [], 0
-        for e in idx:
-            n = ent[e].numel * 4
-            if cur and size + n > self.settings.chunk_bytes:
-                batches.append(cur)
-                cur, size = [], 0
-            cur.append(e)
-            size += n
-        if cur:
-            batches.append(cur)
-        a = np.float32(alpha)
-        for batch in batches:
-            local = {}
-
-            def sink(e, off, arr):
-                if e not in local:
-                    local[e] = np.empty(ent[e].numel, dtype=np.float32)
-                local[e][off:off + arr.size] = arr
-            self.view.read(batch, sink if self.rank == 0 else None)
-            self.view.write(batch, source, mode="replace", set_anchor=True)
-            blend = None
-            if self.rank == 0:
-                def blend(e, off, n):
-                    out = local[e][off:off + n] * a
-                    out += (np.float32(1.0) - a) * np.asarray(source(e, off, n), dtype=np.float32)
-                    return out
-            self.view.write(batch, blend, mode="replace", set_anchor=False)
 
     def _push(self, f, final=False):
         """Every rank: stream fragment f's delta to rank 0, which encodes it and queues the push."""

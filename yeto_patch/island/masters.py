@@ -30,7 +30,6 @@ rank owns). Nothing is allocated on an accelerator. `stats["peak_buffer_bytes"]`
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np

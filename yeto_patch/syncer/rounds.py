@@ -189,6 +189,7 @@ class _Fragment:
         self.closed = False  # total rounds reached / final cut done
         self.down: Optional[np.ndarray] = None   # encoded update shadow(version - 1) -> shadow(version)
         self.down_version = -1
+        self.digests: Optional[tuple] = None     # ((version, id(array)), per-tensor xxh3 hex) for 'held' checks
 
 
 @dataclass

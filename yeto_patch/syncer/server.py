@@ -676,9 +676,8 @@ class SyncerServer:
         """xxh3_64 of each tensor of fragment f in ``arr`` (f32 little-endian bytes), cached per version (called
         under the fragment's read lock)."""
         key = (f.version, id(arr))
-        cached = getattr(f, "digests", None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        if f.digests is not None and f.digests[0] == key:
+            return f.digests[1]
         out, off = [], 0
         for i in self.coord.layout[f.index]:
             n = int(np.prod(self.coord.manifest[i][1], dtype=np.int64))

@@ -366,14 +366,19 @@ _LUT_INT4LOG = _lut_pairs(np.concatenate([_LOG_LEVELS, -_LOG_LEVELS]))
 _LUT_INT4LOG_F = _LUT_INT4LOG.view(np.float32).reshape(256, 2)
 
 
+def _sized_bytes(codec, buf, numel, block):
+    b = _as_bytes(buf)
+    want = encoded_nbytes(codec, numel, block)
+    if b.size != want:
+        raise CodecError(f"{codec} data for {numel} values (block {block}) must be {want} bytes, got {b.size}")
+    return b
+
+
 def _check_decode_args(codec, buf, numel, block):
     check_codec(codec, block)
     if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 0:
         raise CodecError(f"numel must be a non-negative integer, got {numel!r}")
-    b = _as_bytes(buf)
-    want = encoded_nbytes(codec, int(numel), block)
-    if b.size != want:
-        raise CodecError(f"{codec} data for {numel} values (block {block}) must be {want} bytes, got {b.size}")
+    b = _sized_bytes(codec, buf, int(numel), block)
     scales = None
     if codec not in ("f32", "bf16"):
         nb = _nblocks(int(numel), block)
@@ -419,10 +424,7 @@ def decode_range(codec: str, buf, numel: int, start: int, count: int, block: int
     numel, start, count = int(numel), int(start), int(count)
     if start < 0 or count < 0 or start + count > numel:
         raise CodecError(f"range [{start}, {start + count}) is outside the {numel} encoded values")
-    b = _as_bytes(buf)
-    want = encoded_nbytes(codec, numel, block)
-    if b.size != want:
-        raise CodecError(f"{codec} data for {numel} values (block {block}) must be {want} bytes, got {b.size}")
+    b = _sized_bytes(codec, buf, numel, block)
     if count == 0:
         return np.empty(0, np.float32)
     if codec in ("f32", "bf16"):
