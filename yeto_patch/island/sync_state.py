@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import xxhash
 
-__all__ = ["SyncStateError", "state_path", "write_state", "read_state"]
+__all__ = ["SyncStateError", "state_path", "write_state", "read_state", "capture", "mismatch", "restore"]
 
 MAGIC = b"YETOSYNC"
 FORMAT_VERSION = 1
@@ -105,3 +105,68 @@ def read_state(path: str) -> Tuple[dict, Dict[str, np.ndarray]]:
         arrays[e["name"]] = np.frombuffer(buf, dtype=_DTYPES[e["dtype"]]).reshape(e["shape"]).copy()
     return meta, arrays
 
+
+
+# ------------------------------------------------------------------------------------------ the island's side
+def capture(settings, iteration: int, step: int, manifest_digest: str, fragments) -> Tuple[dict, Dict]:
+    """Rank 0: (meta, arrays) of what a restart from this step needs (`fragments`: ``island.fragments``)."""
+    pending, arrays = {}, {}
+    for st in fragments.pending():
+        rec = st.pending
+        pending[str(st.index)] = {k: v for k, v in rec.items() if not k.startswith("_")}
+        arrays[f"push.{st.index}"] = np.frombuffer(memoryview(rec["_body"]).cast("B"), dtype=np.uint8)
+    for st in fragments:
+        if st.residual is not None:
+            arrays[f"residual.{st.index}"] = st.residual
+    meta = {"format": "yeto-island-sync-state", "island_id": settings.island_id, "iteration": iteration,
+            "step": step, "manifest_digest": manifest_digest, "layout": fragments.layout,
+            "push_dtype": settings.push_dtype, "block": settings.block, "error_feedback": bool(settings.error_feedback),
+            "anchor_version": fragments.anchors(), "steps_since": [st.steps_since for st in fragments],
+            "tokens_since": [st.tokens_since for st in fragments], "pending": pending}
+    return meta, arrays
+
+
+def mismatch(meta: dict, *, manifest_digest: str, layout, iteration: int, island_id: str) -> Optional[str]:
+    """Why a saved state does not belong to this run (None when it does)."""
+    if meta.get("manifest_digest") != manifest_digest:
+        return "its parameter manifest differs from this run's"
+    if meta.get("layout") != layout:
+        return "it was saved with another fragment layout (--fragments)"
+    if meta.get("iteration") != iteration:
+        return f"it belongs to iteration {meta.get('iteration')}, not {iteration}"
+    if meta.get("island_id") != island_id:
+        return f"it belongs to island {meta.get('island_id')!r}"
+    return None
+
+
+def restore(state: dict, arrays: Dict[str, np.ndarray], fragments, versions: Dict[str, int], keep, rank: int,
+            error_feedback: bool) -> List:
+    """Every rank, after the start's installs: counters and unanswered pushes of the fragments in `keep` (their
+    anchor is still the syncer's base), the error-feedback residuals (rank 0). A fragment the syncer merged past
+    the saved anchor (with this island's pushes made before it died, whose steps it now trains again) skips that
+    many of its next boundaries, so the island's rounds line up with the other islands' again. Returns (rank 0)
+    the fragments whose saved push must be sent again."""
+    for st in fragments:
+        ahead = int(versions[str(st.index)]) - int(state["anchor_version"][st.index])
+        if st.index not in keep and ahead > 0:
+            st.skip = ahead
+    resend = []
+    for f in sorted(keep):
+        st = fragments[f]
+        st.steps_since = int(state["steps_since"][f])
+        st.tokens_since = int(state["tokens_since"][f])
+        rec = state["pending"].get(str(f))
+        if rec is None:
+            continue
+        if rank != 0:
+            st.pending = {"step": int(rec["step"])}
+            continue
+        st.pending = dict(rec, _send={}, _body=arrays[f"push.{f}"])
+        st.repushed.add(int(rec["base_version"]))
+        resend.append(st)
+    if rank == 0 and error_feedback:
+        for st in fragments:
+            r = arrays.get(f"residual.{st.index}")
+            if r is not None and r.size == st.numel:
+                st.residual = r.astype(np.float32, copy=True)
+    return resend

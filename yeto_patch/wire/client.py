@@ -27,6 +27,7 @@ API::
     c.wait_base(fragment, min_version, timeout) -> Base   # bounded wait (WireTimeout naming what it waited for)
     c.init_requested() -> list[int]          # fragments the syncer asked INIT for after the welcome
     c.wait_event(timeout)                    # block until the reader received anything (or timeout); check()
+    c.wait_activity(timeout)                 # the same without check(): failures stay queued for poll()
     c.final_cut -> bool                      # the syncer started the final cut (FINAL_BASE arrived)
     c.finish(last_step, timeout) -> dict[int, Base]
         # final cut handshake: FINAL (after the island pushed its final deltas with final=True), wait for
@@ -613,6 +614,12 @@ class SyncerClient:
             if self._error is None and not self._refusals:
                 self._cv.wait(max(0.0, timeout))
         self.check()
+
+    def wait_activity(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds or until the reader received something; raises nothing (a failure or
+        a refusal stays queued for ``check``/``poll``)."""
+        with self._cv:
+            self._cv.wait(max(0.0, timeout))
 
     @property
     def final_cut(self) -> bool:

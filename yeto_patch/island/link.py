@@ -1,0 +1,308 @@
+"""Island rank 0's link to its syncer: the client, the background sender, reconnects, refusals and the bases
+that arrived (torch-free).
+
+Connecting (at start-up and after a lost link) follows ONE back-off policy, ``Backoff``: attempts 0.5 s apart at
+first, doubling up to 10 s, +-20% jitter, for up to YETO_DILOCO_TIMEOUT (an island may be started before its
+syncer; a syncer may restart). Each attempt is one TCP connect and handshake (``SyncerClient`` with
+``connect_retries=0``: ``wire.transport.connect``'s own retry loop is not used by islands). Errors that a retry
+cannot help (a bad key, another run's manifest, a refusal) end the attempts at once.
+
+After a lost link (syncer restart, cut link, dead peer) ``reconnect`` keeps the incarnation and reconciles: a
+push whose base is still the syncer's current one is sent again (the syncer refuses it as a duplicate if it had
+it: counted once either way); a push the syncer merged meanwhile is answered by the current base, which the
+syncer sends on every welcome; a fragment where the syncer is behind this island (it resumed from an older
+checkpoint) adopts the syncer's base.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import time
+from typing import Callable, Optional
+
+from yeto_patch.island.errors import EngineError, describe
+
+log = logging.getLogger("yeto_patch")
+
+
+class Backoff:
+    """The waits between connection attempts: `first`, doubling up to `cap`, each +-`jitter` (a fraction)."""
+
+    def __init__(self, first: float = 0.5, cap: float = 10.0, jitter: float = 0.2, rng=None):
+        self.first, self.cap, self.jitter = float(first), float(cap), float(jitter)
+        self._next = self.first
+        self._rng = rng or random.Random()
+
+    def next(self) -> float:
+        w = self._next
+        self._next = min(self._next * 2, self.cap)
+        return w * self._rng.uniform(1 - self.jitter, 1 + self.jitter)
+
+
+def dial(attempt: Callable[[], object], deadline: float, what: str, backoff: Optional[Backoff] = None,
+         sleep=time.sleep):
+    """Call `attempt()` until it succeeds, an error that is not `recoverable` or the monotonic `deadline`;
+    returns (result, attempts). At the deadline a ConnectError says how long and how often it tried."""
+    from yeto_patch.wire.client import recoverable
+    from yeto_patch.wire.transport import ConnectError
+    backoff = backoff or Backoff()
+    t0, n = time.monotonic(), 0
+    while True:
+        n += 1
+        try:
+            return attempt(), n
+        except Exception as e:  # noqa: BLE001 - classified below
+            if not recoverable(e):
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConnectError(f"{what}: no answer within YETO_DILOCO_TIMEOUT ({time.monotonic() - t0:.0f}s, "
+                                   f"{n} attempts); last: {type(e).__name__}: {e}") from e
+            sleep(min(backoff.next(), left))
+
+
+def load_key(settings) -> Optional[bytes]:
+    from yeto_patch.wire import auth
+    key = auth.load_key(settings.key_file) if (settings.key_file or settings.key_from_env) else None
+    if key is None and not settings.insecure:
+        raise EngineError("no key: set YETO_DILOCO_KEY_FILE (or YETO_KEY)")
+    return key
+
+
+class SyncerLink:
+    """Rank 0's connection to the syncer. `settings`: syncer, island_id, timeout, insecure, send_queue_bytes,
+    block, key_file / key_from_env; `step()`: the island's step (for log lines); `record(event, **fields)`:
+    the boundary log (or None)."""
+
+    def __init__(self, settings, wire_manifest, *, held=None, step: Callable[[], int] = lambda: 0, record=None):
+        self.settings = settings
+        self.manifest = wire_manifest
+        self.held = held
+        self.step = step
+        self.record = record
+        self.key = load_key(settings)
+        self.client = None
+        self.sender = None
+        self.fragments = None        # set by attach() once the layout is known
+        self.resilient = False       # after start: a lost link is replaced instead of failing the island
+        self.outage: Optional[float] = None   # when the link was lost (None: it is up)
+        self.refusals = collections.deque()   # refusals the sender thread met (raised by poll)
+
+    # ---------------------------------------------------------------------------------------------- connecting
+    def _client(self, incarnation, timeout, held):
+        from yeto_patch.wire.client import SyncerClient
+        s = self.settings
+        return SyncerClient(s.syncer, self.key, s.island_id, self.manifest, incarnation=incarnation,
+                            timeout=timeout, insecure=s.insecure, connect_retries=0, held=held)
+
+    def _dial(self, incarnation, timeout, held, deadline, what):
+        from yeto_patch.wire.sender import BackgroundSender
+
+        def attempt():
+            c = self._client(incarnation, timeout, held)
+            try:
+                return c, c.connect()
+            except BaseException:
+                c.abort()
+                raise
+        (c, w), n = dial(attempt, deadline, what)
+        self.client = c
+        self.sender = BackgroundSender(self.settings.send_queue_bytes, name="yeto-push-sender")
+        return w, n
+
+    def open(self):
+        """Connect and say hello (start-up); returns the syncer's Welcome. Waits for a syncer that is not up yet
+        for up to YETO_DILOCO_TIMEOUT."""
+        s = self.settings
+        w, _ = self._dial(None, s.timeout, self.held, time.monotonic() + s.timeout,
+                          f"connect to the syncer at {s.syncer}")
+        return w
+
+    def attach(self, fragments) -> None:
+        self.fragments = fragments
+
+    def reconnect(self, cause) -> None:
+        """The link is gone: replace it (same incarnation) and reconcile; gives up YETO_DILOCO_TIMEOUT after the
+        link was lost."""
+        s = self.settings
+        now = time.monotonic()
+        if self.outage is None:
+            self.outage = now
+        deadline = self.outage + s.timeout
+        log.warning("yeto-patch: step %d: lost the syncer at %s (%s: %s); reconnecting for up to %.0fs",
+                    self.step(), s.syncer, type(cause).__name__, cause, deadline - now)
+        old_client, old_sender = self.client, self.sender
+        if old_sender is not None:
+            old_sender.abort(timeout=2.0)
+        if old_client is not None:
+            old_client.abort()
+        try:
+            w, attempts = self._dial(old_client.incarnation, min(s.timeout, 60.0), None, deadline, "reconnect")
+        except Exception as e:  # noqa: BLE001
+            late = time.monotonic() >= deadline
+            raise EngineError(f"yeto-patch: lost the syncer at {s.syncer} at step {self.step()} "
+                              f"({type(cause).__name__}: {cause}) and could not reconnect"
+                              f"{' within YETO_DILOCO_TIMEOUT=%.0fs' % s.timeout if late else ''}: "
+                              f"{describe(e, 'reconnect')}") from e
+        self._check_same_run(w)
+        self._reconcile(w, cause, attempts)
+
+    def _check_same_run(self, w) -> None:
+        s, frags = self.settings, self.fragments
+        if [[int(i) for i in frag] for frag in w.layout] != frags.layout or list(w.numels) != frags.numels:
+            self.client.abort()
+            raise EngineError(f"yeto-patch: the syncer at {s.syncer} came back with a different fragment layout "
+                              f"(another --fragments or another run); this island cannot continue with it")
+        if w.versions is None:
+            self.client.abort()
+            raise EngineError(f"yeto-patch: the syncer at {s.syncer} came back without this run's state (no "
+                              f"checkpoint, or restarted without --resume); restart it with --checkpoint ... "
+                              f"--resume")
+
+    def _reconcile(self, w, cause, attempts) -> None:
+        s = self.settings
+        repush, adopt = [], []
+        for st in self.fragments:
+            v = int(w.versions[st.index])
+            rec = st.pending
+            if v < st.anchor_version:
+                adopt.append(st.index)
+                st.adopt = True
+            elif rec is not None and rec["base_version"] == v and "_body" in rec:
+                repush.append(st.index)
+                st.repushed.add(v)
+                self.send_push(st)
+        if adopt:
+            log.warning("yeto-patch: the syncer at %s is behind this island for fragments %s (it resumed from an "
+                        "older checkpoint: run it with --checkpoint-every 1 to lose nothing); adopting its bases",
+                        s.syncer, adopt)
+        secs = time.monotonic() - self.outage
+        log.warning("yeto-patch: step %d: reconnected to the syncer at %s after %.1fs (attempt %d, versions %s); "
+                    "pushing again fragments %s", self.step(), s.syncer, secs, attempts, w.versions, repush)
+        if self.record is not None:
+            self.record("reconnect", step=self.step(), cause=f"{type(cause).__name__}: {cause}",
+                        seconds=round(secs, 3), versions=list(w.versions), repushed=repush, adopted=adopt)
+
+    # ---------------------------------------------------------------------------------------------- data
+    def send_push(self, st) -> None:
+        """Queue the push recorded in `st.pending` on the background sender (a lost link: reconnect, which sends
+        it again)."""
+        from yeto_patch.wire.client import SyncerRefusal, recoverable
+        s = self.settings
+        client, rec = self.client, st.pending
+        body, timing, f = rec["_body"], rec["_send"], st.index
+
+        def send():
+            t = time.perf_counter()
+            while True:
+                try:
+                    client.push(f, base_version=rec["base_version"], local_step=rec["step"], steps=rec["steps"],
+                                tokens=rec["tokens"], codec=rec["codec"], block=s.block, body=body,
+                                final=rec["final"])
+                    break
+                except SyncerRefusal as e:   # an earlier push's refusal, raised before this one went out:
+                    self.refusals.append(e)   # the training thread handles it (poll); send this push still
+            timing["ms"] = round((time.perf_counter() - t) * 1000, 2)
+        try:
+            self.sender.submit(send, int(body.nbytes), timeout=s.timeout)
+        except Exception as e:  # noqa: BLE001
+            if not recoverable(e):
+                raise
+            self.reconnect(e)   # sends every unanswered push again, this one included
+
+    def send_init(self, f: int, arrays) -> None:
+        self.client.send_init(f, arrays)
+
+    def init_requested(self) -> list:
+        return self.client.init_requested()
+
+    @property
+    def final_cut(self) -> bool:
+        return self.client.final_cut
+
+    def wait(self, timeout: float) -> None:
+        """Block up to `timeout` (at most 0.5 s) for the next message from the syncer; a lost link or a refusal
+        surfaces from the next poll, which knows how to handle it."""
+        self.client.wait_activity(min(timeout, 0.5))
+
+    def poll(self) -> None:
+        """Move what the client received into the fragments' `arrived` (newest per fragment); surface failures.
+        After start a lost link is replaced (``reconnect``) instead of failing the island."""
+        from yeto_patch.wire.client import SyncerRefusal, recoverable
+        while True:
+            try:
+                if self.refusals:
+                    raise self.refusals.popleft()
+                if self.sender is not None:
+                    self.sender.check()
+                bases = self.client.poll()
+                break
+            except SyncerRefusal as e:
+                if not self._expected_refusal(e):
+                    raise
+            except Exception as e:  # noqa: BLE001 - classified below
+                if not self.resilient or not recoverable(e):
+                    raise
+                self.reconnect(e)
+        self.outage = None
+        for b in bases:
+            self.fragments[b.fragment].take_base(b)
+
+    def _expected_refusal(self, e) -> bool:
+        """A refusal that needs no action: a push the syncer already holds, or one it merged past."""
+        if e.code == "duplicate":   # sent again after a lost link, or by this island before a restart:
+            st = self.fragments[e.fragment] if isinstance(e.fragment, int) and 0 <= e.fragment < len(
+                self.fragments) else None
+            if st is None or e.base_version not in st.repushed:   # the syncer counts the first once
+                log.info("yeto-patch: step %d: the syncer already holds this island's push of fragment %s "
+                         "relative to v%s (made before a restart); it counts once", self.step(), e.fragment,
+                         e.base_version)
+            if st is not None:
+                st.repushed.discard(e.base_version)
+            return True
+        if e.code == "stale":   # merged past it without this island: the newer base answers the push
+            log.warning("yeto-patch: step %d: the syncer refused the push of fragment %s relative to v%s "
+                        "as stale (it merged on without this island); pulling its current base", self.step(),
+                        e.fragment, e.base_version)
+            return True
+        return False
+
+    def finish(self, last_step: int, timeout: float, drain: bool):
+        """One bounded try at the final model: {fragment: Base}, or None to try again (a reconnect happened, or
+        it is not complete yet). `drain`: wait for the pushes queued first."""
+        from yeto_patch.wire.client import recoverable
+        from yeto_patch.wire.frames import WireTimeout
+        try:
+            if self.sender is not None and drain:
+                self.sender.drain(timeout)
+            return self.client.finish(last_step=last_step, timeout=max(0.1, timeout))
+        except Exception as e:  # noqa: BLE001
+            if isinstance(e, WireTimeout) and not self.client.conn_lost():
+                return None
+            if not recoverable(e):
+                raise
+            self.reconnect(e)   # final pushes the syncer lacks are sent again; FINAL again
+            return None
+
+    # ---------------------------------------------------------------------------------------------- closing
+    def close(self, graceful: bool = True) -> None:
+        """BYE (after the queued pushes when `graceful`); idempotent."""
+        sender, client, self.sender, self.client = self.sender, self.client, None, None
+        if sender is not None and graceful:
+            try:
+                sender.close(5.0)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def shutdown_quietly(self) -> None:
+        try:
+            if self.client is not None:
+                self.client.close()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,74 @@
+"""What happens at an optimizer step: a pure function of the step, the schedule and the fragments' state.
+
+Rank 0 computes the plan and broadcasts it (as JSON) so that every rank runs the same collectives:
+
+- ``needs_plan``: on a step where no fragment is due, no push awaits its base and it is not the last step,
+  nothing can happen and the island skips the plan (no collective on most steps). A base that arrives unasked
+  (merged by a quorum without this island) is installed at the next step that has a plan.
+- ``plan``: the final cut (the last step, or the syncer ended the run), the fragments due that push, those that
+  skip their boundary (merged before this island's restart), and the arrived bases to install first. A fragment
+  that pushes now takes a newer base as the push's answer: installing it before the push would throw the local
+  progress away (a fragment the syncer is behind on adopts the syncer's base first).
+- ``overdue``: pushes waited on because tau steps passed without their answer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Sequence
+
+from yeto_patch.island.errors import EngineError
+
+
+@dataclass
+class Plan:
+    install: List[list] = field(default_factory=list)   # [fragment, version, number of base updates, held]
+    push: List[int] = field(default_factory=list)
+    skip: List[int] = field(default_factory=list)
+    final: bool = False
+    by_syncer: bool = False
+
+    def as_json(self) -> dict:
+        return {"install": self.install, "push": self.push, "skip": self.skip, "final": self.final,
+                "by_syncer": self.by_syncer}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Plan":
+        return cls([[int(f), int(v), int(k), bool(h)] for f, v, k, h in d["install"]], [int(f) for f in d["push"]],
+                   [int(f) for f in d["skip"]], bool(d["final"]), bool(d["by_syncer"]))
+
+
+def needs_plan(step: int, total: int, due: Sequence[int], any_pending: bool) -> bool:
+    return bool(any_pending or step >= total or due)
+
+
+def install_spec(state) -> list:
+    """Rank 0: [fragment, version, number of base updates, held] for installing the base held for `state`
+    (held: the base is the weights this island already holds, plus the updates)."""
+    b = state.arrived
+    if not b.relative:
+        return [state.index, b.version, 0, False]
+    if b.held:
+        return [state.index, b.version, len(b.deltas), True]
+    if b.start != state.anchor_version:
+        raise EngineError(f"yeto-patch: fragment {state.index}: the syncer's base update applies to v{b.start}, but "
+                          f"this island's anchor is v{state.anchor_version}")
+    return [state.index, b.version, len(b.deltas), False]
+
+
+def plan(step: int, total: int, due: Sequence[int], states, by_syncer: bool) -> Plan:
+    """The plan of `step` (rank 0, after taking the bases received): `due` from the schedule, `states` the
+    fragments' states, `by_syncer` whether the syncer started its final cut."""
+    final = step >= total or by_syncer
+    due = [] if final else list(due)
+    skip = [f for f in due if states[f].skip]
+    due = [f for f in due if f not in skip]
+    pushing = set(range(len(states))) if final else set(due)
+    installs = [] if by_syncer else [
+        install_spec(s) for s in states
+        if s.arrived is not None and (s.adopt or (s.arrived.version > s.anchor_version and s.index not in pushing))]
+    return Plan(installs, due, skip, final, by_syncer)
+
+
+def overdue(step: int, tau: int, states) -> List[int]:
+    """Fragments whose push was made tau or more steps ago and is still unanswered."""
+    return [s.index for s in states if s.pending is not None and step - s.pending["step"] >= tau]
