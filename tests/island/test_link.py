@@ -1,0 +1,233 @@
+"""SyncerLink against a real in-process syncer over loopback (no torch): start-up before the syncer, the one
+back-off policy and its bound, pushes answered by bases, a cut link replaced with the push sent again."""
+import os
+import random
+import socket
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+from tests.syncer.helpers import KEY, MANIFEST, init_values
+from yeto_patch.island.errors import EngineError
+from yeto_patch.island.fragments import Fragments
+from yeto_patch.island.link import Backoff, SyncerLink, dial
+from yeto_patch.syncer.rounds import MergeSettings, RoundSettings
+from yeto_patch.syncer.server import ServerConfig, SyncerServer
+from yeto_patch.wire import codecs
+from yeto_patch.wire.frames import AuthError, PeerError
+from yeto_patch.wire.transport import ConnectError
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def syncer(port, fragments=2, key=KEY):
+    cfg = ServerConfig(listen=f"127.0.0.1:{port}", islands=1, fragments=fragments, key=key, insecure=key is None,
+                       merge=MergeSettings(outer="avg"), rounds=RoundSettings(islands=1, grace_s=0.2, timeout_s=30.0,
+                                                                   lease_s=20.0), merge_threads=1)
+    s = SyncerServer(cfg)
+    s.start()
+    return s
+
+
+def settings(tmp_path, port, timeout=30.0, key=KEY):
+    path = None
+    if key is not None:
+        path = str(tmp_path / "key")
+        with open(path, "wb") as f:
+            f.write(key)
+        os.chmod(path, 0o600)
+    return types.SimpleNamespace(syncer=f"127.0.0.1:{port}", island_id="a", timeout=timeout, insecure=key is None,
+                                 send_queue_bytes=1 << 20, block=256, key_file=path, key_from_env=False)
+
+
+def test_backoff_doubles_to_its_cap_with_bounded_jitter():
+    b = Backoff(0.5, 4.0, jitter=0.0)
+    assert [b.next() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    b = Backoff(0.5, 4.0, jitter=0.2, rng=random.Random(1))
+    ws = [b.next() for _ in range(6)]
+    for w, nominal in zip(ws, [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]):
+        assert 0.8 * nominal <= w <= 1.2 * nominal
+
+
+def test_dial_stops_at_once_on_an_error_retrying_cannot_help():
+    calls = []
+
+    def attempt():
+        calls.append(1)
+        raise AuthError("bad key")
+    with pytest.raises(AuthError):
+        dial(attempt, time.monotonic() + 30, "connect", sleep=lambda s: None)
+    assert len(calls) == 1
+
+
+def test_dial_never_sleeps_past_the_deadline():
+    slept = []
+
+    def attempt():
+        raise ConnectionRefusedError("refused")
+    deadline = time.monotonic() + 0.3
+    with pytest.raises(ConnectError, match="YETO_DILOCO_TIMEOUT"):
+        dial(attempt, deadline, "connect", backoff=Backoff(10.0, 10.0, 0.0), sleep=lambda s: (slept.append(s),
+                                                                                               time.sleep(s)))
+    assert slept and all(s <= 0.31 for s in slept)
+
+
+def test_an_island_started_before_its_syncer_connects_when_it_comes_up(tmp_path):
+    port = free_port()
+    # YETO_DILOCO_TIMEOUT=12: the old start-up policy (retries whose back-off fit in half the timeout) gave up
+    # after about 3.5 s; a syncer that comes up after 7 s must still be joined
+    link = SyncerLink(settings(tmp_path, port, timeout=12.0), MANIFEST)
+    out = {}
+
+    def run():
+        try:
+            out["welcome"] = link.open()
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+    t = threading.Thread(target=run)
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(7.0)   # several attempts fail first
+    assert t.is_alive()
+    s = syncer(port)
+    try:
+        t.join(30)
+        assert "error" not in out, out.get("error")
+        assert out["welcome"].fragments == 2 and time.monotonic() - t0 >= 7.0
+    finally:
+        link.close()
+        s.stop()
+
+
+def test_start_up_gives_up_after_the_timeout_with_a_clear_error(tmp_path):
+    port = free_port()   # nobody listens
+    link = SyncerLink(settings(tmp_path, port, timeout=3.0), MANIFEST)
+    t0 = time.monotonic()
+    with pytest.raises(ConnectError) as ei:
+        link.open()
+    took = time.monotonic() - t0
+    assert 3.0 <= took < 6.0, took
+    msg = str(ei.value)
+    assert f"127.0.0.1:{port}" in msg and "YETO_DILOCO_TIMEOUT" in msg and "attempts" in msg
+    from yeto_patch.island.errors import describe
+    assert "is the syncer running?" in describe(ei.value, "connect to the syncer")
+
+
+def test_a_wrong_key_fails_at_once(tmp_path):
+    port = free_port()
+    s = syncer(port)
+    try:
+        link = SyncerLink(settings(tmp_path, port, key=b"w" * 32), MANIFEST)
+        t0 = time.monotonic()
+        with pytest.raises(PeerError, match="auth"):   # the syncer's refusal: no retry helps
+            link.open()
+        assert time.monotonic() - t0 < 10
+    finally:
+        s.stop()
+
+
+def test_no_key_without_insecure_is_an_error(tmp_path):
+    st = settings(tmp_path, 1)
+    st.key_file = None
+    with pytest.raises(EngineError, match="no key"):
+        SyncerLink(st, MANIFEST)
+
+
+def _joined(tmp_path, port):
+    values = init_values()
+    link = SyncerLink(settings(tmp_path, port), MANIFEST, step=lambda: 7)
+    w = link.open()
+    frags = Fragments(w.layout, w.numels, [int(np.prod(s)) for _, s, _ in MANIFEST], announced=w.fragments)
+    link.attach(frags)
+    for f in w.needs_init:
+        link.send_init(f, [values[i] for i in w.layout[f]])
+    deadline = time.monotonic() + 20
+    while not all(st.arrived is not None for st in frags):
+        assert time.monotonic() < deadline, "no initial bases"
+        link.wait(0.5)
+        link.poll()
+    for st in frags:
+        st.installed(st.arrived.version)
+        st.arrived = None
+    return link, frags, values
+
+
+def _push(link, st, step, delta):
+    body = codecs.encode("f32", delta, 256)
+    st.pending = {"step": step, "fragment": st.index, "base_version": st.anchor_version, "bytes": int(body.nbytes),
+                  "codec": "f32", "steps": 2, "tokens": 10, "final": False, "_send": {}, "_body": body}
+    link.send_push(st)
+
+
+def _await(link, st, version):
+    deadline = time.monotonic() + 20
+    while not st.answered(version):
+        assert time.monotonic() < deadline, "no answer"
+        link.wait(0.5)
+        link.poll()
+
+
+def test_a_push_is_answered_by_the_merged_base(tmp_path):
+    port = free_port()
+    s = syncer(port)
+    try:
+        link, frags, values = _joined(tmp_path, port)
+        st = frags[0]
+        flat = np.concatenate([values[i].reshape(-1) for i in st.entries])
+        delta = np.full(st.numel, 0.25, np.float32)
+        _push(link, st, 2, delta)
+        _await(link, st, 0)
+        assert st.arrived.version == 1 and st.pending["_send"]["ms"] >= 0
+        np.testing.assert_array_equal(st.arrived.values, flat - delta)   # one island, plain averaging: base - delta
+        link.close()
+    finally:
+        s.stop()
+
+
+def test_a_cut_link_is_replaced_and_the_unanswered_push_sent_again(tmp_path):
+    port = free_port()
+    s = syncer(port)
+    try:
+        link, frags, values = _joined(tmp_path, port)
+        records = []
+        link.record = lambda event, **kw: records.append((event, kw))
+        link.resilient = True
+        first = link.client
+        first.conn.sock.shutdown(socket.SHUT_RDWR)   # the link is cut (the push below cannot go out on it)
+        st = frags[1]
+        flat = np.concatenate([values[i].reshape(-1) for i in st.entries])
+        delta = np.full(st.numel, -1.0, np.float32)
+        _push(link, st, 2, delta)
+        _await(link, st, 0)
+        assert link.client is not first and link.client.incarnation == first.incarnation
+        assert st.arrived.version == 1
+        np.testing.assert_array_equal(st.arrived.values, flat - delta)   # merged once
+        assert [e for e, _ in records] == ["reconnect"] and records[0][1]["step"] == 7
+        link.close()
+    finally:
+        s.stop()
+
+
+def test_a_lost_link_before_start_completes_fails_instead_of_reconnecting(tmp_path):
+    port = free_port()
+    s = syncer(port)
+    try:
+        link, frags, _ = _joined(tmp_path, port)
+        link.client.conn.sock.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + 10
+        with pytest.raises(Exception) as ei:
+            while time.monotonic() < deadline:
+                link.wait(0.5)
+                link.poll()
+        from yeto_patch.wire.client import recoverable
+        assert recoverable(ei.value)
+        link.close()
+    finally:
+        s.stop()

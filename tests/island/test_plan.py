@@ -1,0 +1,111 @@
+"""plan(): what happens at a step, from the schedule and the fragments' state alone (no torch, no processes)."""
+import numpy as np
+import pytest
+
+from yeto_patch.island.errors import EngineError
+from yeto_patch.island.fragments import Fragments
+from yeto_patch.island.plan import Plan, install_spec, needs_plan, overdue, plan
+from yeto_patch.island.schedule import due_fragments
+from yeto_patch.wire.client import Base
+
+
+def states(P=3, anchor=1):
+    fs = Fragments([[f] for f in range(P)], [2] * P, [2] * P)
+    for st in fs:
+        st.installed(anchor)
+    return fs
+
+
+def base(f, v, **kw):
+    return Base(f, v, "f32", np.zeros(2, np.float32), **kw)
+
+
+def test_most_steps_need_no_plan():
+    assert not needs_plan(3, 10, [], False)
+    assert needs_plan(3, 10, [1], False)
+    assert needs_plan(3, 10, [], True)
+    assert needs_plan(10, 10, [], False)
+
+
+def test_due_fragments_push_and_an_arrived_newer_base_installs():
+    fs = states()
+    fs[2].arrived = base(2, 2)
+    p = plan(5, 100, [0], fs, by_syncer=False)
+    assert (p.push, p.skip, p.final, p.by_syncer) == ([0], [], False, False)
+    assert p.install == [[2, 2, 0, False]]
+
+
+def test_a_fragment_that_pushes_now_does_not_install_its_newer_base_first():
+    fs = states()
+    fs[0].arrived = base(0, 4)
+    p = plan(5, 100, [0], fs, by_syncer=False)
+    assert p.push == [0] and p.install == []
+    fs[0].adopt = True   # unless the syncer is behind: its base is installed first
+    assert plan(5, 100, [0], fs, by_syncer=False).install == [[0, 4, 0, False]]
+
+
+def test_an_old_or_equal_base_is_not_installed():
+    fs = states(anchor=3)
+    fs[1].arrived = base(1, 3)
+    assert plan(5, 100, [], fs, by_syncer=False).install == []
+
+
+def test_restart_skips_boundaries_merged_before_it():
+    fs = states()
+    fs[1].skip = 1
+    p = plan(5, 100, [0, 1], fs, by_syncer=False)
+    assert p.push == [0] and p.skip == [1]
+
+
+def test_last_step_is_the_final_cut_and_installs_nothing_it_pushes():
+    fs = states()
+    fs[2].arrived = base(2, 5)
+    p = plan(100, 100, [0], fs, by_syncer=False)
+    assert p.final and p.push == [] and p.install == []
+
+
+def test_the_syncers_final_cut_installs_nothing_and_pushes_nothing():
+    fs = states()
+    fs[2].arrived = base(2, 5)
+    fs[2].adopt = True
+    p = plan(7, 100, [0], fs, by_syncer=True)
+    assert (p.final, p.by_syncer, p.push, p.install) == (True, True, [], [])
+
+
+def test_plan_round_trips_through_json():
+    import json
+    p = Plan([[2, 5, 1, True]], [0, 1], [3], False, False)
+    assert Plan.from_json(json.loads(json.dumps(p.as_json()))) == p
+
+
+def test_install_spec_of_updates_checks_they_apply_to_the_anchor():
+    from yeto_patch.wire import codecs
+    fs = states(anchor=2)
+    body = codecs.encode("int8", np.ones(2, np.float32), 256)
+    fs[0].arrived = Base(0, 4, "int8", None, deltas=(("int8", 256, body),) * 2, start=2, size=2)
+    assert install_spec(fs[0]) == [0, 4, 2, False]
+    fs[1].arrived = Base(1, 4, "int8", None, deltas=(("int8", 256, body),), start=3, size=2)
+    with pytest.raises(EngineError, match="applies to v3, but this island's anchor is v2"):
+        install_spec(fs[1])
+    fs[1].arrived.held = True   # the base is the weights held: no anchor needed
+    assert install_spec(fs[1]) == [1, 4, 1, True]
+
+
+def test_overdue_after_tau_steps():
+    fs = states()
+    fs[0].pending = {"step": 10}
+    fs[2].pending = {"step": 12}
+    assert overdue(11, 2, fs) == []
+    assert overdue(12, 2, fs) == [0]
+    assert overdue(14, 2, fs) == [0, 2]
+    assert overdue(12, 0, fs) == [0, 2]
+
+
+def test_a_run_of_steps_pushes_each_fragment_once_per_H():
+    fs, H, pushes = states(4), 8, []
+    for step in range(1, 33):
+        due = due_fragments(step, H, len(fs))
+        if needs_plan(step, 32, due, False):
+            p = plan(step, 32, due, fs, by_syncer=False)
+            pushes += [(step, f) for f in p.push]
+    assert sorted(f for _, f in pushes) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 3   # step 32: the final cut
