@@ -13,10 +13,13 @@ Every record carries ``island``, ``time`` (unix seconds) and ``step``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
 from typing import Optional
+
+log = logging.getLogger("yeto_patch")
 
 
 class BoundaryLog:
@@ -36,6 +39,23 @@ class BoundaryLog:
         line = json.dumps(rec, separators=(",", ":"), default=_plain)
         with self._lock:
             self._f.write(line + "\n")
+
+    def installed(self, step: int, fragment: int, version: int, mode: str, why: str, ms: float, updates: int,
+                  rec: Optional[dict]) -> None:
+        """A base was installed: completes the boundary record of the push it answered (`rec`, the fragment's
+        pending push) or records an install that answered none (not at start)."""
+        if rec is not None:
+            rec.update(version=int(version), installed=True, mode=mode, install_ms=round(ms, 2),
+                       pull_lag=step - rec["step"], updates=updates)
+            rec["send_ms"] = rec.pop("_send", {}).get("ms")
+            rec.pop("_body", None)
+            self.write("boundary", **rec)
+            log.info("yeto-patch: step %d: installed fragment %d v%d (%s, pushed at step %d, lag %d steps, "
+                     "waited %.0f ms)", step, fragment, version, mode, rec["step"], rec["pull_lag"],
+                     rec.get("wait_ms", 0.0))
+        elif why != "start":
+            self.write("install", step=step, fragment=fragment, version=int(version), mode=mode,
+                       install_ms=round(ms, 2), reason=why, updates=updates)
 
     def close(self) -> None:
         with self._lock:

@@ -24,6 +24,20 @@ from yeto_patch.island.errors import EngineError
 log = logging.getLogger("yeto_patch")
 
 
+def model_chunks(model, optimizer) -> list:
+    """The model chunks the island trains: those the train_step hook named, else the optimizer's."""
+    chunks = model
+    if chunks is None and optimizer is not None:
+        chunks = getattr(optimizer, "model_chunks", None) or None
+    if chunks is None:
+        raise EngineError("yeto-patch cannot find the model: the optimizer has no model_chunks and no "
+                          "train_step hook told it. Use Megatron's train_step, or a megatron-core optimizer "
+                          "built by get_megatron_optimizer (which knows its model chunks)")
+    if optimizer is None:
+        raise EngineError("yeto-patch cannot find the optimizer of this training run")
+    return list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+
+
 class DataPath:
     def __init__(self, view, manifest, settings, rank: int):
         self.view, self.manifest, self.settings, self.rank = view, manifest, settings, rank

@@ -29,8 +29,8 @@ Life of an island:
   cut raises.
 
 Failures of the link or the syncer: a lost connection (or one silent for a lease) is replaced by rank 0
-(``SyncerLink.reconnect``: same incarnation, bounded back-off, unanswered pushes sent again, bases merged meanwhile taken)
-for up to YETO_DILOCO_TIMEOUT. A restarted island restores the sync state saved beside the Megatron checkpoint it
+(``SyncerLink.reconnect``: same incarnation, bounded back-off, unanswered pushes sent again, bases merged
+meanwhile taken) for up to YETO_DILOCO_TIMEOUT. A restarted island restores the sync state saved beside the Megatron checkpoint it
 loaded (``sync_state.py``; ``save_sync_state`` / ``set_resume``, called by the checkpoint hooks).
 
 Parts: ``fragments.py`` (one state per fragment), ``plan.py`` (what happens at a step, pure), ``link.py`` (rank 0's
@@ -46,11 +46,10 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import time
 from typing import Optional
 
-from yeto_patch.island.errors import EngineError, describe as _describe  # noqa: F401 - EngineError is public here
+from yeto_patch.island.errors import EngineError  # public here: raised on every rank
 
 log = logging.getLogger("yeto_patch")
 
@@ -158,19 +157,20 @@ class Engine:
     def _start(self):
         from yeto_patch.island.channel import IslandChannel
         from yeto_patch.island.collective import IslandComm
-        from yeto_patch.island.data_path import DataPath
+        from yeto_patch.island.data_path import DataPath, model_chunks
         from yeto_patch.island.masters import MasterView
         from yeto_patch.island.names import build_manifest
+        from yeto_patch.island.plan import final_step
         s = self.settings
         t0 = time.time()
-        chunks = self._model_chunks()
+        chunks = model_chunks(self.model, self.optimizer)
         self.comm = IslandComm(timeout_s=s.timeout + 60.0)
         self.rank = self.comm.rank
         self.channel = IslandChannel(self.comm)
         self.manifest = build_manifest(chunks, real_vocab_size=self.vocab_size, comm=self.comm)
         self.view = MasterView(chunks, self.optimizer, self.manifest, chunk_bytes=s.chunk_bytes, comm=self.comm)
         self.data = DataPath(self.view, self.manifest, s, self.rank)
-        self.total = self._resolve_total()
+        self.total = final_step(s.total_steps, self.train_iters, self.step)
         if self.rank == 0:
             from yeto_patch.island.boundary_log import BoundaryLog
             self.log = BoundaryLog(s.metrics_path, s.island_id)
@@ -227,32 +227,6 @@ class Engine:
         if self.link is not None:
             self.link.attach(self.frags)
 
-    def _model_chunks(self):
-        chunks = self.model
-        if chunks is None and self.optimizer is not None:
-            chunks = getattr(self.optimizer, "model_chunks", None) or None
-        if chunks is None:
-            raise EngineError("yeto-patch cannot find the model: the optimizer has no model_chunks and no "
-                              "train_step hook told it. Use Megatron's train_step, or a megatron-core optimizer "
-                              "built by get_megatron_optimizer (which knows its model chunks)")
-        if self.optimizer is None:
-            raise EngineError("yeto-patch cannot find the optimizer of this training run")
-        return list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
-
-    def _resolve_total(self) -> int:
-        s = self.settings
-        total = s.total_steps if s.total_steps is not None else self.train_iters
-        if total is None:
-            raise EngineError("YETO_DILOCO_TOTAL_STEPS is not set and the training loop does not say how many "
-                              "steps it runs: set YETO_DILOCO_TOTAL_STEPS to the step of the final cut")
-        if self.train_iters is not None and total > self.train_iters:
-            raise EngineError(f"YETO_DILOCO_TOTAL_STEPS={total} is beyond Megatron's train_iters="
-                              f"{self.train_iters}: the final cut would never happen")
-        if total <= self.step:
-            raise EngineError(f"this run resumes at step {self.step}, at or past the final cut at step {total} "
-                              f"(YETO_DILOCO_TOTAL_STEPS or train_iters)")
-        return int(total)
-
     # ================================================================================ restart
     def save_sync_state(self, directory, iteration):
         """Every rank, after Megatron saved `iteration` into `directory`: rank 0 writes the island's sync state
@@ -262,13 +236,8 @@ class Engine:
         from yeto_patch.island import sync_state
 
         def write():
-            path = sync_state.state_path(directory, iteration)
-            meta, arrays = sync_state.capture(self.settings, int(iteration), self.step, self.manifest.digest(),
-                                              self.frags)
-            n = sync_state.write_state(path, meta, arrays)
-            log.info("yeto-patch: saved the island's sync state for iteration %d (%.1f MB) to %s", iteration, n / 1e6,
-                     path)
-            return True
+            return sync_state.save(directory, int(iteration), self.settings, self.step, self.manifest.digest(),
+                                   self.frags)
         self._guarded(lambda: self.channel.rank0(write, f"save the island's sync state for iteration {iteration}"))
 
     def _read_sync_state(self):
@@ -282,27 +251,8 @@ class Engine:
         arrays = {}
 
         def read():
-            path = sync_state.state_path(directory, iteration)
-            if not os.path.exists(path):
-                log.warning("yeto-patch: Megatron resumed from iteration %d but %s does not exist (a checkpoint "
-                            "saved without yeto-patch?): this island starts from the syncer's current bases",
-                            iteration, path)
-                return None
-            meta, arr = sync_state.read_state(path)
-            why = sync_state.mismatch(meta, manifest_digest=self.manifest.digest(), layout=self.frags.layout,
-                                      iteration=iteration, island_id=self.settings.island_id)
-            if why:
-                log.warning("yeto-patch: ignoring the sync state %s: %s; this island starts from the syncer's "
-                            "current bases", path, why)
-                return None
-            if (meta.get("push_dtype"), meta.get("block")) != (self.settings.push_dtype, self.settings.block):
-                arr = {k: v for k, v in arr.items() if not k.startswith("push.")}   # re-encoded pushes differ
-                meta["pending"] = {}
-            arrays.update(arr)
-            log.info("yeto-patch: resuming the island's sync state of iteration %d from %s (anchors at versions "
-                     "%s, %d push(es) awaiting their answer)", iteration, path, meta["anchor_version"],
-                     len(meta["pending"]))
-            return {k: meta[k] for k in ("anchor_version", "steps_since", "tokens_since", "pending")}
+            return sync_state.load(sync_state.state_path(directory, iteration), iteration, arrays, self.settings,
+                                   manifest_digest=self.manifest.digest(), layout=self.frags.layout)
         state = self.channel.rank0(read, f"read the island's sync state of iteration {iteration}")
         return state, arrays
 
@@ -355,21 +305,8 @@ class Engine:
         self.data.install(st, base, mode, updates, held)
         st.installed(version)
         rec, st.pending = st.pending, None
-        if self.rank != 0:
-            return
-        ms = (time.perf_counter() - t0) * 1000
-        if rec is not None:
-            rec.update(version=int(version), installed=True, mode=mode, install_ms=round(ms, 2),
-                       pull_lag=self.step - rec["step"], updates=updates)
-            rec["send_ms"] = rec.pop("_send", {}).get("ms")
-            rec.pop("_body", None)
-            self.log.write("boundary", **rec)
-            log.info("yeto-patch: step %d: installed fragment %d v%d (%s, pushed at step %d, lag %d steps, "
-                     "waited %.0f ms)", self.step, f, version, mode, rec["step"], rec["pull_lag"],
-                     rec.get("wait_ms", 0.0))
-        elif why != "start":
-            self.log.write("install", step=self.step, fragment=f, version=int(version), mode=mode,
-                           install_ms=round(ms, 2), reason=why, updates=updates)
+        if self.rank == 0:
+            self.log.installed(self.step, f, version, mode, why, (time.perf_counter() - t0) * 1000, updates, rec)
 
     def _push(self, f, final=False):
         """Every rank: stream fragment f's delta to rank 0, which encodes it and queues the push."""
@@ -379,11 +316,7 @@ class Engine:
             st.pending = {"step": self.step}
             return
         body, gather_s, encode_s = out
-        # the encoded body stays until the push is answered: after a reconnect it is sent again
-        st.pending = {"step": self.step, "fragment": f, "base_version": st.anchor_version, "bytes": int(body.nbytes),
-                      "codec": s.push_dtype, "steps": st.steps_since, "tokens": st.tokens_since,
-                      "gather_ms": round(gather_s * 1000, 2), "encode_ms": round(encode_s * 1000, 2),
-                      "wait_ms": 0.0, "installed": False, "final": final, "_send": {}, "_body": body}
+        st.start_push(self.step, body, s.push_dtype, gather_s, encode_s, final)
         self.link.send_push(st)
         log.debug("yeto-patch: step %d: pushed fragment %d (base v%d, %d bytes %s, gather %.0f ms, encode %.0f ms)",
                   self.step, f, st.anchor_version, body.nbytes, s.push_dtype, gather_s * 1000, encode_s * 1000)
@@ -491,11 +424,7 @@ class Engine:
         t_end = time.monotonic() + s.timeout
 
         def finish():
-            now = time.monotonic()
-            if now >= t_end:
-                raise EngineError(f"yeto-patch: timed out after {s.timeout:.0f}s (YETO_DILOCO_TIMEOUT) waiting "
-                                  f"for the final model from the syncer at {s.syncer}")
-            out = self.link.finish(self.step, min(self._slice(), t_end - now), drain=not by_syncer)
+            out = self.link.final_model(self.step, t_end, self._slice(), drain=not by_syncer)
             if out is None:
                 return None
             got.update(out)

@@ -268,6 +268,16 @@ class SyncerLink:
             return True
         return False
 
+    def final_model(self, last_step: int, deadline: float, slice_s: float, drain: bool):
+        """``finish`` for at most `slice_s`; an EngineError once the monotonic `deadline` (YETO_DILOCO_TIMEOUT
+        after the final cut began) has passed."""
+        s = self.settings
+        now = time.monotonic()
+        if now >= deadline:
+            raise EngineError(f"yeto-patch: timed out after {s.timeout:.0f}s (YETO_DILOCO_TIMEOUT) waiting "
+                              f"for the final model from the syncer at {s.syncer}")
+        return self.finish(last_step, min(slice_s, deadline - now), drain)
+
     def finish(self, last_step: int, timeout: float, drain: bool):
         """One bounded try at the final model: {fragment: Base}, or None to try again (a reconnect happened, or
         it is not complete yet). `drain`: wait for the pushes queued first."""

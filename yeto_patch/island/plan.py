@@ -72,3 +72,19 @@ def plan(step: int, total: int, due: Sequence[int], states, by_syncer: bool) -> 
 def overdue(step: int, tau: int, states) -> List[int]:
     """Fragments whose push was made tau or more steps ago and is still unanswered."""
     return [s.index for s in states if s.pending is not None and step - s.pending["step"] >= tau]
+
+
+def final_step(total_steps, train_iters, step: int) -> int:
+    """The step of the final cut: YETO_DILOCO_TOTAL_STEPS, else the training loop's train_iters; an
+    EngineError when neither says, when it is beyond train_iters or when the run resumes at or past it."""
+    total = total_steps if total_steps is not None else train_iters
+    if total is None:
+        raise EngineError("YETO_DILOCO_TOTAL_STEPS is not set and the training loop does not say how many "
+                          "steps it runs: set YETO_DILOCO_TOTAL_STEPS to the step of the final cut")
+    if train_iters is not None and total > train_iters:
+        raise EngineError(f"YETO_DILOCO_TOTAL_STEPS={total} is beyond Megatron's train_iters="
+                          f"{train_iters}: the final cut would never happen")
+    if total <= step:
+        raise EngineError(f"this run resumes at step {step}, at or past the final cut at step {total} "
+                          f"(YETO_DILOCO_TOTAL_STEPS or train_iters)")
+    return int(total)

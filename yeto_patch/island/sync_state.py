@@ -16,6 +16,7 @@ Each array starts on a 64-byte boundary; the meta lists ``{name, dtype, shape, o
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 from typing import Dict, List, Optional, Tuple
@@ -23,10 +24,11 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import xxhash
 
-__all__ = ["SyncStateError", "state_path", "write_state", "read_state", "capture", "mismatch", "restore"]
+__all__ = ["SyncStateError", "state_path", "write_state", "read_state", "capture", "save", "mismatch", "load", "restore"]
 
 MAGIC = b"YETOSYNC"
 FORMAT_VERSION = 1
+log = logging.getLogger("yeto_patch")
 _HEAD = struct.Struct("<8sIIQ")
 _ALIGN = 64
 _DTYPES = {"float32": np.float32, "uint8": np.uint8}
@@ -126,6 +128,15 @@ def capture(settings, iteration: int, step: int, manifest_digest: str, fragments
     return meta, arrays
 
 
+def save(directory: str, iteration: int, settings, step: int, manifest_digest: str, fragments) -> bool:
+    """Rank 0: write the island's sync state for `iteration` beside Megatron's checkpoint in `directory`."""
+    path = state_path(directory, iteration)
+    meta, arrays = capture(settings, iteration, step, manifest_digest, fragments)
+    n = write_state(path, meta, arrays)
+    log.info("yeto-patch: saved the island's sync state for iteration %d (%.1f MB) to %s", iteration, n / 1e6, path)
+    return True
+
+
 def mismatch(meta: dict, *, manifest_digest: str, layout, iteration: int, island_id: str) -> Optional[str]:
     """Why a saved state does not belong to this run (None when it does)."""
     if meta.get("manifest_digest") != manifest_digest:
@@ -170,3 +181,29 @@ def restore(state: dict, arrays: Dict[str, np.ndarray], fragments, versions: Dic
             if r is not None and r.size == st.numel:
                 st.residual = r.astype(np.float32, copy=True)
     return resend
+
+
+def load(path: str, iteration: int, arrays: Dict[str, np.ndarray], settings, *, manifest_digest: str,
+         layout) -> Optional[dict]:
+    """Rank 0: the state saved at `path` for a restart from `iteration` (its arrays added to `arrays`), or None
+    with a warning saying why this run starts from the syncer's current bases instead."""
+    if not os.path.exists(path):
+        log.warning("yeto-patch: Megatron resumed from iteration %d but %s does not exist (a checkpoint "
+                    "saved without yeto-patch?): this island starts from the syncer's current bases",
+                    iteration, path)
+        return None
+    meta, arr = read_state(path)
+    why = mismatch(meta, manifest_digest=manifest_digest, layout=layout, iteration=iteration,
+                   island_id=settings.island_id)
+    if why:
+        log.warning("yeto-patch: ignoring the sync state %s: %s; this island starts from the syncer's "
+                    "current bases", path, why)
+        return None
+    if (meta.get("push_dtype"), meta.get("block")) != (settings.push_dtype, settings.block):
+        arr = {k: v for k, v in arr.items() if not k.startswith("push.")}   # re-encoded pushes differ
+        meta["pending"] = {}
+    arrays.update(arr)
+    log.info("yeto-patch: resuming the island's sync state of iteration %d from %s (anchors at versions "
+             "%s, %d push(es) awaiting their answer)", iteration, path, meta["anchor_version"],
+             len(meta["pending"]))
+    return {k: meta[k] for k in ("anchor_version", "steps_since", "tokens_since", "pending")}

@@ -1,0 +1,97 @@
+"""The island's restart state from the fragments' state (capture, save, load, restore) without torch."""
+import logging
+import types
+
+import numpy as np
+import pytest
+
+from yeto_patch.island import sync_state
+from yeto_patch.island.errors import EngineError
+from yeto_patch.island.fragments import Fragments
+from yeto_patch.island.plan import final_step
+
+
+def settings(**kw):
+    d = dict(island_id="a", push_dtype="int8", block=256, error_feedback=True)
+    d.update(kw)
+    return types.SimpleNamespace(**d)
+
+
+def island(anchors=(3, 5)):
+    fs = Fragments([[0], [1, 2]], [4, 6], [4, 3, 3])
+    for st, v in zip(fs, anchors):
+        st.installed(v)
+    fs.count_step(7)
+    fs.count_step(5)
+    fs[1].start_push(12, np.arange(10, dtype=np.uint8), "int8", 0.001, 0.002, False)
+    fs[0].residual = np.full(4, 0.5, np.float32)
+    return fs
+
+
+def test_save_then_load_round_trips_the_state(tmp_path):
+    fs = island()
+    assert sync_state.save(str(tmp_path), 40, settings(), 40, "d1", fs)
+    arrays = {}
+    state = sync_state.load(sync_state.state_path(str(tmp_path), 40), 40, arrays, settings(), manifest_digest="d1",
+                            layout=fs.layout)
+    assert state["anchor_version"] == [3, 5] and state["steps_since"] == [2, 2] and state["tokens_since"] == [12, 12]
+    assert state["pending"]["1"]["base_version"] == 5 and "_body" not in state["pending"]["1"]
+    np.testing.assert_array_equal(arrays["push.1"], np.arange(10, dtype=np.uint8))
+    np.testing.assert_array_equal(arrays["residual.0"], np.full(4, 0.5, np.float32))
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(manifest_digest="other"), "manifest differs"),
+    (dict(layout=[[0, 1], [2]]), "another fragment layout"),
+    (dict(iteration=41), "belongs to iteration 40, not 41"),
+    (dict(island_id="b"), "belongs to island 'a'"),
+])
+def test_a_state_of_another_run_is_ignored_with_the_reason(tmp_path, caplog, kw, needle):
+    fs = island()
+    sync_state.save(str(tmp_path), 40, settings(), 40, "d1", fs)
+    it = kw.pop("iteration", 40)
+    st = settings(island_id=kw.pop("island_id", "a"))
+    args = dict(manifest_digest="d1", layout=fs.layout)
+    args.update(kw)
+    path = sync_state.state_path(str(tmp_path), 40)
+    with caplog.at_level(logging.WARNING, logger="yeto_patch"):
+        assert sync_state.load(path, it, {}, st, **args) is None
+    assert needle in caplog.text
+
+
+def test_another_push_codec_drops_the_saved_pushes(tmp_path):
+    fs = island()
+    sync_state.save(str(tmp_path), 40, settings(), 40, "d1", fs)
+    arrays = {}
+    state = sync_state.load(sync_state.state_path(str(tmp_path), 40), 40, arrays, settings(push_dtype="int4"),
+                            manifest_digest="d1", layout=fs.layout)
+    assert state["pending"] == {} and "push.1" not in arrays and "residual.0" in arrays
+
+
+def test_restore_keeps_progress_where_the_anchor_is_current_and_skips_where_merged_past(tmp_path):
+    old = island()
+    sync_state.save(str(tmp_path), 40, settings(), 40, "d1", old)
+    arrays = {}
+    state = sync_state.load(sync_state.state_path(str(tmp_path), 40), 40, arrays, settings(), manifest_digest="d1",
+                            layout=old.layout)
+    fs = Fragments(old.layout, old.numels, [4, 3, 3])
+    versions = {"0": 5, "1": 5}   # fragment 0 was merged twice past its saved anchor v3; fragment 1 is current
+    resend = sync_state.restore(state, arrays, fs, versions, keep={1}, rank=0, error_feedback=True)
+    assert [st.index for st in resend] == [1]
+    assert fs[0].skip == 2 and fs[1].skip == 0
+    assert (fs[1].steps_since, fs[1].tokens_since) == (2, 12) and fs[0].steps_since == 0
+    assert fs[1].pending["base_version"] == 5 and fs[1].repushed == {5}
+    np.testing.assert_array_equal(fs[0].residual, np.full(4, 0.5, np.float32))
+    other = Fragments(old.layout, old.numels, [4, 3, 3])   # another rank: only the pending push's step
+    assert sync_state.restore(state, arrays, other, versions, keep={1}, rank=1, error_feedback=True) == []
+    assert other[1].pending == {"step": 12} and other[0].residual is None
+
+
+def test_final_step():
+    assert final_step(None, 100, 0) == 100 and final_step(50, 100, 10) == 50
+    with pytest.raises(EngineError, match="YETO_DILOCO_TOTAL_STEPS is not set"):
+        final_step(None, None, 0)
+    with pytest.raises(EngineError, match="beyond Megatron's train_iters=100"):
+        final_step(200, 100, 0)
+    with pytest.raises(EngineError, match="resumes at step 50, at or past the final cut at step 50"):
+        final_step(50, 100, 50)
