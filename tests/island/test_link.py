@@ -79,7 +79,7 @@ def test_dial_never_sleeps_past_the_deadline():
     assert slept and all(s <= 0.31 for s in slept)
 
 
-def test_an_island_started_before_its_syncer_connects_when_it_comes_up(tmp_path):
+def test_an_island_started_before_its_syncer_connects_when_it_comes_up(tmp_path, caplog):
     port = free_port()
     # YETO_DILOCO_TIMEOUT=12: the old start-up policy (retries whose back-off fit in half the timeout) gave up
     # after about 3.5 s; a syncer that comes up after 7 s must still be joined
@@ -93,6 +93,7 @@ def test_an_island_started_before_its_syncer_connects_when_it_comes_up(tmp_path)
             out["error"] = e
     t = threading.Thread(target=run)
     t0 = time.monotonic()
+    caplog.set_level("INFO", logger="yeto_patch")
     t.start()
     time.sleep(7.0)   # several attempts fail first
     assert t.is_alive()
@@ -101,6 +102,8 @@ def test_an_island_started_before_its_syncer_connects_when_it_comes_up(tmp_path)
         t.join(30)
         assert "error" not in out, out.get("error")
         assert out["welcome"].fragments == 2 and time.monotonic() - t0 >= 7.0
+        said = [r.getMessage() for r in caplog.records if "does not answer yet" in r.getMessage()]
+        assert len(said) == 1 and "YETO_DILOCO_TIMEOUT" in said[0], said   # said once, not per attempt
     finally:
         link.close()
         s.stop()

@@ -41,9 +41,10 @@ class Backoff:
 
 
 def dial(attempt: Callable[[], object], deadline: float, what: str, backoff: Optional[Backoff] = None,
-         sleep=time.sleep):
+         sleep=time.sleep, on_retry: Optional[Callable[[BaseException, float], None]] = None):
     """Call `attempt()` until it succeeds, an error that is not `recoverable` or the monotonic `deadline`;
-    returns (result, attempts). At the deadline a ConnectError says how long and how often it tried."""
+    returns (result, attempts). At the deadline a ConnectError says how long and how often it tried.
+    `on_retry(error, seconds left)` is called after each failed attempt that is tried again."""
     from yeto_patch.wire.client import recoverable
     from yeto_patch.wire.transport import ConnectError
     backoff = backoff or Backoff()
@@ -59,6 +60,8 @@ def dial(attempt: Callable[[], object], deadline: float, what: str, backoff: Opt
             if left <= 0:
                 raise ConnectError(f"{what}: no answer within YETO_DILOCO_TIMEOUT ({time.monotonic() - t0:.0f}s, "
                                    f"{n} attempts); last: {type(e).__name__}: {e}") from e
+            if on_retry is not None:
+                on_retry(e, left)
             sleep(min(backoff.next(), left))
 
 
@@ -96,7 +99,7 @@ class SyncerLink:
         return SyncerClient(s.syncer, self.key, s.island_id, self.manifest, incarnation=incarnation,
                             timeout=timeout, insecure=s.insecure, connect_retries=0, held=held)
 
-    def _dial(self, incarnation, timeout, held, deadline, what):
+    def _dial(self, incarnation, timeout, held, deadline, what, on_retry=None):
         from yeto_patch.wire.sender import BackgroundSender
 
         def attempt():
@@ -106,7 +109,7 @@ class SyncerLink:
             except BaseException:
                 c.abort()
                 raise
-        (c, w), n = dial(attempt, deadline, what)
+        (c, w), n = dial(attempt, deadline, what, on_retry=on_retry)
         self.client = c
         self.sender = BackgroundSender(self.settings.send_queue_bytes, name="yeto-push-sender")
         return w, n
@@ -115,8 +118,17 @@ class SyncerLink:
         """Connect and say hello (start-up); returns the syncer's Welcome. Waits for a syncer that is not up yet
         for up to YETO_DILOCO_TIMEOUT."""
         s = self.settings
-        w, _ = self._dial(None, s.timeout, self.held, time.monotonic() + s.timeout,
-                          f"connect to the syncer at {s.syncer}")
+        said = []
+
+        def waiting(e, left):
+            if not said:   # once: an island started before its syncer says what it waits for
+                said.append(True)
+                log.info("yeto-patch: the syncer at %s does not answer yet (%s: %s); trying again for up to %.0fs "
+                         "(YETO_DILOCO_TIMEOUT)", s.syncer, type(e).__name__, e, left)
+        w, n = self._dial(None, s.timeout, self.held, time.monotonic() + s.timeout,
+                          f"connect to the syncer at {s.syncer}", on_retry=waiting)
+        if n > 1:
+            log.info("yeto-patch: connected to the syncer at %s (attempt %d)", s.syncer, n)
         return w
 
     def attach(self, fragments) -> None:
