@@ -172,9 +172,12 @@ class Coordinator:
         with self.lock:
             if self.initialized:
                 raise PushRefused("already-initialized", "the run is already initialized; INIT ignored")
-            if not 0 <= index < len(self.frags):
-                raise PushRefused("bad-fragment", f"INIT for fragment {index}, the layout has {len(self.frags)}")
+            if not bounded_int(index, len(self.frags) - 1):
+                raise PushRefused("bad-fragment", f"INIT for fragment {_show(index)}, the layout has "
+                                                  f"{len(self.frags)}")
             f = self.frags[index]
+            if f.has_base:
+                raise PushRefused("duplicate-init", f"a second INIT of fragment {index}; refused")
             try:
                 f.check_init(values)
             except ValueError as e:
@@ -183,6 +186,8 @@ class Coordinator:
         if a is not None:
             raise PushRefused("nonfinite", f"INIT of fragment {index} has a non-finite value near {a}")
         with self.lock:
+            if f.has_base:   # (one initializer, one reader thread: not expected)
+                raise PushRefused("duplicate-init", f"a second INIT of fragment {index}; refused")
             f.install_init(values, shadow=self.down_codec is not None)
             if all(fr.has_base for fr in self.frags):
                 for fr in self.frags:

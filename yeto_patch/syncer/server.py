@@ -386,16 +386,16 @@ class SyncerServer:
 
     def _on_init(self, s: _Session, meta: dict, body) -> None:
         coord = self.coord
-        if coord.initialized:
-            log.info("island %s sent INIT of fragment %s after the run was initialized; ignored", s.island,
-                     meta.get("fragment"))
+        if coord.initialized:   # (docs/protocol.md: a second INIT is an ERROR init)
+            self._refuse(s, "init", "INIT after the run was initialized; refused")
+            s.close()
             return
         if s is not self.initializer:
             self._refuse(s, "init", "INIT not expected from this island (another island initializes the run)")
             s.close()
             return
         try:
-            idx = int(meta["fragment"])
+            idx = meta["fragment"]
             mv = memoryview(body).cast("B")
             if meta.get("dtype", "f32") != "f32" or mv.nbytes % 4:
                 raise PushRefused("bad-init", "INIT bodies are float32")
