@@ -10,7 +10,7 @@ hostile islands that hold the key join it. Then it sends hostile inputs, each pr
   pushes      bad PUSHes on one authenticated connection, refused one by one (PUSH_REPLY "refused") without
               closing it: unknown fragment, NaN/Inf values or scales, a body larger or smaller than the
               fragment, bad codec or block, bad or stale base version, bad counters, missing fields; junk
-              HEARTBEAT/INIT/ACK messages (ignored) in between
+              HEARTBEAT/ACK messages (ignored) in between
   header ...  one connection each, before the handshake: bad magic/version/type and garbage (header),
               lengths above the maxima (oversize), frames cut short then closed (truncated), flipped payload
               or digest bits (digest), malformed CHUNK envelopes and sequences (chunk), malformed meta
@@ -551,7 +551,7 @@ class PushFuzzer:
                 b[4 * i:4 * i + 4] = np.float32(pick([np.nan, np.inf, -1.0, 3.3e38])).tobytes()
             return MsgType.PUSH, meta, bytes(b), "nonfinite"
         # ignored junk: must neither be answered nor change anything
-        t = pick([MsgType.HEARTBEAT, MsgType.INIT, MsgType.ACK])
+        t = pick([MsgType.HEARTBEAT, MsgType.ACK])   # (INIT after initialization is an ERROR init)
         junk = {MsgType.HEARTBEAT: {"step": pick([-1, "x", None, [1, 2]])},
                 MsgType.INIT: {"fragment": f, "numel": n, "dtype": "f32"},
                 MsgType.ACK: {"versions": pick([[99, 99, 99], "all", None])}}[t]

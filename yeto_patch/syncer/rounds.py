@@ -34,73 +34,19 @@ import numpy as np
 
 from ..wire import codecs
 from ..wire.frames import CodecError
+from .fragment import Fragment
 from .layout import fragment_numels, partition
+from .members import Member
 from .merge import ChunkRunner
-from .outer import FragmentTensors, NonFiniteMerge, OuterOptimizer
+from .outer import NonFiniteMerge
+from .records import MergeRecord
+from .settings import WEIGHTINGS, MergeSettings, Push, PushRefused, RoundSettings, bounded_int
 
 __all__ = ["MergeSettings", "RoundSettings", "PushRefused", "Push", "Coordinator", "MergeRecord",
-           "validate_encoded", "WEIGHTINGS", "RWLock"]
+           "validate_encoded", "WEIGHTINGS", "RWLock", "capture", "restore"]
 
 log = logging.getLogger("yeto.syncer")
-WEIGHTINGS = ("equal", "steps", "tokens")
-
-
-@dataclass(frozen=True)
-class MergeSettings:
-    """Everything that changes merge results (stored in checkpoints; a resume must match)."""
-    outer: str = "nesterov"
-    lr: Optional[float] = None
-    momentum: Optional[float] = None
-    delay: int = 1
-    weights: str = "equal"
-    max_base_lag: int = 1
-    late_factor: float = 0.5
-    exact: bool = False
-
-    def optimizer(self) -> OuterOptimizer:
-        return OuterOptimizer(self.outer, self.lr, self.momentum, self.delay)
-
-    def resolved(self) -> dict:
-        o = self.optimizer()
-        return {**o.config(), "weights": self.weights, "max_base_lag": self.max_base_lag,
-                "late_factor": self.late_factor, "exact": self.exact}
-
-
-@dataclass(frozen=True)
-class RoundSettings:
-    islands: int = 1
-    quorum: Optional[int] = None  # default: islands
-    grace_s: float = 5.0
-    timeout_s: float = 600.0
-    lease_s: float = 60.0
-    total_rounds: Optional[int] = None
-
-    @property
-    def k(self) -> int:
-        return self.quorum if self.quorum is not None else self.islands
-
-
-class PushRefused(Exception):
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclass
-class Push:
-    island: str
-    fragment: int
-    base_version: int
-    codec: str
-    block: int
-    body: object  # bytes-like, encoded
-    local_step: int = 0
-    steps: int = 0
-    tokens: int = 0
-    final: bool = False
-    incarnation: str = ""
-    nbytes: int = 0
+_Fragment = Fragment  # (the name this module used before fragments got their own owner)
 
 
 @dataclass
@@ -134,112 +80,17 @@ class _Round:
         return {i for i, c in self.contribs.items() if c.folded}
 
 
-class RWLock:
-    """Many readers (broadcasts streaming a base) or one writer (a merge committing); writers preferred."""
-
-    def __init__(self):
-        self._c = threading.Condition(threading.Lock())
-        self._readers = 0
-        self._writer = False
-        self._waiting_writers = 0
-
-    def acquire_read(self):
-        with self._c:
-            while self._writer or self._waiting_writers:
-                self._c.wait()
-            self._readers += 1
-
-    def release_read(self):
-        with self._c:
-            self._readers -= 1
-            if not self._readers:
-                self._c.notify_all()
-
-    def try_acquire_write(self) -> bool:
-        """Take the write lock only if nobody holds the lock now (never waits)."""
-        with self._c:
-            if self._writer or self._readers:
-                return False
-            self._writer = True
-            return True
-
-    def acquire_write(self):
-        with self._c:
-            self._waiting_writers += 1
-            while self._writer or self._readers:
-                self._c.wait()
-            self._waiting_writers -= 1
-            self._writer = True
-
-    def release_write(self):
-        with self._c:
-            self._writer = False
-            self._c.notify_all()
+def _show(v, limit: int = 40) -> str:
+    """A peer's value for a message: its repr, cut to ``limit`` characters (an integer of thousands of digits
+    or a long string must not end up in replies and logs whole)."""
+    if isinstance(v, int) and v.bit_length() > 128:
+        return f"<an integer of {v.bit_length()} bits>"
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + "..."
 
 
-class _Fragment:
-    def __init__(self, index: int, numel: int):
-        self.index = index
-        self.numel = numel
-        self.t = FragmentTensors(base=None)  # type: ignore[arg-type]
-        self.version = 0
-        self.round = _Round(0)
-        self.carry: list[_Contrib] = []
-        self.rw = RWLock()
-        self.closed = False  # total rounds reached / final cut done
-        self.down: Optional[np.ndarray] = None   # encoded update shadow(version - 1) -> shadow(version)
-        self.down_version = -1
-        self.digests: Optional[tuple] = None     # ((version, id(array)), per-tensor xxh3 hex) for 'held' checks
-
-
-@dataclass
-class Member:
-    island: str
-    incarnation: str
-    last_seen: float
-    connected: int = 0
-    finished: bool = False
-    final_fragments: set = field(default_factory=set)
-    last_step: int = 0
-    pushes: int = 0
-    steps: int = 0
-    tokens: int = 0
-
-    def alive(self, now: float, lease: float) -> bool:
-        return now - self.last_seen <= lease
-
-
-@dataclass
-class MergeRecord:
-    fragment: int
-    version: int  # new version (or the unchanged one when ok is False)
-    ok: bool
-    responders: list
-    total_weight: float
-    bytes: int
-    quorum_s: float
-    merge_s: float
-    grad_norm: float
-    expected: list
-    reason: str = ""
-    t_wall: float = 0.0
-
-    def tape(self) -> dict:
-        return {"time": self.t_wall, "fragment": self.fragment, "version": self.version, "ok": self.ok,
-                "responders": self.responders, "total_weight": self.total_weight, "bytes": self.bytes,
-                "quorum_s": round(self.quorum_s, 6), "merge_s": round(self.merge_s, 6),
-                "outer_grad_norm": self.grad_norm if np.isfinite(self.grad_norm) else None,
-                "expected": self.expected,
-                **({"reason": self.reason} if self.reason else {})}
-
-    def line(self) -> str:
-        who = " ".join(f"{r['island']}(lag {r['lag']}{', carried' if r['carried'] else ''}, w {r['weight']:g})"
-                       for r in self.responders)
-        if not self.ok:
-            return f"merge of fragment {self.fragment} at v{self.version} REFUSED: {self.reason}; from {who}"
-        return (f"merged fragment {self.fragment} -> v{self.version}: {len(self.responders)} push(es) [{who}], "
-                f"{self.bytes / 1e6:.2f} MB in, waited {self.quorum_s:.2f}s, merged in {self.merge_s:.3f}s, "
-                f"|g| {self.grad_norm:.4g}")
+def _refusal_code(e: CodecError) -> str:
+    return "nonfinite" if getattr(e, "code", "") == "nonfinite" else "bad-push"
 
 
 def validate_encoded(codec: str, body, numel: int, block: int) -> None:
@@ -303,31 +154,42 @@ class Coordinator:
             layout = partition(manifest, fragments)
             self.manifest = manifest
             self.layout = layout
-            self.frags = [_Fragment(i, n) for i, n in enumerate(fragment_numels(manifest, layout))]
+            self.frags = [Fragment(i, n, _Round(0)) for i, n in enumerate(fragment_numels(manifest, layout))]
 
     def missing_init(self) -> list[int]:
         with self.lock:
-            return [f.index for f in self.frags if f.t.base is None]
+            return [f.index for f in self.frags if not f.has_base]
+
+    def drop_partial_init(self) -> None:
+        """The initializing island left before INIT completed: forget what it sent (another island sends it)."""
+        with self.lock:
+            if not self.initialized:
+                for f in self.frags:
+                    f.drop_init()
 
     def init_fragment(self, index: int, values: np.ndarray) -> bool:
         """Install INIT values (float32, finite) for a fragment; True when every fragment has its base."""
         with self.lock:
             if self.initialized:
                 raise PushRefused("already-initialized", "the run is already initialized; INIT ignored")
-            if not 0 <= index < len(self.frags):
-                raise PushRefused("bad-fragment", f"INIT for fragment {index}, the layout has {len(self.frags)}")
+            if not bounded_int(index, len(self.frags) - 1):
+                raise PushRefused("bad-fragment", f"INIT for fragment {_show(index)}, the layout has "
+                                                  f"{len(self.frags)}")
             f = self.frags[index]
-            if values.dtype != np.float32 or values.size != f.numel:
-                raise PushRefused("bad-init", f"INIT of fragment {index} must hold {f.numel} float32 values, "
-                                              f"got {values.size} {values.dtype}")
-        for a in range(0, values.size, 1 << 20):
-            if not np.isfinite(values[a:a + (1 << 20)]).all():
-                raise PushRefused("nonfinite", f"INIT of fragment {index} has a non-finite value near {a}")
+            if f.has_base:
+                raise PushRefused("duplicate-init", f"a second INIT of fragment {index}; refused")
+            try:
+                f.check_init(values)
+            except ValueError as e:
+                raise PushRefused("bad-init", str(e)) from None
+        a = f.first_nonfinite(values)
+        if a is not None:
+            raise PushRefused("nonfinite", f"INIT of fragment {index} has a non-finite value near {a}")
         with self.lock:
-            f.t.base = values if values.flags.writeable else values.copy()
-            if self.down_codec is not None:
-                f.t.shadow = f.t.base.copy()
-            if all(fr.t.base is not None for fr in self.frags):
+            if f.has_base:   # (one initializer, one reader thread: not expected)
+                raise PushRefused("duplicate-init", f"a second INIT of fragment {index}; refused")
+            f.install_init(values, shadow=self.down_codec is not None)
+            if all(fr.has_base for fr in self.frags):
                 for fr in self.frags:
                     self.opt.ensure_state(fr.t)
                 self.initialized = True
@@ -416,69 +278,67 @@ class Coordinator:
             raise PushRefused("bad-push", f"push reports {self.ms.weights} = {w!r}; need an integer >= 0")
         return float(w)
 
+    def _checked(self, p: Push) -> tuple[_Fragment, float]:
+        """(lock held) The push's fragment and weight, after the checks of its fields; raises PushRefused."""
+        if not self.initialized:
+            raise PushRefused("not-initialized", "the run has no base yet (waiting for INIT); push refused")
+        if not bounded_int(p.fragment, len(self.frags) - 1):
+            raise PushRefused("bad-fragment", f"push for fragment {_show(p.fragment)}; the layout has "
+                                              f"{len(self.frags)} fragments")
+        f = self.frags[p.fragment]
+        if not bounded_int(p.base_version, f.version):
+            raise PushRefused("bad-base", f"push of fragment {f.index} relative to base v{_show(p.base_version)}, "
+                                          f"but the syncer's newest is v{f.version}")
+        try:
+            codecs.check_codec(p.codec, p.block)
+        except CodecError as e:
+            raise PushRefused("bad-codec", str(e)) from None
+        w = self._weight(p)
+        p.nbytes = memoryview(p.body).nbytes
+        return f, w
+
+    def _admit(self, p: Push, f: _Fragment) -> tuple[Optional[str], int]:
+        """(lock held) The checks of a push against the fragment's state now: ("closed", 0) when the fragment
+        takes no more pushes, else (None, lag); raises PushRefused for a stale or duplicate push."""
+        if f.closed:
+            return "closed", 0
+        lag = f.version - p.base_version + (1 if f.round.closed else 0)
+        if lag > self.ms.max_base_lag:
+            raise PushRefused("stale", f"push of fragment {f.index} is relative to base v{p.base_version} but the "
+                                       f"syncer is at v{f.version} (lag {lag} > max-base-lag "
+                                       f"{self.ms.max_base_lag}); pull the current base and push again")
+        if (p.island, f.index, p.base_version) in self.seen:
+            raise PushRefused("duplicate", f"island {p.island!r} already pushed fragment {f.index} relative to "
+                                           f"base v{p.base_version}; duplicate refused")
+        return None, lag
+
     def accept(self, p: Push) -> tuple[str, int]:
-        """Accept a push (fold it if it answers the open round). Returns (status, lag); raises PushRefused."""
+        """Accept a push (fold it if it answers the open round). Returns (status, lag); raises PushRefused.
+
+        A push held in its encoded form (carried, or ``exact``) is validated outside the lock first; the state
+        checks (:meth:`_admit`) then run on the state at registration, looking again if a merge moved it."""
         with self.lock:
-            if not self.initialized:
-                raise PushRefused("not-initialized", "the run has no base yet (waiting for INIT); push refused")
-            frag = p.fragment
-            if isinstance(frag, bool) or not (isinstance(frag, int) and 0 <= frag < len(self.frags)):
-                raise PushRefused("bad-fragment", f"push for fragment {p.fragment!r}; the layout has "
-                                                  f"{len(self.frags)} fragments")
-            f = self.frags[p.fragment]
-            if f.closed:
-                return "closed", 0
-            if (isinstance(p.base_version, bool) or not isinstance(p.base_version, int) or p.base_version < 0
-                    or p.base_version > f.version):
-                raise PushRefused("bad-base", f"push of fragment {f.index} relative to base v{p.base_version}, but "
-                                              f"the syncer's newest is v{f.version}")
-            try:
-                codecs.check_codec(p.codec, p.block)
-            except CodecError as e:
-                raise PushRefused("bad-codec", str(e)) from None
-            w = self._weight(p)
-            p.nbytes = memoryview(p.body).nbytes
-            key = (p.island, f.index, p.base_version)
-            r = f.round
-            lag = f.version - p.base_version + (1 if r.closed else 0)
-            if lag > self.ms.max_base_lag:
-                raise PushRefused("stale", f"push of fragment {f.index} is relative to base v{p.base_version} but the "
-                                           f"syncer is at v{f.version} (lag {lag} > max-base-lag "
-                                           f"{self.ms.max_base_lag}); pull the current base and push again")
-            if key in self.seen:
-                raise PushRefused("duplicate", f"island {p.island!r} already pushed fragment {f.index} relative to "
-                                               f"base v{p.base_version}; duplicate refused")
-            held = lag != 0 or self.ms.exact
+            f, w = self._checked(p)
+        key = (p.island, f.index, p.base_version)
         validated = False
         while True:
-            if held and not validated:  # a held push is validated now: it is decoded only at merge time
-                try:
-                    validate_encoded(p.codec, p.body, f.numel, p.block)
-                except CodecError as e:
-                    log.warning("refused push of fragment %d from island %s: %s", f.index, p.island, e)
-                    raise PushRefused("nonfinite" if "finite" in str(e) or "scale" in str(e) else "bad-push",
-                                      f"push of fragment {f.index} refused: {e}") from None
-                validated = True
             with self.lock:
-                # state may have moved meanwhile: re-check
-                if key in self.seen:
-                    raise PushRefused("duplicate", f"island {p.island!r} already pushed fragment {f.index} "
-                                                   f"relative to base v{p.base_version}; duplicate refused")
+                status, lag = self._admit(p, f)
+                if status is not None:
+                    return status, 0
                 r = f.round
-                lag = f.version - p.base_version + (1 if r.closed else 0)
-                if f.closed:
-                    return "closed", 0
-                if lag > self.ms.max_base_lag:
-                    raise PushRefused("stale", f"push of fragment {f.index} is relative to base v{p.base_version} "
-                                               f"but the syncer is at v{f.version}; pull the current base and push "
-                                               "again")
                 held = lag != 0 or self.ms.exact
-                if held and not validated:
-                    continue  # the round merged while we looked: validate, then decide again
-                c = self._register(p, f, r, w, lag, held, key)
-                if c is None:
-                    return ("carried", lag) if lag else ("accepted", 0)
-                break
+                if not held or validated:
+                    c = self._register(p, f, r, w, lag, held, key)
+                    if c is None:
+                        return ("carried", lag) if lag else ("accepted", 0)
+                    break
+            try:  # a held push is validated now: it is decoded only at merge time
+                validate_encoded(p.codec, p.body, f.numel, p.block)
+            except CodecError as e:
+                log.warning("refused push of fragment %d from island %s: %s", f.index, p.island, e)
+                raise PushRefused(_refusal_code(e), f"push of fragment {f.index} refused: {e}") from None
+            validated = True
         return self._fold(p, f, r, c, w, key)
 
     def _register(self, p: Push, f: _Fragment, r: _Round, w: float, lag: int, held: bool,
@@ -543,8 +403,7 @@ class Coordinator:
             self.cond.notify_all()
         if err is not None:
             log.warning("refused push of fragment %d from island %s: %s", f.index, p.island, err)
-            raise PushRefused("nonfinite" if "finite" in str(err) or "scale" in str(err) else "bad-push",
-                              f"push of fragment {f.index} refused: {err}")
+            raise PushRefused(_refusal_code(err), f"push of fragment {f.index} refused: {err}")
         return "accepted", 0
 
     # --------------------------------------------------------------------------------------- scheduling
@@ -619,14 +478,8 @@ class Coordinator:
         a stream returns None at once (the round stays open; the caller retries later and merges other
         fragments meanwhile)."""
         f = self.frags[index]
-        if wait_streams:
-            f.rw.acquire_write()
-        elif not f.rw.try_acquire_write():
-            return None
-        try:
-            return self._merge_locked(f, index, force)
-        finally:
-            f.rw.release_write()
+        with f.writing(wait_streams) as held:
+            return self._merge_locked(f, index, force) if held else None
 
     def _merge_locked(self, f: _Fragment, index: int, force: bool) -> Optional[MergeRecord]:
         with self.lock:
@@ -691,9 +544,7 @@ class Coordinator:
                 for c in fresh + carried:
                     m = self.members.get(c.island)
                     if m is not None:
-                        m.pushes += 1
-                        m.steps += int(c.push.steps or 0)
-                        m.tokens += int(c.push.tokens or 0)
+                        m.credit(c.push.steps, c.push.tokens)
                 self._check_total_rounds()
                 lo = f.version - self.ms.max_base_lag - 1
                 self.seen = {k for k in self.seen if k[1] != index or k[2] >= lo}
@@ -712,19 +563,9 @@ class Coordinator:
                            grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall)
 
     def _base_update(self, f: _Fragment, scratch: np.ndarray, version: int) -> None:
-        """shadow += decode(encode(base - shadow)); the encoded update goes to islands holding the previous
-        shadow. (The merge holds the fragment's write lock; ``scratch`` is the spent accumulator.)"""
-        try:
-            np.subtract(f.t.base, f.t.shadow, out=scratch)
-            body = codecs.encode(self.down_codec, scratch, self.down_block, name=f"fragment {f.index} base update",
-                                 threads=self.runner.threads)
-            codecs.decode(self.down_codec, body, f.numel, self.down_block, out=scratch, threads=self.runner.threads)
-            np.add(f.t.shadow, scratch, out=f.t.shadow)
-            f.down, f.down_version = body, version
-        except CodecError as e:   # not expected (base and shadow are finite): islands get the full base instead
-            log.error("fragment %d: base update to v%d not encodable (%s); sending the full base", f.index, version, e)
-            np.copyto(f.t.shadow, f.t.base)
-            f.down, f.down_version = None, -1
+        """shadow += decode(encode(base - shadow)) (the merge holds the fragment's write lock; ``scratch`` is the
+        spent accumulator)."""
+        f.encode_update(self.down_codec, self.down_block, scratch, version, self.runner.threads)
 
     @staticmethod
     def _resp(c: _Contrib, lag: int, w: float, carried: bool) -> dict:
@@ -733,86 +574,15 @@ class Coordinator:
                 "steps": p.steps, "tokens": p.tokens, "local_step": p.local_step, "codec": p.codec,
                 "bytes": int(p.nbytes)}
 
+    def resumed(self, merges_total: int, members: dict, merged: set) -> None:
+        """(restore) The rest of a checkpoint's committed state, once every fragment's arrays are installed."""
+        with self.lock:
+            self.merges_total = merges_total
+            self.members.update(members)
+            self.seen = merged
+            self.initialized = True
+            self._check_total_rounds()
 
 
-# ------------------------------------------------------------------------------------ checkpoint state
-def capture(coord: Coordinator, extra: Optional[dict] = None):
-    """A consistent :class:`~.checkpoint.Snapshot` of the committed state (call between merges)."""
-    from ..wire import auth
-    from .checkpoint import FORMAT_VERSION, Snapshot
-    from .layout import manifest_to_json
-
-    with coord.lock:
-        frags, arrays = [], []
-        for f in coord.frags:
-            frags.append({"index": f.index, "numel": f.numel, "version": f.version})
-            d = {"base": f.t.base}
-            if f.t.momentum is not None:
-                d["momentum"] = f.t.momentum
-            if f.t.delay_buf is not None:
-                d["delay_buf"] = f.t.delay_buf
-            if f.t.shadow is not None:
-                d["shadow"] = f.t.shadow
-            arrays.append(d)
-        # pushes already merged (refused as duplicates after a resume); those of open rounds are not merged
-        # and are lost with the process: their islands push them again
-        unmerged = set()
-        for f in coord.frags:
-            for c in list(f.round.contribs.values()) + list(f.carry):
-                unmerged.add((c.island, f.index, c.push.base_version))
-        merged = sorted([i, fr, b] for i, fr, b in coord.seen if (i, fr, b) not in unmerged)
-        ledger = {i: {"incarnation": m.incarnation, "pushes": m.pushes, "steps": m.steps, "tokens": m.tokens,
-                      "last_step": m.last_step, "finished": m.finished,
-                      "final_fragments": sorted(m.final_fragments)} for i, m in coord.members.items()}
-        meta = {"format": "yeto-syncer-checkpoint", "format_version": FORMAT_VERSION, "created_unix": time.time(),
-                "manifest": manifest_to_json(coord.manifest),
-                "manifest_digest": auth.manifest_digest(coord.manifest).hex(),
-                "layout": coord.layout, "merge_config": coord.ms.resolved(), "merges_total": coord.merges_total,
-                "fragments": frags, "ledger": ledger, "merged_pushes": merged, **(extra or {})}
-    return Snapshot(meta, arrays)
-
-
-def restore(coord: Coordinator, meta: dict, arrays: list) -> None:
-    """Install a loaded checkpoint into a fresh coordinator (refuses a different merge configuration)."""
-    from ..wire import auth
-    from .checkpoint import CheckpointError
-    from .layout import normalize_manifest
-
-    want = coord.ms.resolved()
-    have = meta.get("merge_config", {})
-    diff = [k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
-    if diff:
-        raise CheckpointError("the checkpoint was written with a different merge configuration: " + ", ".join(
-            f"{k}={have.get(k)!r} (now {want.get(k)!r})" for k in diff) + "; resume with the same settings")
-    manifest = normalize_manifest(meta["manifest"])
-    if auth.manifest_digest(manifest).hex() != meta.get("manifest_digest"):
-        raise CheckpointError("checkpoint manifest digest does not match its manifest")
-    layout = meta["layout"]
-    with coord.lock:
-        coord.set_manifest(manifest, len(layout))
-        if coord.layout != layout:
-            raise CheckpointError("checkpoint layout differs from the layout this syncer computes for its manifest")
-        for f, fm, arr in zip(coord.frags, meta["fragments"], arrays):
-            if fm["numel"] != f.numel or arr.get("base") is None or arr["base"].size != f.numel:
-                raise CheckpointError(f"checkpoint fragment {f.index} has the wrong size")
-            f.t.base = arr["base"]
-            f.t.momentum = arr.get("momentum")
-            f.t.delay_buf = arr.get("delay_buf")
-            if coord.down_codec is not None:   # islands rejoin with the full shadow; without one: shadow = base
-                sh = arr.get("shadow")
-                f.t.shadow = sh if sh is not None and sh.size == f.numel else f.t.base.copy()
-            coord.opt.ensure_state(f.t)
-            f.version = int(fm["version"])
-            f.round = _Round(f.version)
-        coord.merges_total = int(meta.get("merges_total", 0))
-        for island, e in meta.get("ledger", {}).items():
-            # members of the resumed run are expected again for one lease (they reconnect with back-off)
-            coord.members[island] = Member(island, e.get("incarnation", ""), last_seen=coord.clock(),
-                                           finished=bool(e.get("finished", False)),
-                                           final_fragments={int(x) for x in e.get("final_fragments", [])},
-                                           last_step=int(e.get("last_step", 0)),
-                                           pushes=int(e.get("pushes", 0)), steps=int(e.get("steps", 0)),
-                                           tokens=int(e.get("tokens", 0)))
-        coord.seen = {(str(i), int(fr), int(b)) for i, fr, b in meta.get("merged_pushes", [])}
-        coord.initialized = True
-        coord._check_total_rounds()
+from .rwlock import RWLock  # noqa: E402,F401  (re-exported: names this module used to define)
+from .snapshot import capture, restore  # noqa: E402,F401

@@ -10,74 +10,38 @@ that is slower than the merges receives the newest version only.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
-import xxhash
 
 from ..wire import auth, codecs
 from ..wire.frames import MAX_PAYLOAD, AuthError, MsgType, PeerError, ProtocolError, WireTimeout
-from ..wire.message import encode_meta
 from ..wire.transport import Connection, listen
 from .checkpoint import CheckpointError, CheckpointWriter, read_checkpoint
+from .config import BASE_WIRE, ServerConfig
 from .layout import first_difference, normalize_manifest
 from .merge import ChunkRunner
 from .metrics import Metrics, Tape
-from .rounds import Coordinator, MergeRecord, MergeSettings, Push, PushRefused, RoundSettings, capture, restore
+from .pushes import accept_push, parse_push, refusal
+from .records import MergeRecord
+from .rounds import Coordinator
+from .session import BASE_UPDATES, SEND_CHUNK, aligned_meta  # noqa: F401  (SEND_CHUNK: re-exported)
+from .session import Session as _Session
+from .settings import Push, PushRefused
+from .snapshot import capture, restore
 
 __all__ = ["ServerConfig", "SyncerServer", "aligned_meta"]
 
 log = logging.getLogger("yeto.syncer")
-SEND_CHUNK = 4 << 20  # bytes per body piece handed to the transport
 MAX_PUSHES_IN_FLIGHT = 2  # per connection, handed to the fold pool and not yet accepted/refused
-BASE_WIRE = ("f32", "bf16", "int8", "int4")
-BASE_UPDATES = ("int8", "int4")   # quantized change from the island's previous base, error carried to the next
 #: What an unauthenticated peer may send: one HELLO (or PROBE); anything else is refused from its header, so a
 #: hostile length or chunk total cannot make the syncer reserve memory before the MAC is checked.
 HANDSHAKE_MAX = {t: 64 << 10 for t in MsgType if t not in (MsgType.CHUNK, MsgType.HELLO)}
-
-
-def aligned_meta(meta: dict, align: int = 64) -> dict:
-    """Pad ``meta`` (key ``"_pad"``) so that the message body starts ``align``-aligned in the payload: the
-    receiver can then view float32 bodies in place."""
-    m = dict(meta)
-    m["_pad"] = ""
-    n = 4 + len(encode_meta(m))
-    m["_pad"] = " " * ((-n) % align)
-    return m
-
-
-@dataclass
-class ServerConfig:
-    listen: str = "127.0.0.1:7640"
-    islands: int = 1
-    fragments: int = 1
-    key: Optional[bytes] = None
-    insecure: bool = False
-    merge: MergeSettings = field(default_factory=MergeSettings)
-    rounds: RoundSettings = field(default_factory=RoundSettings)
-    base_wire: str = "f32"
-    checkpoint: Optional[str] = None
-    checkpoint_every: int = 0
-    background_checkpoint: bool = False
-    resume: bool = False
-    metrics_port: Optional[int] = None
-    metrics_addr: str = "0.0.0.0"
-    tape: Optional[str] = None
-    merge_threads: Optional[int] = None
-    heartbeat_s: Optional[float] = None  # default lease / 4
-    io_timeout_s: float = 120.0
-    handshake_timeout_s: float = 30.0
-    final_ack_timeout_s: float = 60.0
-    max_handshakes: int = 64   # connections not yet authenticated held at once (more are closed at once) ...
-    max_handshakes_per_host: int = 16   # ... and from one address
 
 
 def _host_of(sock) -> str:
@@ -85,96 +49,6 @@ def _host_of(sock) -> str:
         return str(sock.getpeername()[0])
     except OSError:
         return "?"
-
-
-class _Session:
-    def __init__(self, server: "SyncerServer", conn: Connection):
-        self.server = server
-        self.conn = conn
-        self.island: Optional[str] = None
-        self.incarnation = 0
-        self.cv = threading.Condition()
-        self.outbox: collections.deque = collections.deque()
-        self.bases: "collections.OrderedDict[int, tuple[str, bool]]" = collections.OrderedDict()
-        self.closed = False
-        self.bye = False
-        self.joined = False
-        self.host = "?"
-        self.final_acked: Optional[list] = None
-        self.writer: Optional[threading.Thread] = None
-        self.reader: Optional[threading.Thread] = None
-        self.inflight = False
-        self.pushes_inflight = 0
-        self.held: dict = {}   # fragment -> version of the last base sent on this connection (writer thread)
-        self.declared: Optional[list] = None   # HELLO's per-tensor digests of the weights the island holds
-
-    def wait_pushes(self, timeout: float) -> None:
-        """Wait (bounded) until the pushes this connection handed to the fold pool are accepted or refused."""
-        end = time.monotonic() + timeout
-        with self.cv:
-            while self.pushes_inflight and time.monotonic() < end:
-                self.cv.wait(0.05)
-
-    def drain(self, timeout: float) -> None:
-        """Wait (bounded) until everything posted so far was sent."""
-        end = time.monotonic() + timeout
-        with self.cv:
-            while (self.outbox or self.bases or self.inflight) and not self.closed:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return
-                self.cv.wait(min(left, 0.05))
-
-    # ---------------------------------------------------------------------------------------- outbox
-    def post(self, msg_type: MsgType, meta: dict) -> None:
-        with self.cv:
-            if not self.closed:
-                self.outbox.append((msg_type, meta))
-                self.cv.notify()
-
-    def post_base(self, fragment: int, dtype: str, final: bool = False) -> None:
-        """Ask the writer to send fragment's current base (coalesces; f32 and final win over bf16)."""
-        with self.cv:
-            if self.closed:
-                return
-            old = self.bases.pop(fragment, None)
-            if old is not None:
-                dtype = "f32" if "f32" in (dtype, old[0]) else "check" if "check" in (dtype, old[0]) else dtype
-                final = final or old[1]
-            self.bases[fragment] = (dtype, final)
-            self.cv.notify()
-
-    def close(self) -> None:
-        with self.cv:
-            self.closed = True
-            self.cv.notify_all()
-        self.conn.close()
-
-    def writer_loop(self) -> None:
-        try:
-            while True:
-                with self.cv:
-                    while not self.closed and not self.outbox and not self.bases:
-                        self.cv.wait()
-                    if self.closed:
-                        return
-                    if self.outbox:
-                        item = ("msg",) + self.outbox.popleft()
-                    else:
-                        frag, (dtype, final) = self.bases.popitem(last=False)
-                        item = ("base", frag, dtype, final)
-                    self.inflight = True
-                if item[0] == "msg":
-                    self.conn.send(item[1], item[2])
-                else:
-                    self.server._send_base(self, item[1], item[2], item[3])
-                with self.cv:
-                    self.inflight = False
-                    self.cv.notify_all()
-        except (ProtocolError, OSError) as e:
-            if not self.closed and not self.server.final_done:
-                log.warning("island %s: send failed (%s); closing its connection", self.island, e)
-            self.close()
 
 
 class SyncerServer:
@@ -315,7 +189,7 @@ class SyncerServer:
             sock.settimeout(None)
             conn = Connection(sock, timeout=self.cfg.io_timeout_s, max_payload=HANDSHAKE_MAX,
                               max_reassembly_bytes=MAX_PAYLOAD[MsgType.HELLO])
-            s = _Session(self, conn)
+            s = _Session(conn, self._send_base, lambda: self.final_done)
             s.host = host
             self.all_sessions.add(s)
             s.reader = threading.Thread(target=self._session_main, args=(s,), daemon=True,
@@ -512,16 +386,16 @@ class SyncerServer:
 
     def _on_init(self, s: _Session, meta: dict, body) -> None:
         coord = self.coord
-        if coord.initialized:
-            log.info("island %s sent INIT of fragment %s after the run was initialized; ignored", s.island,
-                     meta.get("fragment"))
+        if coord.initialized:   # (docs/protocol.md: a second INIT is an ERROR init)
+            self._refuse(s, "init", "INIT after the run was initialized; refused")
+            s.close()
             return
         if s is not self.initializer:
             self._refuse(s, "init", "INIT not expected from this island (another island initializes the run)")
             s.close()
             return
         try:
-            idx = int(meta["fragment"])
+            idx = meta["fragment"]
             mv = memoryview(body).cast("B")
             if meta.get("dtype", "f32") != "f32" or mv.nbytes % 4:
                 raise PushRefused("bad-init", "INIT bodies are float32")
@@ -544,21 +418,10 @@ class SyncerServer:
                     other.post_base(f, "check" if other.declared else "f32")
 
     def _on_push(self, s: _Session, meta: dict, body) -> None:
-        def count(name):
-            v = meta.get(name, 0)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name}={v!r} (need an integer >= 0)")
-            return v
-
         try:
-            p = Push(island=s.island, fragment=meta["fragment"], base_version=meta["base_version"],
-                     codec=str(meta["codec"]), block=count("block") or codecs.DEFAULT_BLOCK, body=body,
-                     local_step=count("local_step"), steps=count("steps"), tokens=count("tokens"),
-                     final=bool(meta.get("final", False)), incarnation=str(s.incarnation))
-        except (KeyError, ValueError, TypeError) as e:
-            s.post(MsgType.PUSH_REPLY, {"fragment": meta.get("fragment"), "base_version": meta.get("base_version"),
-                                        "status": "refused", "code": "bad-push",
-                                        "message": f"malformed PUSH: missing or bad field {e}"})
+            p = parse_push(s.island, s.incarnation, meta, body)
+        except PushRefused as e:
+            s.post(MsgType.PUSH_REPLY, refusal(meta.get("fragment"), meta.get("base_version"), e.code, e.message))
             return
         self.metrics.bytes_in.labels("push").inc(memoryview(body).nbytes)
         # validate/decode/fold on the fold pool so this connection's reader goes on (heartbeats, the next
@@ -576,31 +439,15 @@ class SyncerServer:
 
     def _process_push(self, s: _Session, p: Push) -> None:
         try:
-            self._accept_push(s, p)
+            reply = accept_push(self.coord, p, s.island)
+            self.metrics.pushes.labels(reply["status"]).inc()
         except Exception:  # noqa: BLE001 - a bug must not take the syncer down
             log.exception("internal error while accepting a push from island %s", s.island)
-            s.post(MsgType.PUSH_REPLY, {"fragment": p.fragment, "base_version": p.base_version, "status": "refused",
-                                        "code": "internal", "message": "internal error in the syncer (see its log)"})
+            reply = refusal(p.fragment, p.base_version, "internal", "internal error in the syncer (see its log)")
         finally:  # (the coordinator owns p.body now: held for carried/exact pushes, released after a fold)
             with s.cv:
                 s.pushes_inflight -= 1
                 s.cv.notify_all()
-
-    def _accept_push(self, s: _Session, p: Push) -> None:
-        reply = {"fragment": p.fragment, "base_version": p.base_version}
-        try:
-            status, lag = self.coord.accept(p)
-            reply.update(status=status, lag=lag)
-            if status == "closed":
-                reply["message"] = "this fragment takes no more pushes (final cut / total rounds reached)"
-        except PushRefused as e:
-            log.warning("refused push of fragment %s (base v%s) from island %s: %s", p.fragment, p.base_version,
-                        s.island, e.message)
-            reply.update(status="refused", code=e.code, message=e.message)
-            status = "refused"
-        self.metrics.pushes.labels(status).inc()
-        if p.fragment is not None and isinstance(p.fragment, int) and 0 <= p.fragment < len(self.coord.frags):
-            reply["version"] = self.coord.frags[p.fragment].version
         s.post(MsgType.PUSH_REPLY, reply)
         with self.coord.cond:
             self.coord.cond.notify_all()
@@ -616,8 +463,7 @@ class SyncerServer:
                 coord.disconnected(s.island, s.bye)
                 if self.initializer is s and not coord.initialized:
                     # INIT must come from one island: drop a partial INIT and ask another island
-                    for f in coord.frags:
-                        f.t.base = None
+                    coord.drop_partial_init()
                     self.initializer = None
                     for other in self.sessions.values():
                         if not other.closed:
@@ -632,59 +478,14 @@ class SyncerServer:
 
     # ------------------------------------------------------------------------------------------ sending
     def _send_base(self, s: _Session, frag: int, dtype: str, final: bool) -> None:
-        f = self.coord.frags[frag]
-        f.rw.acquire_read()
-        try:
-            if not final and s.held.get(frag) == f.version:
-                return   # this connection already carried this version (an island joining while INIT completed)
-            # islands hold the shadow when bases go out as updates (the final model is the base itself)
-            base = f.t.base if final or f.t.shadow is None else f.t.shadow
-            n = f.numel
-            update = (dtype in BASE_UPDATES and not final and f.down is not None and f.down_version == f.version
-                      and s.held.get(frag) == f.version - 1)
-            if dtype == "check":   # the island declared what it holds: skip the download when it is this base
-                dtype = "held" if (not final and frag not in s.held
-                                   and self._digests(f, base) == [s.declared[i] for i in self.coord.layout[frag]]) \
-                    else "f32"
-            if dtype in BASE_UPDATES and not update:
-                dtype = "f32"   # the island does not hold the previous version: the full shadow
-            meta = {"fragment": frag, "version": f.version, "dtype": dtype, "numel": n, "final": final}
-            if update:
-                meta.update(delta_from=f.version - 1, block=self.coord.down_block)
-            meta = aligned_meta(meta)
-            step = SEND_CHUNK // 4
-            if dtype == "held":
-                body_len, it = 0, iter(())
-            elif update:
-                body = memoryview(f.down).cast("B")
-                body_len = body.nbytes
-                it = (body[a:a + SEND_CHUNK] for a in range(0, body_len, SEND_CHUNK))
-            elif dtype == "f32":
-                body_len = 4 * n
-                it = (memoryview(base[a:a + step]).cast("B") for a in range(0, n, step))
-            else:
-                body_len = 2 * n
-                it = (codecs.encode("bf16", base[a:a + step], name=f"fragment {frag}", threads=1)
-                      for a in range(0, n, step))
-            s.conn.send(MsgType.FINAL_BASE if final else MsgType.BASE, meta, body_len=body_len, body_iter=it)
-            s.held[frag] = f.version
-        finally:
-            f.rw.release_read()
-        self.metrics.bytes_out.labels("final" if final else "base").inc(body_len)
-
-    def _digests(self, f, arr) -> list:
-        """xxh3_64 of each tensor of fragment f in ``arr`` (f32 little-endian bytes), cached per version (called
-        under the fragment's read lock)."""
-        key = (f.version, id(arr))
-        if f.digests is not None and f.digests[0] == key:
-            return f.digests[1]
-        out, off = [], 0
-        for i in self.coord.layout[f.index]:
-            n = int(np.prod(self.coord.manifest[i][1], dtype=np.int64))
-            out.append(xxhash.xxh3_64_hexdigest(memoryview(arr[off:off + n]).cast("B")))
-            off += n
-        f.digests = (key, out)
-        return out
+        """(s's writer thread) Stream fragment ``frag``'s current base to ``s`` (see Session.stream_base)."""
+        coord = self.coord
+        tensors = coord.layout[frag]
+        sizes = [int(np.prod(coord.manifest[i][1], dtype=np.int64)) for i in tensors]
+        n = s.stream_base(coord.frags[frag], lambda d: d == [s.declared[i] for i in tensors], sizes,
+                          coord.down_block, dtype, final)
+        if n is not None:
+            self.metrics.bytes_out.labels("final" if final else "base").inc(n)
 
     # ---------------------------------------------------------------------------------------- scheduling
     def _schedule_loop(self) -> None:

@@ -175,7 +175,8 @@ def _as_bytes(buf) -> np.ndarray:
 def _nonfinite(x: np.ndarray, name: str, offset: int) -> CodecError:
     bad = np.flatnonzero(~np.isfinite(x))
     i = int(bad[0]) if bad.size else 0
-    return CodecError(f"{name}: non-finite value {x[i]!r} at index {offset + i}; refusing to encode")
+    return CodecError(f"{name}: non-finite value {x[i]!r} at index {offset + i}; refusing to encode",
+                      code="nonfinite")
 
 
 def _blocks(a: np.ndarray, block: int):
@@ -388,7 +389,8 @@ def _check_decode_args(codec, buf, numel, block):
         if nb and not ok.all():
             bad = int(np.flatnonzero(~ok)[0])
             raise CodecError(f"{codec} data has an invalid scale {scales[bad]!r} in block {bad} "
-                             f"(scales must be finite, >= 0 and <= {float(_MAX_SCALE[codec]):.3e})")
+                             f"(scales must be finite, >= 0 and <= {float(_MAX_SCALE[codec]):.3e})",
+                             code="nonfinite")
         b = b[4 * nb:]
     return b, scales
 
@@ -455,7 +457,7 @@ def decode_accumulate(codec: str, buf, numel: int, weight: float, acc: np.ndarra
         raise CodecError(f"acc must be a writeable contiguous float32 array of shape ({numel},)")
     w = float(weight)
     if not np.isfinite(w):
-        raise CodecError(f"weight must be finite, got {weight!r}")
+        raise CodecError(f"weight must be finite, got {weight!r}", code="nonfinite")
     if numel:
         if codec in ("f32", "bf16"):  # no scales were checked: validate the values first (acc unchanged)
             _run(numel, block, lambda a, b: _validate_plain(codec, codes, a, b), threads)
@@ -469,14 +471,14 @@ def _validate_plain(codec, codes, a, b):
         v = codes[4 * a: 4 * b].view(_F32)
         if not np.isfinite(v).all():
             i = int(np.flatnonzero(~np.isfinite(v))[0])
-            raise CodecError(f"f32 data has a non-finite value at index {a + i}")
+            raise CodecError(f"f32 data has a non-finite value at index {a + i}", code="nonfinite")
     else:
         u = codes[2 * a: 2 * b].view(np.uint16)
         t = _scratch("u16", u.size, np.uint16)
         np.bitwise_and(u, np.uint16(0x7F80), out=t)
         if t.max() == 0x7F80:
             i = int(np.flatnonzero(t == 0x7F80)[0])
-            raise CodecError(f"bf16 data has a non-finite value at index {a + i}")
+            raise CodecError(f"bf16 data has a non-finite value at index {a + i}", code="nonfinite")
 
 
 def _finish(dst, a, b, acc, w, scratch_used):
@@ -501,7 +503,7 @@ def _dec_f32(codes, scales, out, a, b, block, acc, w):
         return
     if not np.isfinite(v).all():
         i = int(np.flatnonzero(~np.isfinite(v))[0])
-        raise CodecError(f"f32 data has a non-finite value at index {a + i}")
+        raise CodecError(f"f32 data has a non-finite value at index {a + i}", code="nonfinite")
     out[a:b] = v
 
 
@@ -512,7 +514,7 @@ def _dec_bf16(codes, scales, out, a, b, block, acc, w):
         np.bitwise_and(u, np.uint16(0x7F80), out=t)
         if t.max() == 0x7F80:
             i = int(np.flatnonzero(t == 0x7F80)[0])
-            raise CodecError(f"bf16 data has a non-finite value at index {a + i}")
+            raise CodecError(f"bf16 data has a non-finite value at index {a + i}", code="nonfinite")
     d = _target(out, a, b, acc)
     di = d.view(np.uint32)
     np.copyto(di, u, casting="unsafe")

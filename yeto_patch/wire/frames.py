@@ -45,7 +45,12 @@ class AuthError(ProtocolError):
 
 
 class CodecError(ProtocolError):
-    """Codec misuse or bad encoded data (non-finite input, bad length, bad scales)."""
+    """Codec misuse or bad encoded data (non-finite input, bad length, bad scales). ``code`` says which kind:
+    ``"nonfinite"`` (a NaN/Inf value, an invalid scale, a non-finite weight) or ``"bad-data"`` (anything else)."""
+
+    def __init__(self, message: str, code: str = "bad-data"):
+        super().__init__(message)
+        self.code = code
 
 
 class PeerError(ProtocolError):

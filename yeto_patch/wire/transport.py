@@ -90,6 +90,7 @@ class Connection:
         self._recv_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._broken: Optional[str] = None
+        self._error_ok = False   # broken at a message boundary: an ERROR may still be sent
         self._closed = False
         _tune(sock)
         sock.settimeout(timeout)
@@ -107,15 +108,17 @@ class Connection:
         self._reasm.max_bytes = max_reassembly_bytes
 
     # -------------------------------------------------------------------------------------- state
-    def _check_usable(self) -> None:
+    def _check_usable(self, error: bool = False) -> None:
+        """``error``: an ERROR message, which may still go out after a bad meta (see :meth:`recv`)."""
         if self._closed:
             raise ProtocolError(f"connection to {self.peer} is closed")
-        if self._broken:
+        if self._broken and not (error and self._error_ok):
             raise ProtocolError(f"connection to {self.peer} is unusable after an earlier error: {self._broken}")
 
     def _break(self, why: str) -> None:
         if not self._broken:
             self._broken = why
+        self._error_ok = False
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -170,7 +173,7 @@ class Connection:
             length += memoryview(p).nbytes
         header = encode_header(msg_type, length, h.intdigest(), flags)
         with self._send_lock:
-            self._check_usable()
+            self._check_usable(msg_type == MsgType.ERROR)
             self._sendmsg_all([header] + parts)
 
     def send(self, msg_type: int, meta: Optional[dict] = None, body: Body = b"", *,
@@ -178,7 +181,7 @@ class Connection:
         """Send one message. ``body`` is a buffer or a list of buffers (sent without joining); for streaming,
         pass ``body_iter`` (yielding buffers) with ``body_len`` given up front. Payloads larger than the chunk
         size go out as CHUNK frames, one lock acquisition per frame (other messages may interleave)."""
-        self._check_usable()
+        self._check_usable(msg_type == MsgType.ERROR)
         t = MsgType(msg_type)
         if t == MsgType.CHUNK:
             raise FrameError("CHUNK frames are produced by the transport, not sent directly")
@@ -307,14 +310,27 @@ class Connection:
             wait = self.timeout if timeout is None else timeout
             self._end, self._within = (None, None) if within is None else (time.monotonic() + within, within)
             try:
-                return self._recv(wait)
+                t, payload = self._recv(wait)
             except (FrameError, DigestError) as e:
                 self._break(str(e))
                 raise
             finally:
                 self._end = None
+        try:
+            return self._deliver(t, payload)
+        except FrameError as e:
+            # a bad meta in a complete frame whose digest matched: nothing more is read, but the stream is in
+            # step, so an ERROR naming the cause may still go out before the close (docs/protocol.md)
+            if not self._broken:
+                self._broken = str(e)
+                self._error_ok = True
+                try:
+                    self.sock.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
+            raise
 
-    def _recv(self, wait: float) -> tuple[MsgType, dict, memoryview]:
+    def _recv(self, wait: float) -> tuple[MsgType, memoryview]:
         hdr = bytearray(HEADER_SIZE)
         deadline = time.monotonic() + wait
         while True:
@@ -332,7 +348,7 @@ class Connection:
                 self._recv_into(memoryview(payload))
                 if xxhash.xxh3_64_intdigest(payload) != h.digest:
                     raise DigestError(f"digest mismatch in {h.msg_type.name} message from {self.peer}")
-                return self._deliver(h.msg_type, memoryview(payload))
+                return h.msg_type, memoryview(payload)
             if h.length < ENVELOPE_SIZE:
                 raise FrameError(f"CHUNK frame of {h.length} bytes is shorter than its envelope")
             envb = bytearray(ENVELOPE_SIZE)
@@ -350,7 +366,7 @@ class Connection:
                                   f"(offset {env.offset})")
             done = self._reasm.commit(env, n)
             if done is not None:
-                return self._deliver(done[0], memoryview(done[1]))
+                return done[0], memoryview(done[1])
             # a message is flowing: wait for its next frame as long as for any stalled read
             deadline = max(deadline, time.monotonic() + self.timeout)
 

@@ -1,0 +1,37 @@
+"""The syncer server's configuration (built by :mod:`.cli` from its flags)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .settings import MergeSettings, RoundSettings
+
+__all__ = ["ServerConfig", "BASE_WIRE"]
+
+BASE_WIRE = ("f32", "bf16", "int8", "int4")
+
+
+@dataclass
+class ServerConfig:
+    listen: str = "127.0.0.1:7640"
+    islands: int = 1
+    fragments: int = 1
+    key: Optional[bytes] = None
+    insecure: bool = False
+    merge: MergeSettings = field(default_factory=MergeSettings)
+    rounds: RoundSettings = field(default_factory=RoundSettings)
+    base_wire: str = "f32"
+    checkpoint: Optional[str] = None
+    checkpoint_every: int = 0
+    background_checkpoint: bool = False
+    resume: bool = False
+    metrics_port: Optional[int] = None
+    metrics_addr: str = "0.0.0.0"
+    tape: Optional[str] = None
+    merge_threads: Optional[int] = None
+    heartbeat_s: Optional[float] = None  # default lease / 4
+    io_timeout_s: float = 120.0
+    handshake_timeout_s: float = 30.0
+    final_ack_timeout_s: float = 60.0
+    max_handshakes: int = 64   # connections not yet authenticated held at once (more are closed at once) ...
+    max_handshakes_per_host: int = 16   # ... and from one address

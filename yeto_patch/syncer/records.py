@@ -1,0 +1,41 @@
+"""One merge's record: the log line and the JSONL tape entry (``--tape``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["MergeRecord"]
+
+
+@dataclass
+class MergeRecord:
+    fragment: int
+    version: int  # new version (or the unchanged one when ok is False)
+    ok: bool
+    responders: list
+    total_weight: float
+    bytes: int
+    quorum_s: float
+    merge_s: float
+    grad_norm: float
+    expected: list
+    reason: str = ""
+    t_wall: float = 0.0
+
+    def tape(self) -> dict:
+        return {"time": self.t_wall, "fragment": self.fragment, "version": self.version, "ok": self.ok,
+                "responders": self.responders, "total_weight": self.total_weight, "bytes": self.bytes,
+                "quorum_s": round(self.quorum_s, 6), "merge_s": round(self.merge_s, 6),
+                "outer_grad_norm": self.grad_norm if np.isfinite(self.grad_norm) else None,
+                "expected": self.expected,
+                **({"reason": self.reason} if self.reason else {})}
+
+    def line(self) -> str:
+        who = " ".join(f"{r['island']}(lag {r['lag']}{', carried' if r['carried'] else ''}, w {r['weight']:g})"
+                       for r in self.responders)
+        if not self.ok:
+            return f"merge of fragment {self.fragment} at v{self.version} REFUSED: {self.reason}; from {who}"
+        return (f"merged fragment {self.fragment} -> v{self.version}: {len(self.responders)} push(es) [{who}], "
+                f"{self.bytes / 1e6:.2f} MB in, waited {self.quorum_s:.2f}s, merged in {self.merge_s:.3f}s, "
+                f"|g| {self.grad_norm:.4g}")

@@ -1,0 +1,171 @@
+"""One island's connection on the syncer: its outbox, the bases queued for it, and the writer thread.
+
+The reader (the server's connection handler) posts messages and base requests; the writer thread sends them
+in order, streaming bases from the live arrays of a :class:`~.fragment.Fragment` under its read lock.  Requests
+to send the same fragment's base coalesce, so an island slower than the merges receives the newest version.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+from ..wire import codecs
+from ..wire.frames import MsgType, ProtocolError
+from ..wire.message import encode_meta
+from ..wire.transport import Connection
+from .fragment import Fragment
+
+__all__ = ["Session", "aligned_meta", "SEND_CHUNK", "BASE_UPDATES"]
+
+log = logging.getLogger("yeto.syncer")
+SEND_CHUNK = 4 << 20  # bytes per body piece handed to the transport
+BASE_UPDATES = ("int8", "int4")   # quantized change from the island's previous base, error carried to the next
+
+
+def aligned_meta(meta: dict, align: int = 64) -> dict:
+    """Pad ``meta`` (key ``"_pad"``) so that the message body starts ``align``-aligned in the payload: the
+    receiver can then view float32 bodies in place."""
+    m = dict(meta)
+    m["_pad"] = ""
+    n = 4 + len(encode_meta(m))
+    m["_pad"] = " " * ((-n) % align)
+    return m
+
+
+class Session:
+    """``send_base(session, fragment, dtype, final)`` sends one queued base (the server's: it knows the
+    fragments); ``quiet()`` says whether a failed send is expected (the run is over) and not worth a warning."""
+
+    def __init__(self, conn: Connection, send_base: Callable[["Session", int, str, bool], None],
+                 quiet: Callable[[], bool] = lambda: False):
+        self.conn = conn
+        self._send_base = send_base
+        self._quiet = quiet
+        self.island: Optional[str] = None
+        self.incarnation = 0
+        self.cv = threading.Condition()
+        self.outbox: collections.deque = collections.deque()
+        self.bases: "collections.OrderedDict[int, tuple[str, bool]]" = collections.OrderedDict()
+        self.closed = False
+        self.bye = False
+        self.joined = False
+        self.host = "?"
+        self.final_acked: Optional[list] = None
+        self.writer: Optional[threading.Thread] = None
+        self.reader: Optional[threading.Thread] = None
+        self.inflight = False
+        self.pushes_inflight = 0
+        self.held: dict = {}   # fragment -> version of the last base sent on this connection (writer thread)
+        self.declared: Optional[list] = None   # HELLO's per-tensor digests of the weights the island holds
+
+    def wait_pushes(self, timeout: float) -> None:
+        """Wait (bounded) until the pushes this connection handed to the fold pool are accepted or refused."""
+        end = time.monotonic() + timeout
+        with self.cv:
+            while self.pushes_inflight and time.monotonic() < end:
+                self.cv.wait(0.05)
+
+    def drain(self, timeout: float) -> None:
+        """Wait (bounded) until everything posted so far was sent."""
+        end = time.monotonic() + timeout
+        with self.cv:
+            while (self.outbox or self.bases or self.inflight) and not self.closed:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                self.cv.wait(min(left, 0.05))
+
+    # ---------------------------------------------------------------------------------------- outbox
+    def post(self, msg_type: MsgType, meta: dict) -> None:
+        with self.cv:
+            if not self.closed:
+                self.outbox.append((msg_type, meta))
+                self.cv.notify()
+
+    def post_base(self, fragment: int, dtype: str, final: bool = False) -> None:
+        """Ask the writer to send fragment's current base (coalesces; f32 and final win over bf16)."""
+        with self.cv:
+            if self.closed:
+                return
+            old = self.bases.pop(fragment, None)
+            if old is not None:
+                dtype = "f32" if "f32" in (dtype, old[0]) else "check" if "check" in (dtype, old[0]) else dtype
+                final = final or old[1]
+            self.bases[fragment] = (dtype, final)
+            self.cv.notify()
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+        self.conn.close()
+
+    def writer_loop(self) -> None:
+        try:
+            while True:
+                with self.cv:
+                    while not self.closed and not self.outbox and not self.bases:
+                        self.cv.wait()
+                    if self.closed:
+                        return
+                    if self.outbox:
+                        item = ("msg",) + self.outbox.popleft()
+                    else:
+                        frag, (dtype, final) = self.bases.popitem(last=False)
+                        item = ("base", frag, dtype, final)
+                    self.inflight = True
+                if item[0] == "msg":
+                    self.conn.send(item[1], item[2])
+                else:
+                    self._send_base(self, item[1], item[2], item[3])
+                with self.cv:
+                    self.inflight = False
+                    self.cv.notify_all()
+        except (ProtocolError, OSError) as e:
+            if not self.closed and not self._quiet():
+                log.warning("island %s: send failed (%s); closing its connection", self.island, e)
+            self.close()
+
+    # ------------------------------------------------------------------------------------------ bases
+    def stream_base(self, f: Fragment, declared_ok: Callable[[list], bool], sizes: list, down_block: int,
+                    dtype: str, final: bool) -> Optional[int]:
+        """(writer thread) Send fragment ``f``'s current base as BASE (or FINAL_BASE) in ``dtype``: "f32",
+        "bf16", a base update codec (when this connection holds the previous version, else f32) or "check"
+        ("held" without a body when ``declared_ok(digests)`` says the island declared exactly this base, else
+        f32). ``sizes``: the fragment's tensor sizes. Returns the body bytes sent (None: nothing to send)."""
+        frag = f.index
+        with f.reading():
+            if not final and self.held.get(frag) == f.version:
+                return None   # this connection already carried this version (an island joining while INIT completed)
+            base = f.outgoing(final)
+            n = f.numel
+            down = None if final or dtype not in BASE_UPDATES else f.update_for(self.held.get(frag))
+            if dtype == "check":   # the island declared what it holds: skip the download when it is this base
+                dtype = "held" if (not final and frag not in self.held and declared_ok(f.digests(base, sizes))) \
+                    else "f32"
+            if dtype in BASE_UPDATES and down is None:
+                dtype = "f32"   # the island does not hold the previous version: the full shadow
+            meta = {"fragment": frag, "version": f.version, "dtype": dtype, "numel": n, "final": final}
+            if down is not None:
+                meta.update(delta_from=f.version - 1, block=down_block)
+            meta = aligned_meta(meta)
+            step = SEND_CHUNK // 4
+            if dtype == "held":
+                body_len, it = 0, iter(())
+            elif down is not None:
+                body = memoryview(down).cast("B")
+                body_len = body.nbytes
+                it = (body[a:a + SEND_CHUNK] for a in range(0, body_len, SEND_CHUNK))
+            elif dtype == "f32":
+                body_len = 4 * n
+                it = (memoryview(base[a:a + step]).cast("B") for a in range(0, n, step))
+            else:
+                body_len = 2 * n
+                it = (codecs.encode("bf16", base[a:a + step], name=f"fragment {frag}", threads=1)
+                      for a in range(0, n, step))
+            self.conn.send(MsgType.FINAL_BASE if final else MsgType.BASE, meta, body_len=body_len, body_iter=it)
+            self.held[frag] = f.version
+        return body_len
