@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
 # Create (or reuse) a virtual environment for one supported environment and print its path.
-#   scripts/venv.sh py312|py311
+#   scripts/venv.sh py312|py311|py312-launchers
 # The venv lives outside the clone, in ${YETO_VENV_CACHE:-$HOME/.cache/yeto-patch/venvs}/<env>-<hash>,
 # keyed by the hash of the requirement files, so a second run (or another clone) reuses it.
+# py312-launchers is py312 plus ms-swift and Megatron-Bridge (the latter from <env>-nodeps.txt, --no-deps).
 set -euo pipefail
 env_name="${1:-py312}"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 case "$env_name" in
   py312) py_ver=3.12 ;;
   py311) py_ver=3.11 ;;
-  *) echo "usage: $0 py312|py311" >&2; exit 2 ;;
+  py312-launchers) py_ver=3.12 ;;
+  *) echo "usage: $0 py312|py311|py312-launchers" >&2; exit 2 ;;
 esac
 req="$here/requirements/$env_name.txt"
-hash="$(cat "$req" "$here/requirements/common.txt" | sha256sum | cut -c1-16)"
+nodeps="$here/requirements/$env_name-nodeps.txt"
+# Every requirement file the environment reads goes into the key (py312/py311: their file and common.txt).
+hashed=("$req" "$here/requirements/common.txt")
+if [ "$env_name" = py312-launchers ]; then
+  hashed+=("$here/requirements/py312.txt" "$here/requirements/constraints-launchers.txt" "$nodeps")
+fi
+hash="$(cat "${hashed[@]}" | sha256sum | cut -c1-16)"
 cache="${YETO_VENV_CACHE:-$HOME/.cache/yeto-patch/venvs}"
 venv="$cache/$env_name-$hash"
 find_python() {
@@ -36,6 +44,9 @@ if [ ! -f "$venv/.complete" ]; then
   rm -rf "$venv"; mv "$venv.tmp" "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >&2 || true
   (cd "$here/requirements" && "$venv/bin/python" -m pip install -q -r "$env_name.txt") >&2
+  if [ -f "$nodeps" ]; then
+    (cd "$here/requirements" && "$venv/bin/python" -m pip install -q --no-deps -r "$nodeps") >&2
+  fi
   touch "$venv/.complete"
 fi
 # The package itself: editable, no dependency resolution, so console scripts point at this clone.

@@ -92,6 +92,19 @@ def _bootstrap_status():
     return False, "NOT active: sitecustomize.py of yeto-patch is not next to the package (install from a checkout)"
 
 
+def _print_launchers(hooks, rows, out) -> None:
+    """Which launchers this environment has, and which hooks attach for each (from the survey when it ran)."""
+    status = {name: st for name, _, st in (rows or ())}
+    print("\nlaunchers (recognised here, and the hooks that attach for each):", file=out)
+    for launcher, dist, version, names in hooks.launchers():
+        if version is None:
+            print(f"  {launcher:36s} not installed ({dist})", file=out)
+            continue
+        print(f"  {launcher:36s} recognised: {dist} {version}", file=out)
+        for name in names:
+            print(f"    {name:34s} {status.get(name, 'not surveyed (--no-import)')}", file=out)
+
+
 def doctor(argv) -> int:
     """Check the configuration, versions, hooks and the syncer handshake of this environment."""
     ap = argparse.ArgumentParser(prog="yeto-patch doctor", description=doctor.__doc__)
@@ -143,6 +156,8 @@ def doctor(argv) -> int:
             ok = False
             print("  ERROR: no Megatron optimizer or training loop found to attach to", file=out)
         print(f"  (surveyed in {time.time() - t0:.1f}s)", file=out)
+
+    _print_launchers(hooks, None if a.no_import else rows, out)
 
     print("\nsyncer handshake:", file=out)
     if a.no_handshake:

@@ -259,24 +259,6 @@ def test_early_final_cut_uses_megatrons_exit_interval(fn, monkeypatch):
     assert out == fn(*range(len(__import__("inspect").signature(fn).parameters)))   # result untouched
 
 
-def test_bridge_facts_and_final_cut():
-    gs = types.SimpleNamespace(
-        train_state=types.SimpleNamespace(step=6),
-        cfg=types.SimpleNamespace(train=types.SimpleNamespace(train_iters=20, global_batch_size=8),
-                                  model=types.SimpleNamespace(seq_length=128)),
-        tokenizer=types.SimpleNamespace(vocab_size=32000))
-
-    def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state):
-        return ({}, 0, False, False, 0, 1.0, 0)
-    FinishingRecorder.finish_at = 6
-    with shim(factory=FinishingRecorder):
-        out = _call(train_step, bridge_train.train_step_wrapper, "f", "d", ["m"], "opt", "sched", global_state=gs)
-        rec = Recorder.instances[0]
-    assert rec.facts == dict(iteration=6, train_iters=20, tokens=1024, vocab_size=32000)
-    assert rec.model == ["m"] and rec.optimizer == "opt"
-    assert out[2:5] == (True, True, 0)
-
-
 def test_bind_tolerates_unbindable_calls():
     def f(a, b):
         return a

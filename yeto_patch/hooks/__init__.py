@@ -14,6 +14,9 @@ mcore_layer_wise_optimizer         megatron.core.optimizer.layer_wise_optimizer:
                                    LayerWiseDistributedOptimizer.step (where defined)
 mlm_training                       megatron.training.training: train_step (Megatron-LM)
 bridge_train                       megatron.bridge.training.train: train_step (Megatron-Bridge)
+bridge_checkpointing               megatron.bridge.training.checkpointing: save_checkpoint, load_checkpoint
+swift_megatron                     swift.megatron.trainers.base: BaseMegatronTrainer.train_step,
+                                   save_checkpoint, _load_checkpoint (ms-swift ``megatron sft`` / ``pt``)
 =================================  ==========================================================================
 
 ``install()`` registers a wrapt post-import hook per target: a target already imported is patched at once, the
@@ -39,6 +42,8 @@ HOOK_MODULES = (
     "mcore_layer_wise_optimizer",
     "mlm_training",
     "bridge_train",
+    "bridge_checkpointing",
+    "swift_megatron",
 )
 
 _lock = threading.RLock()
@@ -139,6 +144,12 @@ def survey() -> list:
         except Exception as err:
             rows.append((hook_name, target, f"present but fails to import: {type(err).__name__}: {err}"))
             continue
+        wraps = getattr(mod, "WRAPS", None)
+        if wraps is not None:   # dotted names inside the target (functions, Class.method)
+            own = [w for w in wraps if callable(_lookup(module, w))]
+            rows.append((hook_name, target, ("would attach: " + ", ".join(own)) if own else
+                         "present; none of " + ", ".join(wraps) + " found (another release?)"))
+            continue
         names = getattr(mod, "CLASSES", ("train_step",))
         own = [n for n in names if (n == "train_step" and callable(getattr(module, n, None)))
                or ("step" in vars(getattr(module, n, object)))]
@@ -148,3 +159,30 @@ def survey() -> list:
         else:
             rows.append((hook_name, target, "present; nothing of its own to wrap (inherited steps are covered)"))
     return rows
+
+
+def _lookup(module, dotted):
+    obj = module
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def launchers() -> list:
+    """For `yeto-patch doctor`: (launcher, its package and version or None when not installed, hook modules that
+    serve it), from each hook module's LAUNCHER / DISTRIBUTION. Imports nothing of Megatron."""
+    import importlib.metadata as md
+    seen = {}
+    for hook_name in HOOK_MODULES:
+        mod = _hook(hook_name)
+        name = getattr(mod, "LAUNCHER", None) or "any loop (megatron-core optimizers)"
+        dist = getattr(mod, "DISTRIBUTION", None) or "megatron-core"
+        row = seen.setdefault(name, [name, dist, None, []])
+        try:
+            row[2] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+        row[3].append(hook_name)
+    return [tuple(r) for r in seen.values()]

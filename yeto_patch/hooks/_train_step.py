@@ -2,17 +2,18 @@
 and, at the final cut, tell Megatron's loop to checkpoint and stop.
 
 ``train_step`` differs across releases (Megatron-LM 0.17 takes no ``pg_collection``/``p2p_communicator`` and
-returns 7 values; 0.19 returns 8; Megatron-Bridge takes ``global_state`` and returns 7; releases before 0.12
-returned 4 values without the checkpoint/exit flags). Arguments are found by name through the wrapped
-function's signature, so positional or keyword calls both work.
+returns 7 values; 0.19 returns 8; Megatron-Bridge 0.6 takes 9 arguments, ``global_state`` among them, and returns
+8; releases before 0.12 returned 4 values without the checkpoint/exit flags; ms-swift's
+``BaseMegatronTrainer.train_step`` returns 3). Arguments are found by name through the wrapped function's
+signature, so positional or keyword calls both work.
 
 At the final cut:
-- at Megatron's own last iteration nothing is changed: the loop ends and saves as usual (iteration = train_iters);
-- earlier (YETO_DILOCO_TOTAL_STEPS < train_iters), Megatron-LM is asked to stop through its own exit rule
-  (``args.exit_interval`` = this iteration + 1), so its checkpoint carries the right iteration number; when that
-  is not available (and for Megatron-Bridge) the returned flags ``(loss, skipped, should_checkpoint, should_exit,
-  exit_code, ...)`` are set to checkpoint and exit (Megatron then labels the checkpoint with the iteration
-  before this step's increment).
+- at the loop's own last iteration nothing is changed: the loop ends and saves as usual (iteration = train_iters);
+- earlier (YETO_DILOCO_TOTAL_STEPS < train_iters), the loop is asked to stop through its own rule (the caller's
+  ``on_early_exit``: Megatron-LM's and Bridge's exit interval = this iteration + 1, ms-swift's train_iters = this
+  iteration + 1), so its checkpoint carries the right iteration number; when that is not available the returned
+  flags ``(loss, skipped, should_checkpoint, should_exit, exit_code, ...)`` are set to checkpoint and exit
+  (Megatron then labels the checkpoint with the iteration before this step's increment).
 """
 from __future__ import annotations
 

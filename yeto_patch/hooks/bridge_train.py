@@ -1,10 +1,20 @@
 """Hook for ``megatron.bridge.training.train`` (Megatron-Bridge's loop): ``train_step``, looked up as a global of
 that module by ``train``, so the module attribute is what gets wrapped. Bridge passes a ``GlobalState`` whose
-``cfg`` holds the schedule and ``train_state.step`` the iteration."""
+``cfg`` holds the schedule and ``train_state.step`` the iteration.
+
+At a final cut before Bridge's last iteration, Bridge's own exit rule is used (``cfg.train.exit_interval`` = this
+iteration + 1): after the step it saves a checkpoint numbered by the steps it holds and leaves the loop. (Bridge's
+checkpoint-and-exit flags would save before ``train_state.step`` is incremented: a checkpoint labelled N holding
+N + 1 updates, so a resume would train one batch twice.) The sync state travels with Bridge's checkpoints
+through ``bridge_checkpointing``."""
 
 from . import _train_step, _wrap
 
 TARGET = "megatron.bridge.training.train"
+LAUNCHER = "Megatron-Bridge"
+WRAPS = ("train_step",)
+DISTRIBUTION = "megatron-bridge"     # the package whose versions SUPPORTED names
+SUPPORTED = (">=0.6.2,<0.7",)        # tested here: 0.6.2 (megatron-core 0.19.2)
 
 
 def _facts(bound) -> dict:
@@ -33,9 +43,21 @@ def _facts(bound) -> dict:
     return facts
 
 
+def _exit_after_this_iteration(bound, iteration):
+    """Bridge checks ``train_state.step % cfg.train.exit_interval == 0`` after every step (and saves first)."""
+    gs = bound.get("global_state", bound.get("state"))
+    train = getattr(getattr(gs, "cfg", None), "train", None)
+    if iteration is None or train is None or not hasattr(train, "exit_interval"):
+        return False
+    train.exit_interval = iteration + 1
+    return True
+
+
 def train_step_wrapper(wrapped, instance, args, kwargs):
-    facts = _facts(_train_step.bind(wrapped, args, kwargs))
-    return _train_step.run(wrapped, args, kwargs, facts)
+    bound = _train_step.bind(wrapped, args, kwargs)
+    facts = _facts(bound)
+    return _train_step.run(wrapped, args, kwargs, facts,
+                           on_early_exit=lambda: _exit_after_this_iteration(bound, facts["iteration"]))
 
 
 patch, unpatch, patched = _wrap.function_hook(TARGET, "train_step", train_step_wrapper, __name__)

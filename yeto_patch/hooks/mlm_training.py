@@ -7,6 +7,9 @@ from . import _train_step, _wrap
 from ._runtime import RUNTIME
 
 TARGET = "megatron.training.training"
+LAUNCHER = "Megatron-LM"
+DISTRIBUTION = "megatron-core"     # megatron.training ships in its wheels >= 0.17
+WRAPS = ("train_step", "save_checkpoint", "load_checkpoint")
 
 
 def _facts(bound) -> dict:

@@ -1,0 +1,81 @@
+"""Megatron-Bridge's real `pretrain()` as DiLoCo islands, attached only through PYTHONPATH and YETO_*: a TP2 bf16
+island with the distributed optimizer and a DP2 fp32 island, a syncer, a final cut before Bridge's last
+iteration. Bridge leaves its loop through its own exit interval, so the checkpoint it saves there is numbered by
+the steps it holds, and both islands' checkpoints hold the syncer's final model."""
+import json
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+
+from tests.launchers import need
+from tests.launchers import launch as L
+from tests.shim import procs as P
+
+pytestmark = need("megatron.bridge")
+
+ITERS, CUT = 6, 4
+LAYERS = 2
+
+
+def losses(log: str) -> list:
+    return [float(m) for m in re.findall(r"lm loss: ([0-9.]+E[+-][0-9]+)", log)]
+
+
+def per_layer(model: dict) -> dict:
+    out = {}
+    for k, v in model.items():
+        if k.startswith("optimizer.") or k.startswith("rng_state"):
+            continue
+        if k.startswith("decoder.layers."):
+            rest = k[len("decoder.layers."):]
+            rest = {"mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+                    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+                    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias"}.get(rest, rest)
+            assert v.shape[0] == LAYERS, (k, v.shape)
+            for i in range(LAYERS):
+                out[f"decoder.layers.{i}.{rest}"] = v[i]
+        else:
+            out[k] = v
+    return out
+
+
+@pytest.mark.timeout(1500)
+def test_two_bridge_pretrain_islands_of_different_layouts_end_with_the_same_model(tmp_path):
+    t0 = time.time()
+    port = P.free_port()
+    key = P.key_file(tmp_path)
+    syncer = P.start_syncer(tmp_path, port, islands=2, fragments=2, key=key)
+    islands = []
+    for name, layout in (("tp2", ["--tp", "2", "--bf16"]), ("dp2", [])):
+        args = [*layout, "--iters", str(ITERS), "--save", str(tmp_path / name / "ckpt"), "--save-interval", "100"]
+        islands.append(L.start_bridge(tmp_path, name, args, yeto=L.yeto_env(
+            port, key, name, tmp_path, YETO_DILOCO_SYNC_EVERY=2, YETO_DILOCO_TOTAL_STEPS=CUT)))
+    rcs = P.wait_all([*islands, syncer], timeout=1300)
+    assert rcs == [0, 0, 0], P.logs([*islands, syncer])
+    print(f"two Bridge pretrain() islands + syncer: {time.time() - t0:.0f}s")
+
+    final, versions = P.syncer_model(str(tmp_path / "syncer.ckpt"))
+    models = {}
+    for isl in islands:
+        log = isl.text()
+        assert "installed the syncer's final model" in log, log[-3000:]
+        assert f"exiting program at iteration {CUT}" in log, log[-3000:]   # Bridge's own exit rule
+        ls = losses(log)
+        assert len(ls) == CUT and ls[-1] < ls[0], ls
+        ckpt = tmp_path / isl.name / "ckpt"
+        with open(ckpt / "latest_checkpointed_iteration.txt") as f:
+            assert f.read().strip() == str(CUT)     # numbered by the updates it holds (not CUT - 1)
+        models[isl.name] = per_layer(L.dist_checkpoint(L.only_iter_dir(ckpt)))
+    a, b = models["tp2"], models["dp2"]
+    assert sorted(a) == sorted(b) == sorted(final), sorted(set(a) ^ set(final))
+    for k, v in final.items():
+        assert np.array_equal(b[k], v), (k, float(np.abs(b[k] - v).max()))            # fp32 island: exact
+        assert np.array_equal(a[k], P.as_bf16(v)), (k, float(np.abs(a[k] - v).max()))  # bf16: the base, cast
+    with open(tmp_path / "tape.jsonl") as f:
+        tape = [json.loads(line) for line in f if line.strip()]
+    assert tape and all(sorted(r["island"] for r in t["responders"]) == ["dp2", "tp2"] for t in tape), tape
+    assert versions == {0: 3, 1: 2}, versions

@@ -1,0 +1,159 @@
+"""The launcher hooks' mechanics against objects shaped like the real ones (the real launchers are in
+tests/launchers): ms-swift's BaseMegatronTrainer (facts from self.state / self.args, the final cut shortens its
+loop, checkpoints carry the sync state) and Megatron-Bridge's train_step (9 arguments, 8 results; the final cut
+uses Bridge's exit interval) and checkpointing functions."""
+import sys
+import types
+
+import wrapt
+
+from yeto_patch.hooks import _runtime, bridge_checkpointing, bridge_train, swift_megatron
+from tests.shim.workers import Recorder, shim
+
+
+class FinishingRecorder(Recorder):
+    finish_at = None
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.started, self.saved, self.resume = False, [], None
+
+    def on_train_step_start(self, **facts):
+        super().on_train_step_start(**facts)
+        self.facts = facts
+        self.finished = facts.get("iteration") == self.finish_at
+
+    def save_sync_state(self, directory, iteration):
+        self.saved.append((directory, iteration))
+
+    def set_resume(self, directory, iteration):
+        self.resume = (directory, iteration)
+
+
+def _fake_swift(monkeypatch):
+    """A module `swift.megatron.trainers.base` with ms-swift 4.6's loop in miniature."""
+    mod = types.ModuleType(swift_megatron.TARGET)
+
+    class BaseMegatronTrainer:
+        def __init__(self, train_iters, load=None):
+            self.args = types.SimpleNamespace(train_iters=train_iters, global_batch_size=4, seq_length=64,
+                                              mcore_model=load, finetune=load is None)
+            self.state = types.SimpleNamespace(iteration=0, last_model_checkpoint=None)
+            self.config = types.SimpleNamespace(vocab_size=512)
+            self.wrapped_models, self.optimizer = ["chunk"], "opt"
+            self._load_checkpoint()
+
+        def _load_checkpoint(self):
+            if self.args.mcore_model:
+                self.state.iteration = 3
+
+        def train_step(self, train_data_iterator):
+            return {"loss": 1.0}, 0.5, True
+
+        def save_checkpoint(self):
+            self.state.last_model_checkpoint = f"/out/checkpoint-{self.state.iteration}"
+
+        def train(self):   # BaseMegatronTrainer.train / run_train_step / DefaultFlowCallback, reduced
+            while self.state.iteration < self.args.train_iters:
+                self.train_step(None)
+                self.state.iteration += 1
+            self.save_checkpoint()
+    mod.BaseMegatronTrainer = BaseMegatronTrainer
+    for name in ("swift", "swift.megatron", "swift.megatron.trainers"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, swift_megatron.TARGET, mod)
+    return BaseMegatronTrainer
+
+
+def test_swift_trainer_facts_final_cut_and_checkpoints(monkeypatch):
+    T = _fake_swift(monkeypatch)
+    FinishingRecorder.finish_at = 3
+    with shim(factory=FinishingRecorder) as hooks:
+        swift_megatron.patch()
+        assert set(hooks.patched()) >= {f"{swift_megatron.TARGET}.BaseMegatronTrainer.{m}"
+                                        for m in swift_megatron.METHODS}
+        t = T(train_iters=10)
+        t.train()
+        rec = Recorder.instances[0]
+        assert rec.facts == dict(iteration=3, train_iters=10, tokens=256, vocab_size=512)
+        assert rec.model == ["chunk"] and rec.optimizer == "opt"
+        assert t.args.train_iters == 4 and t.state.iteration == 4      # the loop ended after the cut's step
+        assert t.state.last_model_checkpoint == "/out/checkpoint-4"
+        swift_megatron.unpatch()
+        assert not swift_megatron.patched()
+
+
+def test_swift_checkpoint_save_and_resume_reach_the_engine(monkeypatch):
+    T = _fake_swift(monkeypatch)
+    FinishingRecorder.finish_at = None
+    with shim(factory=FinishingRecorder):
+        swift_megatron.patch()
+        t = T(train_iters=5, load="/out/checkpoint-3")          # --mcore_model ... --finetune false
+        assert _runtime.RUNTIME.loaded == ("/out/checkpoint-3", 3)
+        t.train()
+        rec = Recorder.instances[0]
+        assert rec.resume == ("/out/checkpoint-3", 3)
+        assert rec.saved == [("/out/checkpoint-5", 5)]
+        assert [c for c in rec.calls if c[0] == "train_step_start"] == [("train_step_start", 3),
+                                                                        ("train_step_start", 4)]
+        swift_megatron.unpatch()
+
+
+def _bridge_train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state, pg_collection,
+                       forward_backward_func, p2p_communicator):   # Megatron-Bridge 0.6.2's signature
+    return ({}, 0, False, False, 0, 1.0, 0, None)
+
+
+def _gs(step):
+    return types.SimpleNamespace(
+        train_state=types.SimpleNamespace(step=step),
+        cfg=types.SimpleNamespace(train=types.SimpleNamespace(train_iters=20, global_batch_size=8, exit_interval=None),
+                                  model=types.SimpleNamespace(seq_length=128),
+                                  checkpoint=types.SimpleNamespace(save="/ck", load="/ck")),
+        tokenizer=types.SimpleNamespace(vocab_size=32000))
+
+
+def test_bridge_facts_and_final_cut_through_the_exit_interval():
+    gs = _gs(6)
+    FinishingRecorder.finish_at = 6
+    with shim(factory=FinishingRecorder):
+        out = wrapt.FunctionWrapper(_bridge_train_step, bridge_train.train_step_wrapper)(
+            "f", "d", ["m"], "opt", "sched", gs, "pg", "fb", "p2p")
+        rec = Recorder.instances[0]
+    assert rec.facts == dict(iteration=6, train_iters=20, tokens=1024, vocab_size=32000)
+    assert rec.model == ["m"] and rec.optimizer == "opt"
+    assert gs.cfg.train.exit_interval == 7              # Bridge saves at step 7 (its label) and leaves the loop
+    assert out == _bridge_train_step(*range(9))          # the flags are left alone
+
+
+def test_bridge_final_cut_at_its_last_iteration_changes_nothing():
+    gs = _gs(19)
+    FinishingRecorder.finish_at = 19
+    with shim(factory=FinishingRecorder):
+        wrapt.FunctionWrapper(_bridge_train_step, bridge_train.train_step_wrapper)(
+            "f", "d", ["m"], "opt", "sched", gs, "pg", "fb", "p2p")
+    assert gs.cfg.train.exit_interval is None
+
+
+def test_bridge_checkpoints_carry_the_sync_state():
+    def save_checkpoint(state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                        checkpointing_context=None, non_persistent_ckpt=False, **kw):
+        return None
+
+    def load_checkpoint(state, model, optimizer, opt_param_scheduler, strict=True, **kw):
+        return 6, 0.0
+    FinishingRecorder.finish_at = None
+    with shim(factory=FinishingRecorder):
+        load = wrapt.FunctionWrapper(load_checkpoint, bridge_checkpointing.load_checkpoint_wrapper)
+        save = wrapt.FunctionWrapper(save_checkpoint, bridge_checkpointing.save_checkpoint_wrapper)
+        assert load(state=_gs(6), model=[], optimizer=None, opt_param_scheduler=None) == (6, 0.0)
+        assert _runtime.RUNTIME.loaded == ("/ck", 6)
+        wrapt.FunctionWrapper(_bridge_train_step, bridge_train.train_step_wrapper)(
+            "f", "d", ["m"], "opt", "sched", _gs(6), "pg", "fb", "p2p")
+        rec = Recorder.instances[0]
+        assert rec.resume == ("/ck", 6)
+        save(state=_gs(8), model=[], optimizer=None, opt_param_scheduler=None,
+             num_floating_point_operations_so_far=0)
+        save(state=_gs(9), model=[], optimizer=None, opt_param_scheduler=None,
+             num_floating_point_operations_so_far=0, non_persistent_ckpt=True)
+        assert rec.saved == [("/ck", 8)]

@@ -1,0 +1,61 @@
+"""Hook for ``megatron.bridge.training.checkpointing`` (Megatron-Bridge's checkpoints): ``save_checkpoint`` and
+``load_checkpoint``, called as globals of that module by its ``DefaultCheckpointManager``. The island's sync state
+is saved beside every persistent checkpoint (in ``cfg.checkpoint.save``) and restored after a resume from
+``cfg.checkpoint.load``, as for Megatron-LM's checkpoints (``mlm_training``)."""
+
+from . import _train_step, _wrap
+from ._runtime import RUNTIME
+
+TARGET = "megatron.bridge.training.checkpointing"
+LAUNCHER = "Megatron-Bridge"
+WRAPS = ("save_checkpoint", "load_checkpoint")
+DISTRIBUTION = "megatron-bridge"
+SUPPORTED = (">=0.6.2,<0.7",)
+
+
+def _step(state):
+    try:
+        v = int(state.train_state.step)
+    except Exception:
+        return None
+    return v if v >= 0 else None
+
+
+def save_checkpoint_wrapper(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    bound = _train_step.bind(wrapped, args, kwargs)
+    state = bound.get("state")
+    directory = getattr(getattr(getattr(state, "cfg", None), "checkpoint", None), "save", None)
+    iteration = _step(state)
+    if directory and iteration and not bound.get("non_persistent_ckpt"):
+        RUNTIME.checkpoint_saved(directory, iteration)
+    return result
+
+
+def load_checkpoint_wrapper(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    bound = _train_step.bind(wrapped, args, kwargs)
+    state = bound.get("state")
+    directory = getattr(getattr(getattr(state, "cfg", None), "checkpoint", None), "load", None)
+    if directory and isinstance(result, tuple) and result and isinstance(result[0], int):
+        RUNTIME.checkpoint_loaded(directory, result[0])
+    return result
+
+
+_HOOKS = (_wrap.function_hook(TARGET, "save_checkpoint", save_checkpoint_wrapper, __name__),
+          _wrap.function_hook(TARGET, "load_checkpoint", load_checkpoint_wrapper, __name__))
+
+
+def patch(module=None) -> list:
+    for p, _, _ in _HOOKS:
+        p(module)
+    return patched()
+
+
+def unpatch() -> None:
+    for _, u, _ in _HOOKS:
+        u()
+
+
+def patched() -> list:
+    return [name for _, _, pd in _HOOKS for name in pd()]

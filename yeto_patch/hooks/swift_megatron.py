@@ -1,0 +1,109 @@
+"""Hook for ms-swift's own Megatron loop (``megatron sft`` / ``megatron pt``): ``swift.megatron.trainers.base``
+``BaseMegatronTrainer``. Its ``train()`` calls ``self.train_step(train_data_iterator)`` (returning ``(metrics,
+grad_norm, update_successful)``) and increments ``self.state.iteration`` after it; it never goes through
+``megatron.training``, so without this hook only the optimizer hook would fire.
+
+- ``train_step``: the facts come from ``self.state`` / ``self.args`` (iteration, train_iters, tokens per step =
+  global batch x sequence length, the model's vocabulary). At a final cut before ms-swift's last iteration the
+  loop is shortened to end after this step (``args.train_iters = state.iteration + 1``): ms-swift then saves its
+  usual final checkpoint, numbered by the steps it holds, with the global model in it.
+- ``save_checkpoint``: the island's sync state goes beside the checkpoint (``<output_dir>/checkpoint-N``).
+- ``_load_checkpoint``: after a resume (``--mcore_model <output_dir>/checkpoint-N --finetune false``) the island
+  restores the sync state saved with it.
+"""
+
+from . import _train_step, _wrap
+from ._runtime import RUNTIME
+
+TARGET = "swift.megatron.trainers.base"
+DISTRIBUTION = "ms-swift"            # the package whose versions SUPPORTED names
+SUPPORTED = (">=4.6.0,<4.7",)        # tested here: 4.6.0 (mcore-bridge 1.6.5, megatron-core 0.19.2)
+CLASS = "BaseMegatronTrainer"
+METHODS = ("train_step", "save_checkpoint", "_load_checkpoint")
+LAUNCHER = "ms-swift"
+WRAPS = tuple(f"{CLASS}.{m}" for m in METHODS)
+
+
+def _int(v):
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def facts(trainer) -> dict:
+    """What the engine needs, read from the trainer (missing pieces are None)."""
+    args, state = getattr(trainer, "args", None), getattr(trainer, "state", None)
+    out = dict(model=getattr(trainer, "wrapped_models", None), optimizer=getattr(trainer, "optimizer", None),
+               iteration=_int(getattr(state, "iteration", None)), train_iters=_int(getattr(args, "train_iters", None)),
+               tokens=None, vocab_size=None)
+    seq = _int(getattr(args, "seq_length", None)) or _int(getattr(args, "max_length", None))
+    gbs = _int(getattr(args, "global_batch_size", None))
+    if seq and gbs:
+        out["tokens"] = gbs * seq
+    v = _int(getattr(getattr(trainer, "config", None), "vocab_size", None))
+    out["vocab_size"] = v or None
+    return out
+
+
+def _stop_after_this_iteration(trainer, iteration):
+    """ms-swift's loop runs while state.iteration < args.train_iters and saves when it reaches train_iters."""
+    args = getattr(trainer, "args", None)
+    if args is None or iteration is None or not hasattr(args, "train_iters"):
+        return False
+    args.train_iters = iteration + 1
+    return True
+
+
+def train_step_wrapper(wrapped, instance, args, kwargs):
+    f = facts(instance)
+    return _train_step.run(wrapped, args, kwargs, f,
+                           on_early_exit=lambda: _stop_after_this_iteration(instance, f["iteration"]))
+
+
+def save_checkpoint_wrapper(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    state = getattr(instance, "state", None)
+    directory, iteration = getattr(state, "last_model_checkpoint", None), _int(getattr(state, "iteration", None))
+    if directory and iteration:
+        RUNTIME.checkpoint_saved(directory, iteration)
+    return result
+
+
+def load_checkpoint_wrapper(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    a, state = getattr(instance, "args", None), getattr(instance, "state", None)
+    directory = getattr(a, "mcore_model", None)
+    if directory and not getattr(a, "finetune", True):
+        RUNTIME.checkpoint_loaded(directory, _int(getattr(state, "iteration", None)) or 0)
+    return result
+
+
+_WRAPPERS = {"train_step": train_step_wrapper, "save_checkpoint": save_checkpoint_wrapper,
+             "_load_checkpoint": load_checkpoint_wrapper}
+
+
+def _cls(module=None):
+    import sys
+    module = module or sys.modules.get(TARGET)
+    return getattr(module, CLASS, None) if module is not None else None
+
+
+def patch(module=None) -> list:
+    cls = _cls(module)
+    if cls is None:
+        raise AttributeError(f"{TARGET} has no {CLASS}")
+    for name in METHODS:
+        _wrap.wrap(cls, name, _WRAPPERS[name], __name__)
+    return patched()
+
+
+def unpatch() -> None:
+    cls = _cls()
+    if cls is not None:
+        for name in METHODS:
+            _wrap.unwrap(cls, name)
+
+
+def patched() -> list:
+    cls = _cls()
+    if cls is None:
+        return []
+    return [f"{TARGET}.{CLASS}.{n}" for n in METHODS if _wrap.is_wrapped(cls, n)]
