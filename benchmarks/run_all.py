@@ -10,6 +10,7 @@ Benchmarks (each is a script in this folder that prints its own table and exits)
   syncer       syncer_merge.py        fold + outer step GB/s against memory bandwidth; INIT/BCAST over loopback
   gather       master_gather.py       chunked FP32 master gathers over gloo
   overhead     boundary_overhead.py   island throughput with yeto-patch next to without
+  scaling      boundary_scaling.py    training-thread time per boundary against model size and own-shard memcpy
   convergence  convergence.py         DiLoCo via yeto-patch against synchronous data parallel, loss and bytes
   fuzz         fuzz_syncer.py         hostile frames and handshakes against a running syncer; state unchanged
 
@@ -33,6 +34,7 @@ BENCHMARKS = [
     ("syncer", "syncer_merge.py"),
     ("gather", "master_gather.py"),
     ("overhead", "boundary_overhead.py"),
+    ("scaling", "boundary_scaling.py"),
     ("convergence", "convergence.py"),
     ("fuzz", "fuzz_syncer.py"),
 ]
