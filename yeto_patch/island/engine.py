@@ -30,8 +30,8 @@ Life of an island:
 
 Failures of the link or the syncer: a lost connection (or one silent for a lease) is replaced by rank 0
 (``SyncerLink.reconnect``: same incarnation, bounded back-off, unanswered pushes sent again, bases merged
-meanwhile taken) for up to YETO_DILOCO_TIMEOUT. A restarted island restores the sync state saved beside the Megatron checkpoint it
-loaded (``sync_state.py``; ``save_sync_state`` / ``set_resume``, called by the checkpoint hooks).
+meanwhile taken) for up to YETO_DILOCO_TIMEOUT. A restarted island restores the sync state saved beside the
+Megatron checkpoint it loaded (``sync_state.py``; ``save_sync_state`` / ``set_resume``, called by the checkpoint hooks).
 
 Parts: ``fragments.py`` (one state per fragment), ``plan.py`` (what happens at a step, pure), ``link.py`` (rank 0's
 link to the syncer: connect and reconnect with one back-off policy, refusals, arrived bases), ``channel.py`` (rank

@@ -24,7 +24,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import xxhash
 
-__all__ = ["SyncStateError", "state_path", "write_state", "read_state", "capture", "save", "mismatch", "load", "restore"]
+__all__ = ["SyncStateError", "state_path", "write_state", "read_state", "capture", "save", "mismatch", "load",
+           "restore"]
 
 MAGIC = b"YETOSYNC"
 FORMAT_VERSION = 1
