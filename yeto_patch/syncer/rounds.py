@@ -19,8 +19,9 @@ Semantics (see docs/protocol.md, "Syncer protocol"):
   launch is not left behind and a crashed island is waited for), or when ``quorum``
   answered and ``grace_s`` passed since the quorum was reached, or when ``timeout_s`` passed since the first
   answer and at least ``quorum`` answered.  Otherwise it keeps waiting and says so in the log.
-* Weights: ``equal`` (1 per push), ``steps`` or ``tokens`` (as reported by the push).  The outer gradient is
-  ``sum(w_i * delta_i) / sum(w_i)`` in float32 (a round whose weights sum to zero merges ``g = 0``).
+* Weights: ``equal`` (1 per push), ``steps`` or ``tokens`` (as reported by the push, bounded by
+  ``MAX_PUSH_STEPS`` / ``MAX_PUSH_TOKENS``: exact float64 weights whose sums stay finite).  The outer gradient
+  is ``sum(w_i * delta_i) / sum(w_i)`` in float32 (a round whose weights sum to zero merges ``g = 0``).
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ from .members import Member
 from .merge import ChunkRunner
 from .outer import NonFiniteMerge
 from .records import MergeRecord
-from .settings import WEIGHTINGS, MergeSettings, Push, PushRefused, RoundSettings, bounded_int
+from .settings import (INT64_MAX, MAX_PUSH_STEPS, MAX_PUSH_TOKENS, WEIGHTINGS, MergeSettings, Push,
+                       PushRefused, RoundSettings, bounded_int)
 
 __all__ = ["MergeSettings", "RoundSettings", "PushRefused", "Push", "Coordinator", "MergeRecord",
            "validate_encoded", "WEIGHTINGS", "RWLock", "capture", "restore"]
@@ -271,12 +273,14 @@ class Coordinator:
 
     # ------------------------------------------------------------------------------------------ pushes
     def _weight(self, p: Push) -> float:
+        """The push's weight (float64, exact: the counters are bounded) after checking its counters."""
+        for name, hi in (("local_step", INT64_MAX), ("steps", MAX_PUSH_STEPS), ("tokens", MAX_PUSH_TOKENS)):
+            v = getattr(p, name)
+            if not bounded_int(v, hi):
+                raise PushRefused("bad-push", f"push reports {name} = {_show(v)}; need an integer in [0, {hi}]")
         if self.ms.weights == "equal":
             return 1.0
-        w = p.steps if self.ms.weights == "steps" else p.tokens
-        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
-            raise PushRefused("bad-push", f"push reports {self.ms.weights} = {w!r}; need an integer >= 0")
-        return float(w)
+        return float(p.steps if self.ms.weights == "steps" else p.tokens)
 
     def _checked(self, p: Push) -> tuple[_Fragment, float]:
         """(lock held) The push's fragment and weight, after the checks of its fields; raises PushRefused."""
