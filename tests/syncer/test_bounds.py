@@ -167,7 +167,8 @@ def test_a_refusal_echoes_only_valid_bounded_values_and_the_connection_stays_ope
             assert e.code == code, (frag, base, e)
             assert e.fragment in (None, 0) and e.base_version in (None, 0), (e.fragment, e.base_version)
             assert len(str(e)) < 400
-        a.conn.send(MsgType.PUSH, {"fragment": 0, "base_version": 0, "codec": "x" * 1_049_000, "numel": n}, body)  # a reply naming it: > 1 MiB
+        # a codec name that a reply naming it would carry past PUSH_REPLY's 1 MiB
+        a.conn.send(MsgType.PUSH, {"fragment": 0, "base_version": 0, "codec": "x" * 1_049_000, "numel": n}, body)
         assert refusal_of(a).code == "bad-codec"
         merge_one_round(server, cs, layout, 0)   # the same connection goes on
         assert not a.conn_lost()

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 
 from ..wire import codecs
-from .rounds import Coordinator, _show
-from .settings import INT64_MAX, Push, PushRefused, bounded_int
+from .rounds import Coordinator
+from .settings import INT64_MAX, Push, PushRefused, bounded_int, shown
 
 __all__ = ["parse_push", "echo", "accept_push", "MAX_CODEC_NAME"]
 
@@ -29,7 +29,7 @@ def echo(fragment, base_version) -> dict:
 def _count(meta: dict, name: str) -> int:
     v = meta.get(name, 0)
     if not bounded_int(v):
-        raise PushRefused("bad-push", f"malformed PUSH: {name}={_show(v)} (need an integer in [0, 2^63-1])")
+        raise PushRefused("bad-push", f"malformed PUSH: {name}={shown(v)} (need an integer in [0, 2^63-1])")
     return v
 
 
@@ -40,7 +40,7 @@ def parse_push(island: str, incarnation, meta: dict, body) -> Push:
             raise PushRefused("bad-push", f"malformed PUSH: missing or bad field {name!r}")
     codec = meta["codec"]
     if not isinstance(codec, str) or len(codec) > MAX_CODEC_NAME:
-        raise PushRefused("bad-codec", f"unknown codec {_show(codec)} (known: {', '.join(codecs.CODECS)})")
+        raise PushRefused("bad-codec", f"unknown codec {shown(codec)} (known: {', '.join(codecs.CODECS)})")
     return Push(island=island, fragment=meta["fragment"], base_version=meta["base_version"], codec=codec,
                 block=_count(meta, "block") or codecs.DEFAULT_BLOCK, body=body, local_step=_count(meta, "local_step"),
                 steps=_count(meta, "steps"), tokens=_count(meta, "tokens"), final=bool(meta.get("final", False)),
@@ -61,8 +61,8 @@ def accept_push(coord: Coordinator, p: Push, island: str) -> dict:
         if status == "closed":
             reply["message"] = "this fragment takes no more pushes (final cut / total rounds reached)"
     except PushRefused as e:
-        log.warning("refused push of fragment %s (base v%s) from island %s: %s", _show(p.fragment),
-                    _show(p.base_version), island, e.message[:MAX_REPLY_MESSAGE])
+        log.warning("refused push of fragment %s (base v%s) from island %s: %s", shown(p.fragment),
+                    shown(p.base_version), island, e.message[:MAX_REPLY_MESSAGE])
         reply = refusal(p.fragment, p.base_version, e.code, e.message)
     if bounded_int(p.fragment, len(coord.frags) - 1):
         reply["version"] = coord.frags[p.fragment].version

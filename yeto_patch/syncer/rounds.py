@@ -42,7 +42,7 @@ from .merge import ChunkRunner
 from .outer import NonFiniteMerge
 from .records import MergeRecord
 from .settings import (INT64_MAX, MAX_PUSH_STEPS, MAX_PUSH_TOKENS, WEIGHTINGS, MergeSettings, Push,
-                       PushRefused, RoundSettings, bounded_int)
+                       PushRefused, RoundSettings, bounded_int, shown)
 
 __all__ = ["MergeSettings", "RoundSettings", "PushRefused", "Push", "Coordinator", "MergeRecord",
            "validate_encoded", "WEIGHTINGS", "RWLock", "capture", "restore"]
@@ -80,15 +80,6 @@ class _Round:
         """Islands whose push is in the round: folded (or held, in exact mode). A push still being folded is
         not an answer yet: it may be refused, and must not make the round due meanwhile."""
         return {i for i, c in self.contribs.items() if c.folded}
-
-
-def _show(v, limit: int = 40) -> str:
-    """A peer's value for a message: its repr, cut to ``limit`` characters (an integer of thousands of digits
-    or a long string must not end up in replies and logs whole)."""
-    if isinstance(v, int) and v.bit_length() > 128:
-        return f"<an integer of {v.bit_length()} bits>"
-    r = repr(v)
-    return r if len(r) <= limit else r[:limit] + "..."
 
 
 def _refusal_code(e: CodecError) -> str:
@@ -175,7 +166,7 @@ class Coordinator:
             if self.initialized:
                 raise PushRefused("already-initialized", "the run is already initialized; INIT ignored")
             if not bounded_int(index, len(self.frags) - 1):
-                raise PushRefused("bad-fragment", f"INIT for fragment {_show(index)}, the layout has "
+                raise PushRefused("bad-fragment", f"INIT for fragment {shown(index)}, the layout has "
                                                   f"{len(self.frags)}")
             f = self.frags[index]
             if f.has_base:
@@ -277,7 +268,7 @@ class Coordinator:
         for name, hi in (("local_step", INT64_MAX), ("steps", MAX_PUSH_STEPS), ("tokens", MAX_PUSH_TOKENS)):
             v = getattr(p, name)
             if not bounded_int(v, hi):
-                raise PushRefused("bad-push", f"push reports {name} = {_show(v)}; need an integer in [0, {hi}]")
+                raise PushRefused("bad-push", f"push reports {name} = {shown(v)}; need an integer in [0, {hi}]")
         if self.ms.weights == "equal":
             return 1.0
         return float(p.steps if self.ms.weights == "steps" else p.tokens)
@@ -287,11 +278,11 @@ class Coordinator:
         if not self.initialized:
             raise PushRefused("not-initialized", "the run has no base yet (waiting for INIT); push refused")
         if not bounded_int(p.fragment, len(self.frags) - 1):
-            raise PushRefused("bad-fragment", f"push for fragment {_show(p.fragment)}; the layout has "
+            raise PushRefused("bad-fragment", f"push for fragment {shown(p.fragment)}; the layout has "
                                               f"{len(self.frags)} fragments")
         f = self.frags[p.fragment]
         if not bounded_int(p.base_version, f.version):
-            raise PushRefused("bad-base", f"push of fragment {f.index} relative to base v{_show(p.base_version)}, "
+            raise PushRefused("bad-base", f"push of fragment {f.index} relative to base v{shown(p.base_version)}, "
                                           f"but the syncer's newest is v{f.version}")
         try:
             codecs.check_codec(p.codec, p.block)

@@ -29,10 +29,10 @@ from .merge import ChunkRunner
 from .metrics import Metrics, Tape
 from .pushes import accept_push, parse_push, refusal
 from .records import MergeRecord
-from .rounds import Coordinator, _show
+from .rounds import Coordinator
 from .session import BASE_UPDATES, SEND_CHUNK, aligned_meta  # noqa: F401  (SEND_CHUNK: re-exported)
 from .session import Session as _Session
-from .settings import Push, PushRefused, bounded_int
+from .settings import Push, PushRefused, bounded_int, shown
 from .snapshot import capture, restore
 
 __all__ = ["ServerConfig", "SyncerServer", "aligned_meta"]
@@ -366,7 +366,7 @@ class SyncerServer:
             elif t == MsgType.FINAL:
                 last = meta.get("last_step", 0)
                 if not bounded_int(last):
-                    self._refuse(s, "protocol", f"malformed FINAL: last_step={_show(last)} (need an integer in "
+                    self._refuse(s, "protocol", f"malformed FINAL: last_step={shown(last)} (need an integer in "
                                                 "[0, 2^63-1])")
                     return
                 s.wait_pushes(self.cfg.io_timeout_s)  # its final pushes count before the cut
