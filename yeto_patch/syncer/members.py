@@ -1,9 +1,24 @@
-"""Islands of the run: a member's lease and counters, and its ledger entry in checkpoints."""
+"""Islands of the run: a member's lease and counters, and its ledger entry in checkpoints.
+
+Counters add up what islands report, so they saturate at int64 instead of growing without bound: whatever was
+accepted, the ledger stays an int64 table a checkpoint can always hold, and a ledger read back from a checkpoint
+(even one written before counters were bounded) is clamped the same way on ``--resume``.
+"""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
-__all__ = ["Member", "ledger_entry", "member_from_ledger"]
+from .settings import INT64_MAX, bounded_int
+
+__all__ = ["Member", "ledger_entry", "member_from_ledger", "saturating_add"]
+
+log = logging.getLogger("yeto.syncer")
+
+
+def saturating_add(a: int, b: int) -> int:
+    """``a + b`` clamped to ``[0, INT64_MAX]``."""
+    return max(0, min(INT64_MAX, int(a) + int(b)))
 
 
 @dataclass
@@ -23,10 +38,10 @@ class Member:
         return now - self.last_seen <= lease
 
     def credit(self, steps: int, tokens: int) -> None:
-        """A merged push of this island: its counters."""
-        self.pushes += 1
-        self.steps += int(steps or 0)
-        self.tokens += int(tokens or 0)
+        """A merged push of this island: its counters (saturating)."""
+        self.pushes = saturating_add(self.pushes, 1)
+        self.steps = saturating_add(self.steps, steps or 0)
+        self.tokens = saturating_add(self.tokens, tokens or 0)
 
 
 def ledger_entry(m: Member) -> dict:
@@ -34,9 +49,26 @@ def ledger_entry(m: Member) -> dict:
             "last_step": m.last_step, "finished": m.finished, "final_fragments": sorted(m.final_fragments)}
 
 
+def _count(island: str, e: dict, name: str) -> int:
+    v = e.get(name, 0)
+    if isinstance(v, bool) or not isinstance(v, int):
+        try:
+            v = int(v)
+        except (TypeError, ValueError, OverflowError):
+            v = 0
+    if not bounded_int(v):
+        log.warning("checkpoint ledger: island %r has %s out of range (%d bits); clamped to [0, 2^63-1]",
+                    island, name, v.bit_length())
+        v = max(0, min(INT64_MAX, v))
+    return v
+
+
 def member_from_ledger(island: str, e: dict, now: float, fragments: int) -> Member:
     """A member of a resumed run from its checkpoint ledger entry (expected again for one lease)."""
-    return Member(island, e.get("incarnation", ""), last_seen=now, finished=bool(e.get("finished", False)),
-                  final_fragments={int(x) for x in e.get("final_fragments", [])},
-                  last_step=int(e.get("last_step", 0)), pushes=int(e.get("pushes", 0)),
-                  steps=int(e.get("steps", 0)), tokens=int(e.get("tokens", 0)))
+    finals = set()
+    for x in e.get("final_fragments", []):
+        if bounded_int(x, fragments - 1):
+            finals.add(int(x))
+    return Member(island, str(e.get("incarnation", "")), last_seen=now, finished=bool(e.get("finished", False)),
+                  final_fragments=finals, last_step=_count(island, e, "last_step"), pushes=_count(island, e, "pushes"),
+                  steps=_count(island, e, "steps"), tokens=_count(island, e, "tokens"))

@@ -19,8 +19,9 @@ Semantics (see docs/protocol.md, "Syncer protocol"):
   launch is not left behind and a crashed island is waited for), or when ``quorum``
   answered and ``grace_s`` passed since the quorum was reached, or when ``timeout_s`` passed since the first
   answer and at least ``quorum`` answered.  Otherwise it keeps waiting and says so in the log.
-* Weights: ``equal`` (1 per push), ``steps`` or ``tokens`` (as reported by the push).  The outer gradient is
-  ``sum(w_i * delta_i) / sum(w_i)`` in float32 (a round whose weights sum to zero merges ``g = 0``).
+* Weights: ``equal`` (1 per push), ``steps`` or ``tokens`` (as reported by the push, bounded by
+  ``MAX_PUSH_STEPS`` / ``MAX_PUSH_TOKENS``: exact float64 weights whose sums stay finite).  The outer gradient
+  is ``sum(w_i * delta_i) / sum(w_i)`` in float32 (a round whose weights sum to zero merges ``g = 0``).
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ from .members import Member
 from .merge import ChunkRunner
 from .outer import NonFiniteMerge
 from .records import MergeRecord
-from .settings import WEIGHTINGS, MergeSettings, Push, PushRefused, RoundSettings, bounded_int
+from .settings import (INT64_MAX, MAX_PUSH_STEPS, MAX_PUSH_TOKENS, WEIGHTINGS, MergeSettings, Push,
+                       PushRefused, RoundSettings, bounded_int, shown)
 
 __all__ = ["MergeSettings", "RoundSettings", "PushRefused", "Push", "Coordinator", "MergeRecord",
            "validate_encoded", "WEIGHTINGS", "RWLock", "capture", "restore"]
@@ -78,15 +80,6 @@ class _Round:
         """Islands whose push is in the round: folded (or held, in exact mode). A push still being folded is
         not an answer yet: it may be refused, and must not make the round due meanwhile."""
         return {i for i, c in self.contribs.items() if c.folded}
-
-
-def _show(v, limit: int = 40) -> str:
-    """A peer's value for a message: its repr, cut to ``limit`` characters (an integer of thousands of digits
-    or a long string must not end up in replies and logs whole)."""
-    if isinstance(v, int) and v.bit_length() > 128:
-        return f"<an integer of {v.bit_length()} bits>"
-    r = repr(v)
-    return r if len(r) <= limit else r[:limit] + "..."
 
 
 def _refusal_code(e: CodecError) -> str:
@@ -173,7 +166,7 @@ class Coordinator:
             if self.initialized:
                 raise PushRefused("already-initialized", "the run is already initialized; INIT ignored")
             if not bounded_int(index, len(self.frags) - 1):
-                raise PushRefused("bad-fragment", f"INIT for fragment {_show(index)}, the layout has "
+                raise PushRefused("bad-fragment", f"INIT for fragment {shown(index)}, the layout has "
                                                   f"{len(self.frags)}")
             f = self.frags[index]
             if f.has_base:
@@ -271,23 +264,25 @@ class Coordinator:
 
     # ------------------------------------------------------------------------------------------ pushes
     def _weight(self, p: Push) -> float:
+        """The push's weight (float64, exact: the counters are bounded) after checking its counters."""
+        for name, hi in (("local_step", INT64_MAX), ("steps", MAX_PUSH_STEPS), ("tokens", MAX_PUSH_TOKENS)):
+            v = getattr(p, name)
+            if not bounded_int(v, hi):
+                raise PushRefused("bad-push", f"push reports {name} = {shown(v)}; need an integer in [0, {hi}]")
         if self.ms.weights == "equal":
             return 1.0
-        w = p.steps if self.ms.weights == "steps" else p.tokens
-        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
-            raise PushRefused("bad-push", f"push reports {self.ms.weights} = {w!r}; need an integer >= 0")
-        return float(w)
+        return float(p.steps if self.ms.weights == "steps" else p.tokens)
 
     def _checked(self, p: Push) -> tuple[_Fragment, float]:
         """(lock held) The push's fragment and weight, after the checks of its fields; raises PushRefused."""
         if not self.initialized:
             raise PushRefused("not-initialized", "the run has no base yet (waiting for INIT); push refused")
         if not bounded_int(p.fragment, len(self.frags) - 1):
-            raise PushRefused("bad-fragment", f"push for fragment {_show(p.fragment)}; the layout has "
+            raise PushRefused("bad-fragment", f"push for fragment {shown(p.fragment)}; the layout has "
                                               f"{len(self.frags)} fragments")
         f = self.frags[p.fragment]
         if not bounded_int(p.base_version, f.version):
-            raise PushRefused("bad-base", f"push of fragment {f.index} relative to base v{_show(p.base_version)}, "
+            raise PushRefused("bad-base", f"push of fragment {f.index} relative to base v{shown(p.base_version)}, "
                                           f"but the syncer's newest is v{f.version}")
         try:
             codecs.check_codec(p.codec, p.block)

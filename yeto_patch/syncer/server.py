@@ -32,7 +32,7 @@ from .records import MergeRecord
 from .rounds import Coordinator
 from .session import BASE_UPDATES, SEND_CHUNK, aligned_meta  # noqa: F401  (SEND_CHUNK: re-exported)
 from .session import Session as _Session
-from .settings import Push, PushRefused
+from .settings import Push, PushRefused, bounded_int, shown
 from .snapshot import capture, restore
 
 __all__ = ["ServerConfig", "SyncerServer", "aligned_meta"]
@@ -365,14 +365,17 @@ class SyncerServer:
                 self._on_init(s, meta, body)
             elif t == MsgType.FINAL:
                 last = meta.get("last_step", 0)
-                if isinstance(last, bool) or not isinstance(last, int) or last < 0:
-                    self._refuse(s, "protocol", f"malformed FINAL: last_step={last!r} (need an integer >= 0)")
+                if not bounded_int(last):
+                    self._refuse(s, "protocol", f"malformed FINAL: last_step={shown(last)} (need an integer in "
+                                                "[0, 2^63-1])")
                     return
                 s.wait_pushes(self.cfg.io_timeout_s)  # its final pushes count before the cut
                 coord.finish(s.island, last)
-                log.info("island %s reached its last step (%s)", s.island, meta.get("last_step"))
+                log.info("island %s reached its last step (%d)", s.island, last)
             elif t == MsgType.ACK:
-                s.final_acked = meta.get("versions")
+                v = meta.get("versions")   # kept only when it can be what the final cut sent
+                s.final_acked = v if v is None or (isinstance(v, list) and len(v) <= len(coord.frags) and all(
+                    bounded_int(x) for x in v)) else ["invalid"]
                 with coord.cond:
                     coord.cond.notify_all()
             elif t == MsgType.BYE:

@@ -12,7 +12,7 @@ from typing import Optional
 from .outer import OuterOptimizer
 
 __all__ = ["MergeSettings", "RoundSettings", "PushRefused", "Push", "WEIGHTINGS", "INT64_MAX", "MAX_PUSH_STEPS",
-           "MAX_PUSH_TOKENS", "bounded_int"]
+           "MAX_PUSH_TOKENS", "bounded_int", "shown"]
 
 WEIGHTINGS = ("equal", "steps", "tokens")
 INT64_MAX = (1 << 63) - 1
@@ -26,6 +26,15 @@ MAX_PUSH_TOKENS = 1 << 53
 def bounded_int(v, hi: int = INT64_MAX, lo: int = 0) -> bool:
     """Whether ``v`` is an integer (not a bool) in ``[lo, hi]``."""
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def shown(v, limit: int = 40) -> str:
+    """A peer's value for a message: its repr, cut to ``limit`` characters (an integer of thousands of digits
+    or a long string must not end up in replies and logs whole)."""
+    if isinstance(v, int) and v.bit_length() > 128:
+        return f"<an integer of {v.bit_length()} bits>"
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + "..."
 
 
 @dataclass(frozen=True)

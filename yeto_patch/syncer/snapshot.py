@@ -8,6 +8,7 @@ from ..wire import auth
 from .checkpoint import FORMAT_VERSION, CheckpointError, Snapshot
 from .layout import manifest_to_json, normalize_manifest
 from .members import ledger_entry, member_from_ledger
+from .settings import INT64_MAX, bounded_int
 
 if TYPE_CHECKING:
     from .rounds import Coordinator
@@ -37,7 +38,10 @@ def capture(coord: "Coordinator", extra: Optional[dict] = None) -> Snapshot:
 
 
 def restore(coord: "Coordinator", meta: dict, arrays: list) -> None:
-    """Install a loaded checkpoint into a fresh coordinator (refuses a different merge configuration)."""
+    """Install a loaded checkpoint into a fresh coordinator (refuses a different merge configuration).
+
+    Counters are clamped to int64 on the way in (a checkpoint written before they were bounded may hold any
+    integer), so the resumed run can always write its next checkpoint."""
     want = coord.ms.resolved()
     have = meta.get("merge_config", {})
     diff = [k for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
@@ -55,6 +59,8 @@ def restore(coord: "Coordinator", meta: dict, arrays: list) -> None:
         for f, fm, arr in zip(coord.frags, meta["fragments"], arrays):
             if fm["numel"] != f.numel or arr.get("base") is None or arr["base"].size != f.numel:
                 raise CheckpointError(f"checkpoint fragment {f.index} has the wrong size")
+            if not bounded_int(fm["version"]):
+                raise CheckpointError(f"checkpoint fragment {f.index} has an invalid version")
             # islands rejoin with the full shadow; without one: shadow = base
             f.restore(arr, int(fm["version"]), shadow=coord.down_codec is not None)
             coord.opt.ensure_state(f.t)
@@ -64,4 +70,5 @@ def restore(coord: "Coordinator", meta: dict, arrays: list) -> None:
         members = {island: member_from_ledger(island, e, now, len(coord.frags))
                    for island, e in meta.get("ledger", {}).items()}
         merged = {(str(i), int(fr), int(b)) for i, fr, b in meta.get("merged_pushes", [])}
-        coord.resumed(int(meta.get("merges_total", 0)), members, merged)
+        total = meta.get("merges_total", 0)
+        coord.resumed(max(0, min(INT64_MAX, int(total))) if isinstance(total, int) else 0, members, merged)
