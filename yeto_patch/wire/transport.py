@@ -5,13 +5,17 @@ chunk, otherwise CHUNK frames cut from the prefix and the body buffers (or ``bod
 them. ``Connection.recv`` reads frames, verifies every digest, reassembles chunked messages straight into one
 preallocated buffer of the announced size (after the per-type maximum is checked) and returns
 ``(MsgType, meta, body)``. Every socket operation has a timeout (:class:`WireTimeout`); a peer's ERROR
-message is raised as :class:`PeerError`. After a framing error or a timeout in the middle of a frame the
+message is raised as :class:`PeerError`. The socket is non-blocking and each direction waits for it with its
+own deadline (``poll``), so a receive waiting for the next message never shortens a concurrent send's
+timeout (and the other way round). After a framing error or a timeout in the middle of a frame the
 stream cannot be trusted: the connection is marked broken and every later call raises.
 """
 from __future__ import annotations
 
 import itertools
+import math
 import random
+import select
 import socket
 import threading
 import time
@@ -92,7 +96,9 @@ class Connection:
         self._broken: Optional[str] = None
         self._closed = False
         _tune(sock)
-        sock.settimeout(timeout)
+        # non-blocking: each direction polls with its own deadline (a socket timeout would be shared by a
+        # receive and a concurrent send on another thread, shortening the send's to the receive's wait)
+        sock.setblocking(False)
         try:
             self.peer = "%s:%s" % sock.getpeername()[:2]
         except (OSError, TypeError):
@@ -141,16 +147,35 @@ class Connection:
         self.close()
 
     # ---------------------------------------------------------------------------------------- send
+    def _wait_io(self, event: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until the socket is ready for ``event`` (POLLIN/POLLOUT) or has an
+        error/hang-up pending (the next socket call then reports it); False on timeout."""
+        try:
+            p = select.poll()
+            p.register(self.sock, event | select.POLLERR | select.POLLHUP)
+        except (ValueError, OSError):  # closed by another thread
+            raise ProtocolError(f"connection to {self.peer} is closed") from None
+        while True:
+            try:
+                return bool(p.poll(max(0, math.ceil(timeout * 1000))))
+            except InterruptedError:
+                continue
+
     def _sendmsg_all(self, parts: list) -> None:
-        """Write all ``parts`` (buffers) with scatter-gather I/O; each stall is bounded by the timeout."""
+        """Write all ``parts`` (buffers) with scatter-gather I/O; each stall is bounded by the timeout (the
+        send's own: a concurrent receive does not change it)."""
         views = [memoryview(p).cast("B") for p in parts if len(p)]
         while views:
             batch = views[:_IOV_MAX]
             try:
                 n = self.sock.sendmsg(batch)
-            except socket.timeout:
-                self._break("send timed out")
-                raise WireTimeout(f"send to {self.peer} stalled for more than {self.timeout}s") from None
+            except (BlockingIOError, InterruptedError):
+                t0 = time.monotonic()
+                if not self._wait_io(select.POLLOUT, self.timeout):
+                    self._break("send timed out")
+                    raise WireTimeout(f"send to {self.peer} stalled for more than {self.timeout}s (the peer "
+                                      f"read nothing for {time.monotonic() - t0:.1f}s)") from None
+                continue
             except OSError as e:
                 self._break(f"send failed: {e}")
                 raise ProtocolError(f"send to {self.peer} failed: {e}") from e
@@ -260,41 +285,36 @@ class Connection:
     def _recv_into(self, view: memoryview, first_wait: Optional[float] = None) -> None:
         """Fill ``view`` completely. ``first_wait``: timeout for the first byte (then the stall timeout)."""
         got, n = 0, len(view)
-        if first_wait is not None:
-            self.sock.settimeout(first_wait)
-        try:
-            while got < n:
-                if self._end is not None:  # a total bound: a peer sending a byte at a time cannot extend it
-                    left = self._end - time.monotonic()
-                    if left <= 0:
-                        self._break("message not complete in time")
-                        raise WireTimeout(f"message from {self.peer} not complete within {self._within}s")
-                    self.sock.settimeout(min(left, first_wait if got == 0 and first_wait is not None
-                                             else self.timeout))
-                try:
-                    r = self.sock.recv_into(view[got:], n - got)
-                except socket.timeout:
-                    if self._end is not None and time.monotonic() >= self._end:
-                        continue  # reported above
-                    if got == 0 and first_wait is not None:
-                        raise WireTimeout(f"no message from {self.peer} within {first_wait}s") from None
-                    self._break("receive timed out mid-frame")
-                    raise WireTimeout(f"receive from {self.peer} stalled for more than {self.timeout}s "
-                                      f"({got} of {n} bytes)") from None
-                except OSError as e:
-                    self._break(f"receive failed: {e}")
-                    raise ProtocolError(f"receive from {self.peer} failed: {e}") from e
-                if r == 0:
-                    self._break("peer closed the connection")
-                    what = "closed the connection" if got == 0 and first_wait is not None else \
-                        f"closed the connection mid-frame ({got} of {n} bytes)"
-                    raise ProtocolError(f"{self.peer} {what}")
-                if got == 0 and first_wait is not None:
-                    self.sock.settimeout(self.timeout)
-                got += r
-        finally:
-            if first_wait is not None or self._end is not None:
-                self.sock.settimeout(self.timeout)
+        while got < n:
+            first = got == 0 and first_wait is not None
+            wait = first_wait if first else self.timeout
+            if self._end is not None:  # a total bound: a peer sending a byte at a time cannot extend it
+                left = self._end - time.monotonic()
+                if left <= 0:
+                    self._break("message not complete in time")
+                    raise WireTimeout(f"message from {self.peer} not complete within {self._within}s")
+                wait = min(wait, left)
+            try:
+                r = self.sock.recv_into(view[got:], n - got)
+            except (BlockingIOError, InterruptedError):
+                if self._wait_io(select.POLLIN, wait):
+                    continue
+                if self._end is not None and time.monotonic() >= self._end:
+                    continue  # reported above
+                if first:
+                    raise WireTimeout(f"no message from {self.peer} within {first_wait}s") from None
+                self._break("receive timed out mid-frame")
+                raise WireTimeout(f"receive from {self.peer} stalled for more than {self.timeout}s "
+                                  f"({got} of {n} bytes)") from None
+            except OSError as e:
+                self._break(f"receive failed: {e}")
+                raise ProtocolError(f"receive from {self.peer} failed: {e}") from e
+            if r == 0:
+                self._break("peer closed the connection")
+                what = "closed the connection" if first else \
+                    f"closed the connection mid-frame ({got} of {n} bytes)"
+                raise ProtocolError(f"{self.peer} {what}")
+            got += r
 
     def recv(self, timeout: Optional[float] = None, *, within: Optional[float] = None
              ) -> tuple[MsgType, dict, memoryview]:
