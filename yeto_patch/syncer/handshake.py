@@ -10,6 +10,7 @@ import logging
 
 from ..wire import auth
 from ..wire.frames import AuthError, MsgType, ProtocolError
+from ..wire.text import check_island_id
 from .layout import first_difference, normalize_manifest
 from .rounds import PushRefused
 
@@ -34,8 +35,9 @@ def _parse_hello(t, meta) -> tuple:
     client_nonce = bytes.fromhex(meta["nonce"])
     digest = bytes.fromhex(meta["manifest_digest"])
     mac = bytes.fromhex(meta.get("mac", ""))
-    if not isinstance(island, str) or not island or len(island) > 256:
-        raise ValueError("island_id must be a non-empty string of at most 256 characters")
+    check_island_id(island)   # printable, encodable, 1..256 characters (no forged log lines, no MAC crash)
+    if isinstance(incarnation, bool) or not isinstance(incarnation, int) or not 0 <= incarnation < 1 << 64:
+        raise ValueError("incarnation must be an integer in [0, 2**64)")
     return island, incarnation, client_nonce, digest, mac
 
 

@@ -99,7 +99,10 @@ def mac_message(label: bytes, server_nonce: bytes, client_nonce: bytes, island_i
             raise AuthError(f"{what} must be {n} bytes")
     if not isinstance(incarnation, int) or not 0 <= incarnation < 1 << 64:
         raise AuthError(f"incarnation must be an integer in [0, 2**64), got {incarnation!r}")
-    iid = str(island_id).encode("utf-8")
+    try:
+        iid = str(island_id).encode("utf-8")
+    except UnicodeEncodeError:
+        raise AuthError("island id is not encodable as UTF-8 (an unpaired surrogate?)") from None
     return b"".join([label, struct.pack("<H", VERSION), bytes(server_nonce), bytes(client_nonce),
                      struct.pack("<I", len(iid)), iid, struct.pack("<Q", incarnation), bytes(manifest_digest)])
 

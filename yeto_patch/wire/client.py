@@ -65,6 +65,7 @@ import numpy as np
 from . import auth, codecs
 from .frames import AuthError, CodecError, MsgType, PeerError, ProtocolError, WireTimeout
 from .message import encode_meta
+from .text import check_island_id
 from .transport import Connection, connect
 
 __all__ = ["SyncerClient", "SyncerRefusal", "Welcome", "Base", "PushReply", "probe", "recoverable"]
@@ -242,7 +243,7 @@ class SyncerClient:
             auth.check_insecure(address, insecure)
         self.address = address
         self.key = key
-        self.island_id = str(island_id)
+        self.island_id = check_island_id(str(island_id))
         self.manifest = _norm_manifest(manifest)
         self.digest = auth.manifest_digest(self.manifest)
         self.incarnation = random.getrandbits(63) if incarnation is None else int(incarnation)
