@@ -97,3 +97,54 @@ def test_check_island_id_and_printable():
             check_island_id(bad)
     assert printable("a\nb\r\x1b[1m\ud800\\", 100) == "a\\x0ab\\x0d\\x1b[1m\\ud800\\\\"
     assert printable("x" * 300, 10) == "x" * 10 + "...(+290 chars)"
+
+
+def _stranger_error(addr, message):
+    conn = connect(addr, timeout=5, retries=0)
+    try:
+        conn.recv(timeout=5)   # CHALLENGE
+        conn.send(MsgType.ERROR, {"code": "x\nyeto-syncer INFO forged", "message": message})
+        try:
+            conn.recv(timeout=2)
+        except Exception:  # noqa: BLE001 - the syncer closes
+            pass
+    finally:
+        conn.close()
+
+
+def test_a_strangers_error_frames_are_logged_escaped_truncated_and_rate_limited(trap):
+    server, addr = make_server(islands=1, fragments=1)
+    forged = "\n2026-12-01 12:00:00 yeto-syncer INFO merged fragment 0 -> v9\r\x1b[2K" + "A" * 60000
+    with running(server):
+        t0 = time.monotonic()
+        for _ in range(120):
+            _stranger_error(addr, forged)
+        time.sleep(0.3)
+        took = time.monotonic() - t0
+    text = "\n".join(trap.lines)
+    assert trap.errors == 0
+    assert all(ln.isprintable() for ln in trap.lines)          # no forged lines, no escapes reach the log
+    assert not any(ln.startswith("2026-12-01") or "\n" in ln for ln in trap.lines)
+    assert max(len(ln) for ln in trap.lines) < 1000            # 60 KB messages are cut
+    windows = took / 10.0 + 1
+    stranger_lines = [ln for ln in trap.lines if "unauthenticated peer" in ln]
+    assert 1 <= len(stranger_lines) <= 10 * windows + 1, len(stranger_lines)   # rate-limited (old: 120)
+    assert len(text) < 20_000, len(text)                       # old code: ~7 MB for 120 connections
+
+
+def test_an_islands_error_text_is_escaped_in_the_log(trap):
+    from .helpers import client, init_values
+    server, addr = make_server(islands=1, fragments=1)
+    with running(server):
+        c = client(addr, "a")
+        w = c.connect()
+        vals = init_values()
+        c.wait_ready(20, init_source=lambda f: [vals[i] for i in w.layout[f]])
+        c.conn.send(MsgType.ERROR, {"code": "c", "message": "bye\nyeto-syncer INFO forged\x1b[0m"})
+        deadline = time.monotonic() + 5
+        while not [ln for ln in trap.lines if "sent an error" in ln] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        c.abort()
+    lines = [ln for ln in trap.lines if "sent an error" in ln]
+    assert lines and "bye\\x0ayeto-syncer INFO forged\\x1b[0m" in lines[0]
+    assert all(ln.isprintable() for ln in trap.lines)

@@ -7,20 +7,77 @@ closed (a refusal was sent, or a PROBE was answered). See docs/protocol.md ("Han
 from __future__ import annotations
 
 import logging
+import threading
+import time
+import weakref
 
 from ..wire import auth
-from ..wire.frames import AuthError, MsgType, ProtocolError
-from ..wire.text import check_island_id
+from ..wire.frames import AuthError, MsgType, PeerError, ProtocolError, WireTimeout
+from ..wire.text import EscapeArgs, check_island_id, printable
 from .layout import first_difference, normalize_manifest
 from .rounds import PushRefused
 
 __all__ = ["accept_handshake"]
 
 log = logging.getLogger("yeto.syncer")
+if not any(isinstance(f, EscapeArgs) for f in log.filters):
+    # every argument of every syncer log line is escaped and bounded: island ids, peers' ERROR texts, fields
+    # echoed in refusals can neither forge lines (newlines, CR) nor drive a terminal (ANSI) nor break a handler
+    log.addFilter(EscapeArgs(2000))
+
+STRANGER_TEXT = 200   # characters of a stranger's text that reach the log
 
 
-def _refuse(s, code: str, message: str) -> None:
-    log.warning("refusing %s (%s): %s", s.island or s.conn.peer, code, message)
+class StrangerLog:
+    """Log lines caused by peers that have not authenticated: each argument cut to ``STRANGER_TEXT`` characters,
+    at most ``burst`` lines per ``period`` seconds (the rest counted and reported with the next line allowed),
+    so strangers cannot make the syncer write more than a few KB a minute however many connect."""
+
+    def __init__(self, burst: int = 10, period: float = 10.0):
+        self.burst, self.period = burst, period
+        self._lock = threading.Lock()
+        self._window = 0.0
+        self._count = 0
+        self._suppressed = 0
+
+    def warning(self, fmt: str, *args) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._window >= self.period:
+                self._window, self._count = now, 0
+            if self._count >= self.burst:
+                self._suppressed += 1
+                return False
+            self._count += 1
+            dropped, self._suppressed = self._suppressed, 0
+        args = tuple(printable(a, STRANGER_TEXT) for a in args)
+        if dropped:
+            fmt += " (%d more lines about unauthenticated peers suppressed)"
+            args += (dropped,)
+        log.warning(fmt, *args)
+        return True
+
+
+_stranger_logs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # one budget per syncer
+_stranger_lock = threading.Lock()
+
+
+def strangers(server) -> StrangerLog:
+    with _stranger_lock:
+        sl = _stranger_logs.get(server)
+        if sl is None:
+            sl = _stranger_logs[server] = StrangerLog()
+        return sl
+
+
+def _refuse(s, code: str, message: str, stranger=None) -> None:
+    """Send ERROR ``code`` and log it; ``stranger``: the syncer, when the peer has not authenticated yet (the
+    line then counts against its budget for strangers)."""
+    who = s.island or s.conn.peer
+    if stranger is not None:
+        strangers(stranger).warning("refusing %s (%s): %s", who, code, message)
+    else:
+        log.warning("refusing %s (%s): %s", who, code, message)
     try:
         s.conn.send_error(code, message)
     except ProtocolError:
@@ -42,18 +99,36 @@ def _parse_hello(t, meta) -> tuple:
 
 
 def accept_handshake(server, s) -> bool:
+    try:
+        return _handshake(server, s)
+    except (ProtocolError, OSError) as e:
+        if s.joined:   # authenticated and joined: the session's own error handling reports it
+            raise
+        if isinstance(e, PeerError):
+            strangers(server).warning("unauthenticated peer %s sent an error [%s]: %s", s.conn.peer, e.code, e.message)
+            return False
+        strangers(server).warning("handshake with %s failed: %s", s.conn.peer, e)
+        if isinstance(e, ProtocolError) and not isinstance(e, WireTimeout):
+            try:   # a framing error: tell the peer why before closing (best effort)
+                s.conn.send_error("protocol", str(e)[:1000])
+            except (ProtocolError, OSError):
+                pass
+        return False
+
+
+def _handshake(server, s) -> bool:
     cfg = server.cfg
     server_nonce = auth.new_nonce()
     s.conn.send(MsgType.CHALLENGE, {"nonce": server_nonce.hex(), "protocol": 1, "auth": cfg.key is not None})
     # the whole HELLO within the handshake timeout: a peer trickling bytes cannot hold the connection
     t, meta, _ = s.conn.recv(timeout=cfg.handshake_timeout_s, within=cfg.handshake_timeout_s)
     if t not in (MsgType.HELLO, MsgType.PROBE):
-        _refuse(s, "protocol", f"expected HELLO or PROBE, got {t.name}")
+        _refuse(s, "protocol", f"expected HELLO or PROBE, got {t.name}", stranger=server)
         return False
     try:
         island, incarnation, client_nonce, digest, mac = _parse_hello(t, meta)
     except (KeyError, ValueError, TypeError) as e:
-        _refuse(s, "protocol", f"malformed {t.name}: {e}")
+        _refuse(s, "protocol", f"malformed {t.name}: {e}", stranger=server)
         return False
     s.island = island
     try:
@@ -64,7 +139,7 @@ def accept_handshake(server, s) -> bool:
             raise AuthError("this syncer runs without a key (insecure, loopback only); the island must be "
                             "configured insecure too")
     except AuthError as e:
-        _refuse(s, "auth", str(e))
+        _refuse(s, "auth", str(e), stranger=server)
         return False
     smac = auth.server_mac(cfg.key, server_nonce, client_nonce, island, incarnation, digest).hex() \
         if cfg.key is not None else ""
