@@ -77,3 +77,49 @@ class Relay:
     def close(self):
         self.closed = True
         self.srv.close()
+
+
+HEADER_SIZE = 28
+TAG_SIZE = 16
+
+
+def _recv_exact(sock, n):
+    buf = bytearray()
+    while len(buf) < n:
+        b = sock.recv(min(1 << 20, n - len(buf)))
+        if not b:
+            raise ConnectionError("closed")
+        buf += b
+    return bytes(buf)
+
+
+class FrameRelay(Relay):
+    """A relay that forwards whole frames and lets ``on_frame(way, conn_index, n, header, rest) -> [bytes]``
+    (``n``: frames that way so far on this connection; ``rest``: payload and, for an authenticated frame, its
+    tag) replace each frame by any list of frames: drop ([]), replay ([f, f]), inject ([g, f]) or rewrite."""
+
+    def __init__(self, target_port, on_frame, host="127.0.0.1"):
+        self.on_frame = on_frame
+        self.events = []
+        super().__init__(target_port, host)
+
+    def _pump(self, src, dst, way, idx):
+        import struct
+        n = 0
+        try:
+            while True:
+                hdr = _recv_exact(src, HEADER_SIZE)
+                _, _, t, flags, length, _ = struct.unpack("<4sHHIQQ", hdr)
+                rest = _recv_exact(src, length + (TAG_SIZE if flags & 1 else 0))
+                out = self.on_frame(way, idx, n, hdr, rest)
+                n += 1
+                for f in out:
+                    dst.sendall(f)
+        except (OSError, ConnectionError):
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()

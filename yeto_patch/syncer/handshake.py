@@ -11,7 +11,7 @@ import threading
 import time
 import weakref
 
-from ..wire import auth
+from ..wire import auth, secure
 from ..wire.frames import AuthError, MsgType, PeerError, ProtocolError, WireTimeout
 from ..wire.text import EscapeArgs, check_island_id, printable
 from .layout import first_difference, normalize_manifest
@@ -93,8 +93,6 @@ def _parse_hello(t, meta) -> tuple:
     digest = bytes.fromhex(meta["manifest_digest"])
     mac = bytes.fromhex(meta.get("mac", ""))
     check_island_id(island)   # printable, encodable, 1..256 characters (no forged log lines, no MAC crash)
-    if isinstance(incarnation, bool) or not isinstance(incarnation, int) or not 0 <= incarnation < 1 << 64:
-        raise ValueError("incarnation must be an integer in [0, 2**64)")
     return island, incarnation, client_nonce, digest, mac
 
 
@@ -119,7 +117,9 @@ def accept_handshake(server, s) -> bool:
 def _handshake(server, s) -> bool:
     cfg = server.cfg
     server_nonce = auth.new_nonce()
-    s.conn.send(MsgType.CHALLENGE, {"nonce": server_nonce.hex(), "protocol": 1, "auth": cfg.key is not None})
+    mode = "none" if cfg.key is None else "aead" if getattr(cfg, "encrypt", False) else "mac"
+    challenge = {"nonce": server_nonce.hex(), "protocol": 1, "auth": cfg.key is not None, "frames": mode}
+    s.conn.send(MsgType.CHALLENGE, challenge)
     # the whole HELLO within the handshake timeout: a peer trickling bytes cannot hold the connection
     t, meta, _ = s.conn.recv(timeout=cfg.handshake_timeout_s, within=cfg.handshake_timeout_s)
     if t not in (MsgType.HELLO, MsgType.PROBE):
@@ -143,7 +143,9 @@ def _handshake(server, s) -> bool:
         return False
     smac = auth.server_mac(cfg.key, server_nonce, client_nonce, island, incarnation, digest).hex() \
         if cfg.key is not None else ""
+    keys = _frame_keys(cfg, mode, server_nonce, client_nonce, challenge, meta)
     if t == MsgType.PROBE:
+        _protect(s, keys, mode)
         s.conn.send(MsgType.WELCOME, {"probe": True, "server_mac": smac, **server.status()})
         return False
     try:
@@ -161,10 +163,22 @@ def _handshake(server, s) -> bool:
     if auth.manifest_digest(manifest) != digest:
         _refuse(s, "auth", "the manifest does not match the authenticated manifest digest")
         return False
-    return _join(server, s, island, incarnation, manifest, digest, smac)
+    return _join(server, s, island, incarnation, manifest, digest, smac, keys, mode)
 
 
-def _join(server, s, island, incarnation, manifest, digest, smac) -> bool:
+def _frame_keys(cfg, mode, server_nonce, client_nonce, challenge, hello):
+    """(island -> syncer, syncer -> island) frame keys bound to this handshake's transcript; None without a key."""
+    if cfg.key is None:
+        return None
+    return secure.derive_keys(cfg.key, server_nonce, client_nonce, mode, secure.transcript(challenge, hello))
+
+
+def _protect(s, keys, mode) -> None:
+    if keys is not None:   # from WELCOME on, every frame both ways is authenticated (aead: and encrypted)
+        s.conn.protect(keys[1], keys[0], mode == "aead")
+
+
+def _join(server, s, island, incarnation, manifest, digest, smac, keys, mode) -> bool:
     cfg = server.cfg
     coord = server.coord
     with coord.lock:
@@ -204,6 +218,7 @@ def _join(server, s, island, incarnation, manifest, digest, smac) -> bool:
         if coord.initialized:  # queued now (the writer starts after WELCOME went out)
             for f in range(len(coord.frags)):
                 s.post_base(f, "check" if s.declared and not server.final_done else "f32", final=server.final_done)
+    _protect(s, keys, mode)
     s.conn.send(MsgType.WELCOME, welcome)  # outside the central lock: a slow reader blocks only itself
     if old is not None and old is not s:
         log.info("island %s reconnected (incarnation %s); closing its previous connection", island, incarnation)

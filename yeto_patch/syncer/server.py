@@ -23,7 +23,7 @@ import numpy as np
 import xxhash
 
 from ..wire import auth, codecs
-from ..wire.frames import MAX_PAYLOAD, MsgType, PeerError, ProtocolError, WireTimeout
+from ..wire.frames import MAX_PAYLOAD, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
 from ..wire.message import encode_meta
 from ..wire.transport import Connection, listen
 from .checkpoint import CheckpointError, CheckpointWriter, read_checkpoint
@@ -61,6 +61,7 @@ class ServerConfig:
     fragments: int = 1
     key: Optional[bytes] = None
     insecure: bool = False
+    encrypt: bool = False   # frames after the handshake encrypted too (AES-256-GCM), not only authenticated
     merge: MergeSettings = field(default_factory=MergeSettings)
     rounds: RoundSettings = field(default_factory=RoundSettings)
     base_wire: str = "f32"
@@ -342,8 +343,9 @@ class SyncerServer:
             if not s.closed and not self.stopping.is_set():
                 log.warning("island %s: connection lost: %s", s.island or s.conn.peer, e)
                 if isinstance(e, ProtocolError) and not isinstance(e, WireTimeout):
-                    try:   # a framing error: tell the peer why before closing (best effort)
-                        s.conn.send_error("protocol", str(e)[:1000])
+                    try:   # a framing error: tell the peer why before closing (best effort; "integrity": a frame
+                        # failed authentication on the path, the island reconnects)
+                        s.conn.send_error("integrity" if isinstance(e, FrameAuthError) else "protocol", str(e)[:1000])
                     except (ProtocolError, OSError):
                         pass
         except Exception:  # noqa: BLE001 - a bug must not take the syncer down

@@ -26,9 +26,10 @@ import xxhash
 
 from . import chunks as _chunks
 from .chunks import DEFAULT_CHUNK, ENVELOPE, ENVELOPE_SIZE, MAX_CHUNK, Reassembler, parse_envelope
-from .frames import (HEADER_SIZE, MAX_PAYLOAD, DigestError, FrameError, MsgType, PeerError, ProtocolError,
-                     WireTimeout, decode_header, encode_header)
+from .frames import (HEADER_SIZE, MAX_PAYLOAD, DigestError, FrameAuthError, FrameError, MsgType, PeerError,
+                     ProtocolError, WireTimeout, decode_header, encode_header)
 from .message import pack_meta, unpack
+from .secure import FLAG_AUTH, FLAG_ENC, TAG_SIZE, InvalidTag, Opener, Sealer
 
 __all__ = ["Connection", "ConnectError", "connect", "listen", "parse_address", "DEFAULT_TIMEOUT"]
 
@@ -95,6 +96,9 @@ class Connection:
         self._ids = itertools.count(1)
         self._broken: Optional[str] = None
         self._closed = False
+        self._tx: Optional[Sealer] = None   # frame protection (after the handshake), per direction
+        self._rx: Optional[Opener] = None
+        self._rx_clear_error = False
         _tune(sock)
         # non-blocking: each direction polls with its own deadline (a socket timeout would be shared by a
         # receive and a concurrent send on another thread, shortening the send's to the receive's wait)
@@ -111,6 +115,19 @@ class Connection:
             self.max_payload[MsgType(t)] = min(int(n), MAX_PAYLOAD[MsgType(t)])
         self._reasm.max_payload = dict(self.max_payload)
         self._reasm.max_bytes = max_reassembly_bytes
+
+    def protect(self, send_key: bytes, recv_key: bytes, encrypt: bool, clear_error_first: bool = False) -> None:
+        """From the next frame on, authenticate (``encrypt``: and encrypt) every frame in both directions with
+        these keys (wire/secure.py). ``clear_error_first``: the next received frame may still be an
+        unprotected ERROR (a refusal sent before the peer switched); anything else unprotected is refused."""
+        with self._send_lock, self._recv_lock:
+            self._tx = Sealer(send_key, encrypt)
+            self._rx = Opener(recv_key, encrypt)
+            self._rx_clear_error = clear_error_first
+
+    @property
+    def protection(self) -> str:
+        return "none" if self._tx is None else "aead" if self._tx.encrypt else "mac"
 
     # -------------------------------------------------------------------------------------- state
     def _check_usable(self) -> None:
@@ -188,15 +205,23 @@ class Connection:
                     n = 0
 
     def _send_frame(self, msg_type: MsgType, parts: list, flags: int = 0) -> None:
-        h = xxhash.xxh3_64()
         length = 0
         for p in parts:
-            h.update(p)
             length += memoryview(p).nbytes
-        header = encode_header(msg_type, length, h.intdigest(), flags)
-        with self._send_lock:
+        if self._tx is None:
+            h = xxhash.xxh3_64()
+            for p in parts:
+                h.update(p)
+            header = encode_header(msg_type, length, h.intdigest(), flags)
+            with self._send_lock:
+                self._check_usable()
+                self._sendmsg_all([header] + parts)
+            return
+        with self._send_lock:   # sealed under the lock: the sequence numbers follow the wire order
             self._check_usable()
-            self._sendmsg_all([header] + parts)
+            header = encode_header(msg_type, length, 0, flags | self._tx.flags)
+            out, tag = self._tx.seal(header, parts, clear=1 if msg_type == MsgType.CHUNK else 0)
+            self._sendmsg_all([header] + out + [tag])
 
     def send(self, msg_type: int, meta: Optional[dict] = None, body: Body = b"", *,
              body_len: Optional[int] = None, body_iter: Optional[Iterable] = None) -> None:
@@ -328,7 +353,7 @@ class Connection:
             self._end, self._within = (None, None) if within is None else (time.monotonic() + within, within)
             try:
                 return self._recv(wait)
-            except (FrameError, DigestError) as e:
+            except (FrameError, DigestError) as e:   # (FrameAuthError is a FrameError)
                 self._break(str(e))
                 raise
             finally:
@@ -341,6 +366,7 @@ class Connection:
             left = max(0.0, deadline - time.monotonic())
             self._recv_into(memoryview(hdr), first_wait=max(left, 1e-3))
             h = decode_header(hdr)
+            sealed = self._check_sealed(h)
             if h.msg_type != MsgType.CHUNK:
                 # an unchunked frame is never larger than a chunk (bigger messages must be chunked), so a
                 # hostile length cannot make us allocate more than MAX_PAYLOAD[CHUNK] here
@@ -350,7 +376,9 @@ class Connection:
                                      f"receiver's maximum {limit} (larger messages travel as CHUNKs)")
                 payload = np.empty(h.length, np.uint8)
                 self._recv_into(memoryview(payload))
-                if xxhash.xxh3_64_intdigest(payload) != h.digest:
+                if sealed:
+                    self._open(hdr, None, memoryview(payload), h.msg_type.name)
+                elif xxhash.xxh3_64_intdigest(payload) != h.digest:
                     raise DigestError(f"digest mismatch in {h.msg_type.name} message from {self.peer}")
                 return self._deliver(h.msg_type, memoryview(payload))
             if h.length < ENVELOPE_SIZE:
@@ -361,10 +389,17 @@ class Connection:
             n = h.length - ENVELOPE_SIZE
             dst = self._reasm.reserve(env, n)  # validated against maxima before any allocation
             self._recv_into(dst)
-            d = xxhash.xxh3_64()
-            d.update(envb)
-            d.update(dst)
-            if d.intdigest() != h.digest:
+            if sealed:
+                try:
+                    self._open(hdr, memoryview(envb), dst, f"chunk of {_chunks._label(env)} (offset {env.offset})")
+                except FrameAuthError:
+                    self._reasm.drop(env.msg_id)
+                    raise
+            else:
+                d = xxhash.xxh3_64()
+                d.update(envb)
+                d.update(dst)
+            if not sealed and d.intdigest() != h.digest:
                 self._reasm.drop(env.msg_id)
                 raise DigestError(f"digest mismatch in chunk of {_chunks._label(env)} from {self.peer} "
                                   f"(offset {env.offset})")
@@ -373,6 +408,35 @@ class Connection:
                 return self._deliver(done[0], memoryview(done[1]))
             # a message is flowing: wait for its next frame as long as for any stalled read
             deadline = max(deadline, time.monotonic() + self.timeout)
+
+    def _check_sealed(self, h) -> bool:
+        """Whether this frame is protected; refuses an unprotected frame once protection is on (except the one
+        clear ERROR allowed right after the switch) and a protected one before."""
+        bits = h.flags & (FLAG_AUTH | FLAG_ENC)
+        if self._rx is None:
+            if bits:
+                raise FrameError(f"{h.msg_type.name} frame from {self.peer} is protected (flags {bits}) but no keys "
+                                 "were agreed")
+            return False
+        clear_ok, self._rx_clear_error = self._rx_clear_error, False
+        if bits == self._rx.flags:
+            return True
+        if not bits and clear_ok and h.msg_type == MsgType.ERROR:
+            return False
+        want = "authenticated and encrypted" if self._rx.encrypt else "authenticated"
+        raise FrameAuthError(f"frame {self._rx.seq} from {self.peer} ({h.msg_type.name}, flags {h.flags}) is not "
+                             f"{want} as agreed in the handshake: injected or downgraded; closing the connection")
+
+    def _open(self, hdr, clear, body: memoryview, what: str) -> None:
+        tag = bytearray(TAG_SIZE)
+        self._recv_into(memoryview(tag))
+        seq = self._rx.seq
+        try:
+            self._rx.open(hdr, clear, body, tag)
+        except InvalidTag:
+            raise FrameAuthError(f"frame authentication failed: {what} from {self.peer} is not frame {seq} as "
+                                 "sealed by the peer (altered, injected, replayed, reordered or dropped on the "
+                                 "path); closing the connection") from None
 
     def _deliver(self, t: MsgType, payload: memoryview) -> tuple[MsgType, dict, memoryview]:
         meta, body = unpack(payload)
