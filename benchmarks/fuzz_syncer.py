@@ -248,17 +248,25 @@ def wait_closed(sock: socket.socket, timeout: float):
         buf += b
 
 
+_SESSIONS: dict = {}   # island id -> resumption secret of its last handshake here
+
+
 def handshake(addr, key: bytes, island: str, record: list = None):
     """An authenticated handshake (a transport Connection); returns (conn, welcome meta)."""
     conn = connect("%s:%d" % addr, timeout=10, retries=3)
     _, ch, _ = conn.recv()
-    hello = hello_meta(key, bytes.fromhex(ch["nonce"]), island)
+    sn = bytes.fromhex(ch["nonce"])
+    hello = hello_meta(key, sn, island)
+    cn = bytes.fromhex(hello["nonce"])
+    if island in _SESSIONS:   # the id may still be connected: prove it is this process's session
+        hello["resume"] = secure.resumption_proof(_SESSIONS[island], sn, cn, island).hex()
     raw = message(MsgType.HELLO, hello)
     conn.sock.sendall(raw)
     # every later frame is authenticated with keys bound to this handshake (wire/secure.py)
-    c2s, s2c = secure.derive_keys(key, bytes.fromhex(ch["nonce"]), bytes.fromhex(hello["nonce"]), ch["frames"],
-                                  secure.transcript(ch, hello))
+    th = secure.transcript(ch, hello)
+    c2s, s2c = secure.derive_keys(key, sn, cn, ch["frames"], th)
     conn.protect(c2s, s2c, ch["frames"] == "aead")
+    _SESSIONS[island] = secure.derive_resumption(key, sn, cn, th)
     t, welcome, _ = conn.recv()
     if record is not None:
         record.append((raw, welcome))

@@ -239,10 +239,16 @@ def manual_join(addr, recorded):
     conn = connect(addr, timeout=5, retries=0)
     _, ch, _ = conn.recv(timeout=5)
     nonce = auth.new_nonce()
+    from yeto_patch.wire import client as client_mod
+    sn = bytes.fromhex(ch["nonce"])
     hello = dict(recorded, nonce=nonce.hex(), mac=auth.client_mac(
-        KEY, bytes.fromhex(ch["nonce"]), nonce, "b", recorded["incarnation"], DIGEST).hex())
+        KEY, sn, nonce, "b", recorded["incarnation"], DIGEST).hex())
+    # island b is connected: only its own session may take the id over (the proof its process would send)
+    hello["resume"] = secure.resumption_proof(client_mod._RESUME[(addr, "b")], sn, nonce, "b").hex()
     conn.send(MsgType.HELLO, hello)
-    c2s, s2c = secure.derive_keys(KEY, bytes.fromhex(ch["nonce"]), nonce, ch["frames"], secure.transcript(ch, hello))
+    th = secure.transcript(ch, hello)
+    c2s, s2c = secure.derive_keys(KEY, sn, nonce, ch["frames"], th)
+    client_mod._RESUME[(addr, "b")] = secure.derive_resumption(KEY, sn, nonce, th)
     conn.protect(c2s, s2c, ch["frames"] == "aead")
     return conn, c2s
 

@@ -6,6 +6,7 @@ closed (a refusal was sent, or a PROBE was answered). See docs/protocol.md ("Han
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -103,7 +104,8 @@ def accept_handshake(server, s) -> bool:
         if s.joined:   # authenticated and joined: the session's own error handling reports it
             raise
         if isinstance(e, PeerError):
-            strangers(server).warning("unauthenticated peer %s sent an error [%s]: %s", s.conn.peer, e.code, e.message)
+            strangers(server).warning("unauthenticated peer %s sent an error [%s]: %s", s.conn.peer, e.code,
+                                      e.message)
             return False
         strangers(server).warning("handshake with %s failed: %s", s.conn.peer, e)
         if isinstance(e, ProtocolError) and not isinstance(e, WireTimeout):
@@ -114,11 +116,21 @@ def accept_handshake(server, s) -> bool:
         return False
 
 
+def _key_for(cfg, island: str):
+    """The key island ``island`` must prove: its own (--island-keys) if it has one, else the shared key."""
+    own = (getattr(cfg, "island_keys", None) or {}).get(island)
+    return own if own is not None else cfg.key
+
+
+def _keyed(cfg) -> bool:
+    return cfg.key is not None or bool(getattr(cfg, "island_keys", None))
+
+
 def _handshake(server, s) -> bool:
     cfg = server.cfg
     server_nonce = auth.new_nonce()
-    mode = "none" if cfg.key is None else "aead" if getattr(cfg, "encrypt", False) else "mac"
-    challenge = {"nonce": server_nonce.hex(), "protocol": 1, "auth": cfg.key is not None, "frames": mode}
+    mode = "aead" if _keyed(cfg) and getattr(cfg, "encrypt", False) else "mac" if _keyed(cfg) else "none"
+    challenge = {"nonce": server_nonce.hex(), "protocol": 1, "auth": _keyed(cfg), "frames": mode}
     s.conn.send(MsgType.CHALLENGE, challenge)
     # the whole HELLO within the handshake timeout: a peer trickling bytes cannot hold the connection
     t, meta, _ = s.conn.recv(timeout=cfg.handshake_timeout_s, within=cfg.handshake_timeout_s)
@@ -131,21 +143,25 @@ def _handshake(server, s) -> bool:
         _refuse(s, "protocol", f"malformed {t.name}: {e}", stranger=server)
         return False
     s.island = island
+    key = _key_for(cfg, island)
     try:
-        if cfg.key is not None:
-            auth.verify(auth.client_mac(cfg.key, server_nonce, client_nonce, island, incarnation, digest), mac,
+        if key is not None:
+            auth.verify(auth.client_mac(key, server_nonce, client_nonce, island, incarnation, digest), mac,
                         what=f"{t.name} from island {island!r}")
+        elif _keyed(cfg):
+            raise AuthError(f"no key for island {island!r}: it has no key file in --island-keys and the syncer has "
+                            "no shared key")
         elif not meta.get("insecure"):
             raise AuthError("this syncer runs without a key (insecure, loopback only); the island must be "
                             "configured insecure too")
     except AuthError as e:
         _refuse(s, "auth", str(e), stranger=server)
         return False
-    smac = auth.server_mac(cfg.key, server_nonce, client_nonce, island, incarnation, digest).hex() \
-        if cfg.key is not None else ""
-    keys = _frame_keys(cfg, mode, server_nonce, client_nonce, challenge, meta)
+    smac = auth.server_mac(key, server_nonce, client_nonce, island, incarnation, digest).hex() \
+        if key is not None else ""
+    sess = _Keys(key, mode, server_nonce, client_nonce, challenge, meta)
     if t == MsgType.PROBE:
-        _protect(s, keys, mode)
+        _protect(s, sess)
         s.conn.send(MsgType.WELCOME, {"probe": True, "server_mac": smac, **server.status()})
         return False
     try:
@@ -163,22 +179,59 @@ def _handshake(server, s) -> bool:
     if auth.manifest_digest(manifest) != digest:
         _refuse(s, "auth", "the manifest does not match the authenticated manifest digest")
         return False
-    return _join(server, s, island, incarnation, manifest, digest, smac, keys, mode)
+    return _join(server, s, island, incarnation, manifest, digest, smac, sess)
 
 
-def _frame_keys(cfg, mode, server_nonce, client_nonce, challenge, hello):
-    """(island -> syncer, syncer -> island) frame keys bound to this handshake's transcript; None without a key."""
-    if cfg.key is None:
-        return None
-    return secure.derive_keys(cfg.key, server_nonce, client_nonce, mode, secure.transcript(challenge, hello))
+class _Keys:
+    """What one authenticated handshake derives: frame keys, the session's resumption secret, and whether the
+    HELLO proved the previous session of its island id (None without a key)."""
+
+    def __init__(self, key, mode, server_nonce, client_nonce, challenge, hello):
+        self.frames = self.resumption = None
+        self.mode = mode
+        self.server_nonce, self.client_nonce, self.hello = server_nonce, client_nonce, hello
+        if key is not None:
+            th = secure.transcript(challenge, hello)
+            self.frames = secure.derive_keys(key, server_nonce, client_nonce, mode, th)
+            self.resumption = secure.derive_resumption(key, server_nonce, client_nonce, th)
+
+    def proves(self, previous: "bytes | None", island: str) -> bool:
+        proof = self.hello.get("resume")
+        if previous is None or not isinstance(proof, str):
+            return False
+        try:
+            got = bytes.fromhex(proof)
+        except ValueError:
+            return False
+        return hmac.compare_digest(secure.resumption_proof(previous, self.server_nonce, self.client_nonce, island), got)
 
 
-def _protect(s, keys, mode) -> None:
-    if keys is not None:   # from WELCOME on, every frame both ways is authenticated (aead: and encrypted)
-        s.conn.protect(keys[1], keys[0], mode == "aead")
+_resumption: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # syncer -> {island: secret}
 
 
-def _join(server, s, island, incarnation, manifest, digest, smac, keys, mode) -> bool:
+def _secrets(server) -> dict:
+    with _stranger_lock:
+        return _resumption.setdefault(server, {})
+
+
+def _taken(server, s, island: str, sess: _Keys) -> bool:
+    """Whether ``island`` is held by another live connection that this HELLO may not take over: with keys, a
+    connected id whose lease has not expired can only be claimed again by its own session (resumption proof);
+    called under the coordinator's lock."""
+    if sess.resumption is None:
+        return False   # insecure (keyless loopback): as before, the newest connection wins
+    old = server.sessions.get(island)
+    if old is None or old is s or old.closed or island not in server.coord.alive_members():
+        return False
+    return not sess.proves(_secrets(server).get(island), island)
+
+
+def _protect(s, sess: _Keys) -> None:
+    if sess.frames is not None:   # from WELCOME on, every frame both ways is authenticated (aead: and encrypted)
+        s.conn.protect(sess.frames[1], sess.frames[0], sess.mode == "aead")
+
+
+def _join(server, s, island, incarnation, manifest, digest, smac, sess) -> bool:
     cfg = server.cfg
     coord = server.coord
     with coord.lock:
@@ -193,6 +246,10 @@ def _join(server, s, island, incarnation, manifest, digest, smac, keys, mode) ->
         elif manifest != coord.manifest:
             _refuse(s, "manifest", "this island's parameter manifest differs from the run's: "
                     + first_difference(coord.manifest, manifest))
+            return False
+        if _taken(server, s, island, sess):
+            _refuse(s, "island-taken", f"island id {island!r} is held by a live connection; only that session "
+                    f"(its resumption proof) can reconnect before its lease of {cfg.rounds.lease_s:g}s expires")
             return False
         try:
             coord.join(island, str(incarnation))
@@ -218,7 +275,9 @@ def _join(server, s, island, incarnation, manifest, digest, smac, keys, mode) ->
         if coord.initialized:  # queued now (the writer starts after WELCOME went out)
             for f in range(len(coord.frags)):
                 s.post_base(f, "check" if s.declared and not server.final_done else "f32", final=server.final_done)
-    _protect(s, keys, mode)
+        if sess.resumption is not None:
+            _secrets(server)[island] = sess.resumption   # the next connection of this id proves this session
+    _protect(s, sess)
     s.conn.send(MsgType.WELCOME, welcome)  # outside the central lock: a slow reader blocks only itself
     if old is not None and old is not s:
         log.info("island %s reconnected (incarnation %s); closing its previous connection", island, incarnation)

@@ -62,6 +62,7 @@ class ServerConfig:
     key: Optional[bytes] = None
     insecure: bool = False
     encrypt: bool = False   # frames after the handshake encrypted too (AES-256-GCM), not only authenticated
+    island_keys: Optional[dict] = None   # island id -> its own key (--island-keys); others use the shared key
     merge: MergeSettings = field(default_factory=MergeSettings)
     rounds: RoundSettings = field(default_factory=RoundSettings)
     base_wire: str = "f32"
@@ -182,7 +183,7 @@ class SyncerServer:
     def __init__(self, cfg: ServerConfig):
         if cfg.base_wire not in BASE_WIRE:
             raise ValueError(f"base wire dtype must be one of {BASE_WIRE}, got {cfg.base_wire!r}")
-        if cfg.key is None:
+        if cfg.key is None and not cfg.island_keys:
             auth.check_insecure(cfg.listen, cfg.insecure)
         if cfg.background_checkpoint and not cfg.checkpoint:
             raise ValueError("background checkpoints need a checkpoint path")

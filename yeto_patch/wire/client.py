@@ -178,8 +178,14 @@ def _norm_manifest(manifest) -> list:
     return out
 
 
+_RESUME: dict = {}   # (syncer address, island id) -> resumption secret of this process's last session
+_RESUME_LOCK = threading.Lock()
+
+
 def _handshake(conn: Connection, key: Optional[bytes], insecure: bool, msg_type: MsgType, island_id: str,
-               incarnation: int, digest: bytes, extra: dict, timeout: float) -> dict:
+               incarnation: int, digest: bytes, extra: dict, timeout: float, resume_slot=None) -> dict:
+    """The island's handshake. ``resume_slot`` (address, island id): prove the previous session of this id in
+    this process (its resumption secret), so a reconnect may take over a connection the syncer still holds."""
     t, challenge, _ = conn.recv(timeout=timeout)
     if t != MsgType.CHALLENGE:
         raise ProtocolError(f"expected CHALLENGE from the syncer, got {t.name}")
@@ -200,6 +206,10 @@ def _handshake(conn: Connection, key: Optional[bytes], insecure: bool, msg_type:
     mac = auth.client_mac(key, server_nonce, nonce, island_id, incarnation, digest).hex() if key else ""
     hello = {"island_id": island_id, "incarnation": incarnation, "nonce": nonce.hex(),
              "manifest_digest": digest.hex(), "mac": mac, "insecure": key is None, **extra}
+    with _RESUME_LOCK:
+        previous = _RESUME.get(resume_slot) if key is not None and resume_slot is not None else None
+    if previous is not None:
+        hello["resume"] = secure.resumption_proof(previous, server_nonce, nonce, island_id).hex()
     conn.send(msg_type, hello)
     if key is not None:   # every later frame is authenticated (and in "aead" mode encrypted) both ways
         c2s, s2c = secure.derive_keys(key, server_nonce, nonce, mode, secure.transcript(challenge, hello))
@@ -218,6 +228,10 @@ def _handshake(conn: Connection, key: Optional[bytes], insecure: bool, msg_type:
         except ValueError:
             got = b""
         auth.verify(want, got, what="the syncer's WELCOME")
+        if resume_slot is not None and msg_type == MsgType.HELLO:
+            th = secure.transcript(challenge, hello)
+            with _RESUME_LOCK:
+                _RESUME[resume_slot] = secure.derive_resumption(key, server_nonce, nonce, th)
     return meta
 
 
@@ -297,7 +311,7 @@ class SyncerClient:
             meta = _handshake(conn, self.key, self.insecure, MsgType.HELLO, self.island_id, self.incarnation,
                               self.digest, {"manifest": [[n, list(s), d] for n, s, d in self.manifest],
                                             **({"held": self.held} if self.held is not None else {})},
-                              self.timeout)
+                              self.timeout, resume_slot=(self.address, self.island_id))
             w = Welcome(island_id=meta["island_id"], layout=meta["layout"], numels=meta["numels"],
                         fragments=meta["fragments"], versions=meta.get("versions"),
                         needs_init=list(meta.get("needs_init") or []), base_wire=meta.get("base_wire", "f32"),

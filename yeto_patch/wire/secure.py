@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 __all__ = ["FLAG_AUTH", "FLAG_ENC", "TAG_SIZE", "MODES", "transcript", "derive_keys", "Sealer", "Opener",
-           "InvalidTag"]
+           "InvalidTag", "derive_resumption", "resumption_proof"]
 
 FLAG_AUTH = 1
 FLAG_ENC = 2
@@ -114,3 +114,22 @@ class Opener(_Dir):
         plain = dec.update(body)
         dec.finalize()   # raises InvalidTag before anything is written
         body[:] = plain
+
+
+RESUME_INFO = b"yeto-patch resume v1\0"
+PROOF_LABEL = b"yeto-patch resume proof v1\0"
+
+
+def derive_resumption(key: bytes, server_nonce: bytes, client_nonce: bytes, th: bytes) -> bytes:
+    """The session's resumption secret (32 bytes): both sides derive it from the handshake, it never travels.
+    A later HELLO of the same island proves the session with :func:`resumption_proof`."""
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=bytes(server_nonce) + bytes(client_nonce),
+                info=RESUME_INFO + th).derive(key)
+
+
+def resumption_proof(secret: bytes, server_nonce: bytes, client_nonce: bytes, island_id: str) -> bytes:
+    """HMAC-SHA256 under the previous session's resumption secret over this handshake's nonces and the id."""
+    import hmac
+    iid = island_id.encode("utf-8")
+    return hmac.new(secret, PROOF_LABEL + bytes(server_nonce) + bytes(client_nonce) + struct.pack("<I", len(iid))
+                    + iid, hashlib.sha256).digest()
