@@ -25,8 +25,8 @@ MIN_KEY_BYTES = 16
 CLIENT_LABEL = b"yeto-patch client v1\0"
 SERVER_LABEL = b"yeto-patch server v1\0"
 
-__all__ = ["NONCE_SIZE", "load_key", "load_island_keys", "manifest_digest", "new_nonce", "client_mac", "server_mac", "verify",
-           "check_insecure", "is_loopback", "mac_message"]
+__all__ = ["NONCE_SIZE", "load_key", "load_island_keys", "manifest_digest", "new_nonce", "client_mac", "server_mac",
+           "verify", "check_insecure", "is_loopback", "mac_message"]
 
 
 def load_key(path: Optional[str] = None, env: str = "YETO_KEY") -> Optional[bytes]:
