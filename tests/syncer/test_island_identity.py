@@ -101,3 +101,25 @@ def test_per_island_keys():
         assert r.status == "accepted"
         a.close()
         b.close()
+
+
+def test_island_key_directory(tmp_path):
+    from yeto_patch.syncer import cli
+    from yeto_patch.wire import auth
+    from yeto_patch.wire.frames import AuthError
+    for name, key in (("a.key", KA), ("b.key", KB), ("notes.txt", b"ignored")):
+        p = tmp_path / name
+        p.write_bytes(key + b"\n")
+        p.chmod(0o600)
+    assert auth.load_island_keys(str(tmp_path)) == {"a": KA, "b": KB}
+    cfg = cli.config_from_args(cli.build_parser().parse_args(["--island-keys", str(tmp_path), "--listen",
+                                                              "0.0.0.0:0", "--encrypt"]))
+    assert cfg.island_keys == {"a": KA, "b": KB} and cfg.encrypt
+    (tmp_path / "b.key").chmod(0o644)
+    with pytest.raises(AuthError, match="chmod 600"):
+        auth.load_island_keys(str(tmp_path))
+    with pytest.raises(AuthError, match="cannot read the island key directory"):
+        auth.load_island_keys(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AuthError, match="no <island id>.key"):
+        auth.load_island_keys(str(tmp_path / "empty"))
