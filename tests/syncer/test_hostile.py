@@ -224,6 +224,35 @@ def chunk_frame(inner, total, data, msg_id=1):
                        xxhash.xxh3_64_intdigest(payload)) + payload
 
 
+def sealed_chunk_frame(key, inner, total, data, msg_id=1):
+    """The first frame an island sends after WELCOME, authenticated as the handshake agreed (wire/secure.py)."""
+    from yeto_patch.wire import secure
+    payload = struct.pack("<QHHQQ", msg_id, inner, 0, total, 0) + data
+    header = struct.pack("<4sHHIQQ", b"YETO", 1, MsgType.CHUNK, secure.FLAG_AUTH, len(payload), 0)
+    _, tag = secure.Sealer(key, False).seal(header, [payload[:28], payload[28:]], clear=1)
+    return header + payload + tag
+
+
+def manual_join(addr, recorded):
+    """Island b's handshake by hand; returns (connection, island -> syncer frame key)."""
+    from yeto_patch.wire import secure
+    conn = connect(addr, timeout=5, retries=0)
+    _, ch, _ = conn.recv(timeout=5)
+    nonce = auth.new_nonce()
+    from yeto_patch.wire import client as client_mod
+    sn = bytes.fromhex(ch["nonce"])
+    hello = dict(recorded, nonce=nonce.hex(), mac=auth.client_mac(
+        KEY, sn, nonce, "b", recorded["incarnation"], DIGEST).hex())
+    # island b is connected: only its own session may take the id over (the proof its process would send)
+    hello["resume"] = secure.resumption_proof(client_mod._RESUME[(addr, "b")], sn, nonce, "b").hex()
+    conn.send(MsgType.HELLO, hello)
+    th = secure.transcript(ch, hello)
+    c2s, s2c = secure.derive_keys(KEY, sn, nonce, ch["frames"], th)
+    client_mod._RESUME[(addr, "b")] = secure.derive_resumption(KEY, sn, nonce, th)
+    conn.protect(c2s, s2c, ch["frames"] == "aead")
+    return conn, c2s
+
+
 def test_messages_larger_than_an_island_may_send_are_refused_from_their_header(run, caplog):
     server, addr, a, b, recorded = run
     before = state_of(server)
@@ -237,13 +266,9 @@ def test_messages_larger_than_an_island_may_send_are_refused_from_their_header(r
     # after it, a PUSH or INIT is at most a whole fragment in its largest encoding (plus 1 MiB)
     limit = codecs.encoded_nbytes("int8", max(b.welcome.numels), 1) + (1 << 20)
     for total in (limit, limit + 1):
-        conn = connect(addr, timeout=5, retries=0)  # as island b again (its new connection replaces the old)
-        _, ch, _ = conn.recv(timeout=5)
-        nonce = auth.new_nonce()
-        conn.send(MsgType.HELLO, dict(recorded, nonce=nonce.hex(), mac=auth.client_mac(
-            KEY, bytes.fromhex(ch["nonce"]), nonce, "b", recorded["incarnation"], DIGEST).hex()))
+        conn, c2s = manual_join(addr, recorded)  # as island b again (its new connection replaces the old)
         assert conn.recv(timeout=5)[0] == MsgType.WELCOME
-        conn.sock.sendall(chunk_frame(MsgType.PUSH, total, b"\0" * 1024))
+        conn.sock.sendall(sealed_chunk_frame(c2s, MsgType.PUSH, total, b"\0" * 1024))
         if total == limit:  # taken: the syncer waits for the rest of the message
             with pytest.raises(socket.timeout):
                 closed_by_syncer(conn.sock, timeout=0.5)

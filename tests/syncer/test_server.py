@@ -371,7 +371,8 @@ def test_island_verifies_the_syncer():
     def impostor(keyed):
         s, _ = srv.accept()
         c = Connection(s, timeout=5)
-        c.send(MsgType.CHALLENGE, {"nonce": auth.new_nonce().hex(), "protocol": 1, "auth": keyed})
+        c.send(MsgType.CHALLENGE, {"nonce": auth.new_nonce().hex(), "protocol": 1, "auth": keyed,
+                                   "frames": "mac" if keyed else "none"})
         try:
             c.recv(timeout=5)
             c.send(MsgType.WELCOME, {"island_id": "a", "server_mac": "00" * 32, "layout": [[0]], "numels": [1],

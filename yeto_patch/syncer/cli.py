@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "environment variable)")
     g.add_argument("--insecure", action="store_true", help="run without a key (allowed only on a loopback "
                    "address)")
+    g.add_argument("--island-keys", default=None, metavar="DIR", help="per-island keys: one file <island id>.key "
+                   "(chmod 600) per island; such an id can only be claimed with its own key, other ids need the "
+                   "shared key (default: none, every island uses the shared key)")
+    g.add_argument("--encrypt", action="store_true",
+                   default=os.environ.get("YETO_ENCRYPT", "").strip().lower() in ("1", "true", "yes", "on"),
+                   help="encrypt every frame after the handshake (AES-256-GCM) instead of only authenticating it "
+                   "(default: the YETO_ENCRYPT environment variable, else off; needs a key)")
     g.add_argument("--total-rounds", type=_pos_int, default=None, help="end the run (final cut) once every "
                    "fragment merged this many rounds (default: none; the run ends when every island reports its last "
                    "step)")
@@ -139,9 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(a: argparse.Namespace):
     from .server import ServerConfig
 
+    island_keys = auth.load_island_keys(a.island_keys) if a.island_keys else None
     key = auth.load_key(a.key_file) if (a.key_file or not a.insecure) else None
-    if key is None:
+    if key is None and not island_keys:
         auth.check_insecure(a.listen, a.insecure)
+    if a.encrypt and key is None and not island_keys:
+        raise ValueError("--encrypt needs a key (--key-file or YETO_KEY)")
     if a.resume and not a.checkpoint:
         raise ValueError("--resume needs --checkpoint")
     if a.background_checkpoint and not a.checkpoint:
@@ -156,6 +167,7 @@ def config_from_args(a: argparse.Namespace):
     rs = RoundSettings(islands=a.islands, quorum=a.quorum, grace_s=a.grace, timeout_s=a.round_timeout,
                        lease_s=a.lease, total_rounds=a.total_rounds)
     return ServerConfig(listen=a.listen, islands=a.islands, fragments=a.fragments, key=key, insecure=a.insecure,
+                        encrypt=a.encrypt, island_keys=island_keys,
                         merge=ms, rounds=rs, base_wire=a.base_wire, checkpoint=a.checkpoint,
                         checkpoint_every=a.checkpoint_every, background_checkpoint=a.background_checkpoint,
                         resume=a.resume, metrics_port=a.metrics_port, metrics_addr=a.metrics_addr, tape=a.tape,

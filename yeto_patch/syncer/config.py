@@ -18,6 +18,8 @@ class ServerConfig:
     fragments: int = 1
     key: Optional[bytes] = None
     insecure: bool = False
+    encrypt: bool = False   # frames after the handshake encrypted too (AES-256-GCM), not only authenticated
+    island_keys: Optional[dict] = None   # island id -> its own key (--island-keys); others use the shared key
     merge: MergeSettings = field(default_factory=MergeSettings)
     rounds: RoundSettings = field(default_factory=RoundSettings)
     base_wire: str = "f32"

@@ -20,12 +20,12 @@ from typing import Optional
 import numpy as np
 
 from ..wire import auth, codecs
-from ..wire.frames import MAX_PAYLOAD, AuthError, MsgType, PeerError, ProtocolError, WireTimeout
+from ..wire.frames import MAX_PAYLOAD, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
 from ..wire.transport import Connection, listen
 from .checkpoint import CheckpointError, CheckpointWriter, read_checkpoint
 from .config import BASE_WIRE, ServerConfig
-from .layout import first_difference, normalize_manifest
 from .merge import ChunkRunner
+from .handshake import accept_handshake
 from .metrics import Metrics, Tape
 from .pushes import accept_push, parse_push, refusal
 from .records import MergeRecord
@@ -55,7 +55,7 @@ class SyncerServer:
     def __init__(self, cfg: ServerConfig):
         if cfg.base_wire not in BASE_WIRE:
             raise ValueError(f"base wire dtype must be one of {BASE_WIRE}, got {cfg.base_wire!r}")
-        if cfg.key is None:
+        if cfg.key is None and not cfg.island_keys:
             auth.check_insecure(cfg.listen, cfg.insecure)
         if cfg.background_checkpoint and not cfg.checkpoint:
             raise ValueError("background checkpoints need a checkpoint path")
@@ -216,8 +216,9 @@ class SyncerServer:
             if not s.closed and not self.stopping.is_set():
                 log.warning("island %s: connection lost: %s", s.island or s.conn.peer, e)
                 if isinstance(e, ProtocolError) and not isinstance(e, WireTimeout):
-                    try:   # a framing error: tell the peer why before closing (best effort)
-                        s.conn.send_error("protocol", str(e)[:1000])
+                    try:   # a framing error: tell the peer why before closing (best effort; "integrity": a frame
+                        # failed authentication on the path, the island reconnects)
+                        s.conn.send_error("integrity" if isinstance(e, FrameAuthError) else "protocol", str(e)[:1000])
                     except (ProtocolError, OSError):
                         pass
         except Exception:  # noqa: BLE001 - a bug must not take the syncer down
@@ -228,103 +229,7 @@ class SyncerServer:
 
     # --------------------------------------------------------------------------------------- handshake
     def _handshake(self, s: _Session) -> bool:
-        cfg = self.cfg
-        server_nonce = auth.new_nonce()
-        s.conn.send(MsgType.CHALLENGE, {"nonce": server_nonce.hex(), "protocol": 1,
-                                        "auth": cfg.key is not None})
-        # the whole HELLO within the handshake timeout: a peer trickling bytes cannot hold the connection
-        t, meta, _ = s.conn.recv(timeout=cfg.handshake_timeout_s, within=cfg.handshake_timeout_s)
-        if t not in (MsgType.HELLO, MsgType.PROBE):
-            self._refuse(s, "protocol", f"expected HELLO or PROBE, got {t.name}")
-            return False
-        try:
-            island = meta["island_id"]
-            incarnation = meta["incarnation"]
-            client_nonce = bytes.fromhex(meta["nonce"])
-            digest = bytes.fromhex(meta["manifest_digest"])
-            mac = bytes.fromhex(meta.get("mac", ""))
-            if not isinstance(island, str) or not island or len(island) > 256:
-                raise ValueError("island_id must be a non-empty string of at most 256 characters")
-        except (KeyError, ValueError, TypeError) as e:
-            self._refuse(s, "protocol", f"malformed {t.name}: {e}")
-            return False
-        s.island = island
-        try:
-            if cfg.key is not None:
-                auth.verify(auth.client_mac(cfg.key, server_nonce, client_nonce, island, incarnation, digest), mac,
-                            what=f"{t.name} from island {island!r}")
-            elif not meta.get("insecure"):
-                raise AuthError("this syncer runs without a key (insecure, loopback only); the island must be "
-                                "configured insecure too")
-        except AuthError as e:
-            self._refuse(s, "auth", str(e))
-            return False
-        smac = auth.server_mac(cfg.key, server_nonce, client_nonce, island, incarnation, digest).hex() \
-            if cfg.key is not None else ""
-        if t == MsgType.PROBE:
-            s.conn.send(MsgType.WELCOME, {"probe": True, "server_mac": smac, **self.status()})
-            return False
-        try:
-            manifest = normalize_manifest(meta.get("manifest"))
-        except (ValueError, TypeError) as e:
-            self._refuse(s, "manifest", f"bad manifest: {e}")
-            return False
-        held = meta.get("held")
-        if held is not None:
-            if not (isinstance(held, list) and len(held) == len(manifest) and all(
-                    isinstance(h, str) and len(h) == 16 and all(c in "0123456789abcdef" for c in h) for h in held)):
-                self._refuse(s, "protocol", "malformed HELLO: 'held' must hold one 16-hex-digit digest per tensor")
-                return False
-            s.declared = held
-        if auth.manifest_digest(manifest) != digest:
-            self._refuse(s, "auth", "the manifest does not match the authenticated manifest digest")
-            return False
-        coord = self.coord
-        with coord.lock:
-            if coord.manifest is None:
-                if len(manifest) < cfg.fragments:
-                    self._refuse(s, "manifest", f"the manifest has {len(manifest)} tensors, fewer than "
-                                                f"--fragments {cfg.fragments}")
-                    return False
-                coord.set_manifest(manifest, cfg.fragments)
-                log.info("manifest fixed by island %s: %d tensors, %d parameters, digest %s", island,
-                         len(manifest), sum(f.numel for f in coord.frags), digest.hex()[:16])
-            elif manifest != coord.manifest:
-                self._refuse(s, "manifest", "this island's parameter manifest differs from the run's: "
-                             + first_difference(coord.manifest, manifest))
-                return False
-            try:
-                coord.join(island, str(incarnation))
-            except PushRefused as e:
-                self._refuse(s, e.code, e.message)
-                return False
-            s.incarnation = incarnation
-            old = self.sessions.get(island)
-            self.sessions[island] = s
-            s.joined = True
-            needs_init: list = []
-            if not coord.initialized:
-                if self.initializer is None or self.initializer.closed:
-                    self.initializer = s
-                    needs_init = coord.missing_init()
-            welcome = {"island_id": island, "server_mac": smac, "layout": coord.layout,
-                       "numels": [f.numel for f in coord.frags], "fragments": len(coord.frags),
-                       "versions": coord.versions() if coord.initialized else None, "needs_init": needs_init,
-                       "base_wire": cfg.base_wire, "heartbeat_s": self.heartbeat_s,
-                       "lease_s": cfg.rounds.lease_s, "islands": cfg.islands, "quorum": cfg.rounds.k,
-                       "total_rounds": cfg.rounds.total_rounds, "manifest_digest": digest.hex(),
-                       "final": self.final_started}
-            if coord.initialized:  # queued now (the writer starts after WELCOME went out)
-                for f in range(len(coord.frags)):
-                    s.post_base(f, "check" if s.declared and not self.final_done else "f32", final=self.final_done)
-        s.conn.send(MsgType.WELCOME, welcome)  # outside the central lock: a slow reader blocks only itself
-        if old is not None and old is not s:
-            log.info("island %s reconnected (incarnation %s); closing its previous connection", island, incarnation)
-            old.close()
-        log.info("island %s joined (incarnation %s)%s", island, incarnation,
-                 " and will send INIT" if needs_init else "")
-        self.metrics.connections.set(len(self.sessions))
-        return True
+        return accept_handshake(self, s)   # syncer/handshake.py
 
     def _island_max(self) -> dict:
         """Per-type maxima for an authenticated island: INIT and PUSH bodies are one fragment (int8 with block 1

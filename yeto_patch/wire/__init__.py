@@ -1,6 +1,7 @@
 """Wire layer: frames, chunks, codecs, digests, authentication, transport, background sender.
 
-Bytes only: stdlib, numpy and xxhash. No torch, no Megatron, nothing else of ours, no pickle.
+Bytes only: stdlib, numpy, xxhash and cryptography (frame protection). No torch, no Megatron, nothing else
+of ours, no pickle.
 """
 from .frames import (MAGIC, VERSION, MAX_PAYLOAD, AuthError, CodecError, DigestError, FrameError, MsgType,
                      PeerError, ProtocolError, WireTimeout, decode_header, encode_header)

@@ -25,8 +25,8 @@ MIN_KEY_BYTES = 16
 CLIENT_LABEL = b"yeto-patch client v1\0"
 SERVER_LABEL = b"yeto-patch server v1\0"
 
-__all__ = ["NONCE_SIZE", "load_key", "manifest_digest", "new_nonce", "client_mac", "server_mac", "verify",
-           "check_insecure", "is_loopback", "mac_message"]
+__all__ = ["NONCE_SIZE", "load_key", "load_island_keys", "manifest_digest", "new_nonce", "client_mac", "server_mac",
+           "verify", "check_insecure", "is_loopback", "mac_message"]
 
 
 def load_key(path: Optional[str] = None, env: str = "YETO_KEY") -> Optional[bytes]:
@@ -60,6 +60,29 @@ def load_key(path: Optional[str] = None, env: str = "YETO_KEY") -> Optional[byte
         raise AuthError(f"{source} holds a key of {len(key)} bytes; use at least {MIN_KEY_BYTES} "
                         "(e.g. the output of: python -c 'import secrets; print(secrets.token_hex(32))')")
     return key
+
+
+def load_island_keys(directory: str) -> dict:
+    """Per-island keys: every ``<island id>.key`` file in ``directory`` (each checked like :func:`load_key`:
+    chmod 600, at least 16 bytes) -> {island id: key}. The id must be a valid island id."""
+    from .text import check_island_id
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as e:
+        raise AuthError(f"cannot read the island key directory {directory}: {e.strerror}") from None
+    keys = {}
+    for name in names:
+        if not name.endswith(".key") or name.startswith("."):
+            continue
+        island = name[:-4]
+        try:
+            check_island_id(island)
+        except ValueError as e:
+            raise AuthError(f"island key file {name} in {directory}: {e}") from None
+        keys[island] = load_key(os.path.join(directory, name))
+    if not keys:
+        raise AuthError(f"the island key directory {directory} holds no <island id>.key file")
+    return keys
 
 
 def manifest_digest(manifest: Iterable[tuple[str, tuple[int, ...], str]]) -> bytes:
@@ -99,7 +122,10 @@ def mac_message(label: bytes, server_nonce: bytes, client_nonce: bytes, island_i
             raise AuthError(f"{what} must be {n} bytes")
     if not isinstance(incarnation, int) or not 0 <= incarnation < 1 << 64:
         raise AuthError(f"incarnation must be an integer in [0, 2**64), got {incarnation!r}")
-    iid = str(island_id).encode("utf-8")
+    try:
+        iid = str(island_id).encode("utf-8")
+    except UnicodeEncodeError:
+        raise AuthError("island id is not encodable as UTF-8 (an unpaired surrogate?)") from None
     return b"".join([label, struct.pack("<H", VERSION), bytes(server_nonce), bytes(client_nonce),
                      struct.pack("<I", len(iid)), iid, struct.pack("<Q", incarnation), bytes(manifest_digest)])
 

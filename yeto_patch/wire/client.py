@@ -64,9 +64,10 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from . import auth, codecs
-from .frames import AuthError, CodecError, MsgType, PeerError, ProtocolError, WireTimeout
+from . import auth, codecs, secure
+from .frames import AuthError, CodecError, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
 from .message import encode_meta
+from .text import check_island_id, printable
 from .transport import Connection, connect
 
 __all__ = ["SyncerClient", "SyncerRefusal", "Welcome", "Base", "PushReply", "probe", "recoverable"]
@@ -179,26 +180,47 @@ def _norm_manifest(manifest) -> list:
     return out
 
 
+_RESUME: dict = {}   # (syncer address, island id) -> resumption secret of this process's last session
+_RESUME_LOCK = threading.Lock()
+
+
 def _handshake(conn: Connection, key: Optional[bytes], insecure: bool, msg_type: MsgType, island_id: str,
-               incarnation: int, digest: bytes, extra: dict, timeout: float) -> dict:
-    t, meta, _ = conn.recv(timeout=timeout)
+               incarnation: int, digest: bytes, extra: dict, timeout: float, resume_slot=None) -> dict:
+    """The island's handshake. ``resume_slot`` (address, island id): prove the previous session of this id in
+    this process (its resumption secret), so a reconnect may take over a connection the syncer still holds."""
+    t, challenge, _ = conn.recv(timeout=timeout)
     if t != MsgType.CHALLENGE:
         raise ProtocolError(f"expected CHALLENGE from the syncer, got {t.name}")
     try:
-        server_nonce = bytes.fromhex(meta["nonce"])
+        server_nonce = bytes.fromhex(challenge["nonce"])
     except (KeyError, ValueError, TypeError):
         raise ProtocolError("malformed CHALLENGE from the syncer") from None
-    if meta.get("auth") and key is None:
+    if challenge.get("auth") and key is None:
         raise AuthError("the syncer requires a key and this island has none (set YETO_KEY or a key file)")
-    if not meta.get("auth") and key is not None:
+    if not challenge.get("auth") and key is not None:
         raise AuthError("the syncer runs without a key (insecure) but this island has one; refusing to talk "
                         "to an unauthenticated syncer")
+    mode = challenge.get("frames")
+    if key is not None and mode not in secure.MODES:
+        raise AuthError(f"the syncer offers frame protection {printable(mode, 40)!r}, not one of {secure.MODES}: "
+                        "refusing a link whose frames are not authenticated")
     nonce = auth.new_nonce()
     mac = auth.client_mac(key, server_nonce, nonce, island_id, incarnation, digest).hex() if key else ""
     hello = {"island_id": island_id, "incarnation": incarnation, "nonce": nonce.hex(),
              "manifest_digest": digest.hex(), "mac": mac, "insecure": key is None, **extra}
+    with _RESUME_LOCK:
+        previous = _RESUME.get(resume_slot) if key is not None and resume_slot is not None else None
+    if previous is not None:
+        hello["resume"] = secure.resumption_proof(previous, server_nonce, nonce, island_id).hex()
     conn.send(msg_type, hello)
-    t, meta, _ = conn.recv(timeout=timeout)
+    if key is not None:   # every later frame is authenticated (and in "aead" mode encrypted) both ways
+        c2s, s2c = secure.derive_keys(key, server_nonce, nonce, mode, secure.transcript(challenge, hello))
+        conn.protect(c2s, s2c, mode == "aead", clear_error_first=True)
+    try:
+        t, meta, _ = conn.recv(timeout=timeout)
+    except FrameAuthError as e:   # the first protected frame: the keys differ (wrong key, tampered handshake)
+        raise AuthError(f"the syncer's WELCOME failed authentication (wrong key, or a handshake altered on the "
+                        f"way): {e}") from None
     if t != MsgType.WELCOME:
         raise ProtocolError(f"expected WELCOME from the syncer, got {t.name}")
     if key is not None:
@@ -208,6 +230,10 @@ def _handshake(conn: Connection, key: Optional[bytes], insecure: bool, msg_type:
         except ValueError:
             got = b""
         auth.verify(want, got, what="the syncer's WELCOME")
+        if resume_slot is not None and msg_type == MsgType.HELLO:
+            th = secure.transcript(challenge, hello)
+            with _RESUME_LOCK:
+                _RESUME[resume_slot] = secure.derive_resumption(key, server_nonce, nonce, th)
     return meta
 
 
@@ -215,6 +241,8 @@ def recoverable(e: BaseException) -> bool:
     """Whether ``e`` means the link to the syncer is gone (reconnecting may help) rather than a refusal: lost
     or stalled connections, corrupt frames, connection refused while the syncer restarts.  Authentication,
     manifest and island-count errors, refused pushes and codec errors are final."""
+    if isinstance(e, PeerError) and e.code == "integrity":   # a frame was altered on the path: a new link
+        return True
     if isinstance(e, (PeerError, AuthError, CodecError)):
         return False
     return isinstance(e, (ProtocolError, OSError, EOFError))
@@ -244,7 +272,7 @@ class SyncerClient:
             auth.check_insecure(address, insecure)
         self.address = address
         self.key = key
-        self.island_id = str(island_id)
+        self.island_id = check_island_id(str(island_id))
         self.manifest = _norm_manifest(manifest)
         self.digest = auth.manifest_digest(self.manifest)
         self.incarnation = random.getrandbits(63) if incarnation is None else int(incarnation)
@@ -285,7 +313,7 @@ class SyncerClient:
             meta = _handshake(conn, self.key, self.insecure, MsgType.HELLO, self.island_id, self.incarnation,
                               self.digest, {"manifest": [[n, list(s), d] for n, s, d in self.manifest],
                                             **({"held": self.held} if self.held is not None else {})},
-                              self.timeout)
+                              self.timeout, resume_slot=(self.address, self.island_id))
             w = Welcome(island_id=meta["island_id"], layout=meta["layout"], numels=meta["numels"],
                         fragments=meta["fragments"], versions=meta.get("versions"),
                         needs_init=list(meta.get("needs_init") or []), base_wire=meta.get("base_wire", "f32"),

@@ -23,7 +23,8 @@ HEADER_SIZE = HEADER.size  # 28
 
 __all__ = [
     "MAGIC", "VERSION", "HEADER", "HEADER_SIZE", "MsgType", "MAX_PAYLOAD", "Header",
-    "ProtocolError", "FrameError", "DigestError", "AuthError", "CodecError", "PeerError", "WireTimeout",
+    "ProtocolError", "FrameError", "DigestError", "FrameAuthError", "AuthError", "CodecError", "PeerError",
+    "WireTimeout",
     "encode_header", "decode_header", "digest", "type_name",
 ]
 
@@ -38,6 +39,11 @@ class FrameError(ProtocolError):
 
 class DigestError(FrameError):
     """The xxh3_64 digest of a payload does not match its header."""
+
+
+class FrameAuthError(FrameError):
+    """A frame after the handshake failed authentication (altered, injected, replayed, reordered or dropped),
+    or arrived unprotected where protection was agreed. The link cannot be trusted; reconnecting may help."""
 
 
 class AuthError(ProtocolError):

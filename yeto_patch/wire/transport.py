@@ -5,13 +5,17 @@ chunk, otherwise CHUNK frames cut from the prefix and the body buffers (or ``bod
 them. ``Connection.recv`` reads frames, verifies every digest, reassembles chunked messages straight into one
 preallocated buffer of the announced size (after the per-type maximum is checked) and returns
 ``(MsgType, meta, body)``. Every socket operation has a timeout (:class:`WireTimeout`); a peer's ERROR
-message is raised as :class:`PeerError`. After a framing error or a timeout in the middle of a frame the
+message is raised as :class:`PeerError`. The socket is non-blocking and each direction waits for it with its
+own deadline (``poll``), so a receive waiting for the next message never shortens a concurrent send's
+timeout (and the other way round). After a framing error or a timeout in the middle of a frame the
 stream cannot be trusted: the connection is marked broken and every later call raises.
 """
 from __future__ import annotations
 
 import itertools
+import math
 import random
+import select
 import socket
 import threading
 import time
@@ -22,9 +26,10 @@ import xxhash
 
 from . import chunks as _chunks
 from .chunks import DEFAULT_CHUNK, ENVELOPE, ENVELOPE_SIZE, MAX_CHUNK, Reassembler, parse_envelope
-from .frames import (HEADER_SIZE, MAX_PAYLOAD, DigestError, FrameError, MsgType, PeerError, ProtocolError,
-                     WireTimeout, decode_header, encode_header)
+from .frames import (HEADER_SIZE, MAX_PAYLOAD, DigestError, FrameAuthError, FrameError, MsgType, PeerError,
+                     ProtocolError, WireTimeout, decode_header, encode_header)
 from .message import pack_meta, unpack
+from .secure import FLAG_AUTH, FLAG_ENC, TAG_SIZE, InvalidTag, Opener, Sealer
 
 __all__ = ["Connection", "ConnectError", "connect", "listen", "parse_address", "DEFAULT_TIMEOUT"]
 
@@ -92,8 +97,13 @@ class Connection:
         self._broken: Optional[str] = None
         self._error_ok = False   # broken at a message boundary: an ERROR may still be sent
         self._closed = False
+        self._tx: Optional[Sealer] = None   # frame protection (after the handshake), per direction
+        self._rx: Optional[Opener] = None
+        self._rx_clear_error = False
         _tune(sock)
-        sock.settimeout(timeout)
+        # non-blocking: each direction polls with its own deadline (a socket timeout would be shared by a
+        # receive and a concurrent send on another thread, shortening the send's to the receive's wait)
+        sock.setblocking(False)
         try:
             self.peer = "%s:%s" % sock.getpeername()[:2]
         except (OSError, TypeError):
@@ -106,6 +116,19 @@ class Connection:
             self.max_payload[MsgType(t)] = min(int(n), MAX_PAYLOAD[MsgType(t)])
         self._reasm.max_payload = dict(self.max_payload)
         self._reasm.max_bytes = max_reassembly_bytes
+
+    def protect(self, send_key: bytes, recv_key: bytes, encrypt: bool, clear_error_first: bool = False) -> None:
+        """From the next frame on, authenticate (``encrypt``: and encrypt) every frame in both directions with
+        these keys (wire/secure.py). ``clear_error_first``: the next received frame may still be an
+        unprotected ERROR (a refusal sent before the peer switched); anything else unprotected is refused."""
+        with self._send_lock, self._recv_lock:
+            self._tx = Sealer(send_key, encrypt)
+            self._rx = Opener(recv_key, encrypt)
+            self._rx_clear_error = clear_error_first
+
+    @property
+    def protection(self) -> str:
+        return "none" if self._tx is None else "aead" if self._tx.encrypt else "mac"
 
     # -------------------------------------------------------------------------------------- state
     def _check_usable(self, error: bool = False) -> None:
@@ -144,16 +167,35 @@ class Connection:
         self.close()
 
     # ---------------------------------------------------------------------------------------- send
+    def _wait_io(self, event: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until the socket is ready for ``event`` (POLLIN/POLLOUT) or has an
+        error/hang-up pending (the next socket call then reports it); False on timeout."""
+        try:
+            p = select.poll()
+            p.register(self.sock, event | select.POLLERR | select.POLLHUP)
+        except (ValueError, OSError):  # closed by another thread
+            raise ProtocolError(f"connection to {self.peer} is closed") from None
+        while True:
+            try:
+                return bool(p.poll(max(0, math.ceil(timeout * 1000))))
+            except InterruptedError:
+                continue
+
     def _sendmsg_all(self, parts: list) -> None:
-        """Write all ``parts`` (buffers) with scatter-gather I/O; each stall is bounded by the timeout."""
+        """Write all ``parts`` (buffers) with scatter-gather I/O; each stall is bounded by the timeout (the
+        send's own: a concurrent receive does not change it)."""
         views = [memoryview(p).cast("B") for p in parts if len(p)]
         while views:
             batch = views[:_IOV_MAX]
             try:
                 n = self.sock.sendmsg(batch)
-            except socket.timeout:
-                self._break("send timed out")
-                raise WireTimeout(f"send to {self.peer} stalled for more than {self.timeout}s") from None
+            except (BlockingIOError, InterruptedError):
+                t0 = time.monotonic()
+                if not self._wait_io(select.POLLOUT, self.timeout):
+                    self._break("send timed out")
+                    raise WireTimeout(f"send to {self.peer} stalled for more than {self.timeout}s (the peer "
+                                      f"read nothing for {time.monotonic() - t0:.1f}s)") from None
+                continue
             except OSError as e:
                 self._break(f"send failed: {e}")
                 raise ProtocolError(f"send to {self.peer} failed: {e}") from e
@@ -166,15 +208,23 @@ class Connection:
                     n = 0
 
     def _send_frame(self, msg_type: MsgType, parts: list, flags: int = 0) -> None:
-        h = xxhash.xxh3_64()
         length = 0
         for p in parts:
-            h.update(p)
             length += memoryview(p).nbytes
-        header = encode_header(msg_type, length, h.intdigest(), flags)
-        with self._send_lock:
+        if self._tx is None:
+            h = xxhash.xxh3_64()
+            for p in parts:
+                h.update(p)
+            header = encode_header(msg_type, length, h.intdigest(), flags)
+            with self._send_lock:
+                self._check_usable(msg_type == MsgType.ERROR)
+                self._sendmsg_all([header] + parts)
+            return
+        with self._send_lock:   # sealed under the lock: the sequence numbers follow the wire order
             self._check_usable(msg_type == MsgType.ERROR)
-            self._sendmsg_all([header] + parts)
+            header = encode_header(msg_type, length, 0, flags | self._tx.flags)
+            out, tag = self._tx.seal(header, parts, clear=1 if msg_type == MsgType.CHUNK else 0)
+            self._sendmsg_all([header] + out + [tag])
 
     def send(self, msg_type: int, meta: Optional[dict] = None, body: Body = b"", *,
              body_len: Optional[int] = None, body_iter: Optional[Iterable] = None) -> None:
@@ -263,41 +313,36 @@ class Connection:
     def _recv_into(self, view: memoryview, first_wait: Optional[float] = None) -> None:
         """Fill ``view`` completely. ``first_wait``: timeout for the first byte (then the stall timeout)."""
         got, n = 0, len(view)
-        if first_wait is not None:
-            self.sock.settimeout(first_wait)
-        try:
-            while got < n:
-                if self._end is not None:  # a total bound: a peer sending a byte at a time cannot extend it
-                    left = self._end - time.monotonic()
-                    if left <= 0:
-                        self._break("message not complete in time")
-                        raise WireTimeout(f"message from {self.peer} not complete within {self._within}s")
-                    self.sock.settimeout(min(left, first_wait if got == 0 and first_wait is not None
-                                             else self.timeout))
-                try:
-                    r = self.sock.recv_into(view[got:], n - got)
-                except socket.timeout:
-                    if self._end is not None and time.monotonic() >= self._end:
-                        continue  # reported above
-                    if got == 0 and first_wait is not None:
-                        raise WireTimeout(f"no message from {self.peer} within {first_wait}s") from None
-                    self._break("receive timed out mid-frame")
-                    raise WireTimeout(f"receive from {self.peer} stalled for more than {self.timeout}s "
-                                      f"({got} of {n} bytes)") from None
-                except OSError as e:
-                    self._break(f"receive failed: {e}")
-                    raise ProtocolError(f"receive from {self.peer} failed: {e}") from e
-                if r == 0:
-                    self._break("peer closed the connection")
-                    what = "closed the connection" if got == 0 and first_wait is not None else \
-                        f"closed the connection mid-frame ({got} of {n} bytes)"
-                    raise ProtocolError(f"{self.peer} {what}")
-                if got == 0 and first_wait is not None:
-                    self.sock.settimeout(self.timeout)
-                got += r
-        finally:
-            if first_wait is not None or self._end is not None:
-                self.sock.settimeout(self.timeout)
+        while got < n:
+            first = got == 0 and first_wait is not None
+            wait = first_wait if first else self.timeout
+            if self._end is not None:  # a total bound: a peer sending a byte at a time cannot extend it
+                left = self._end - time.monotonic()
+                if left <= 0:
+                    self._break("message not complete in time")
+                    raise WireTimeout(f"message from {self.peer} not complete within {self._within}s")
+                wait = min(wait, left)
+            try:
+                r = self.sock.recv_into(view[got:], n - got)
+            except (BlockingIOError, InterruptedError):
+                if self._wait_io(select.POLLIN, wait):
+                    continue
+                if self._end is not None and time.monotonic() >= self._end:
+                    continue  # reported above
+                if first:
+                    raise WireTimeout(f"no message from {self.peer} within {first_wait}s") from None
+                self._break("receive timed out mid-frame")
+                raise WireTimeout(f"receive from {self.peer} stalled for more than {self.timeout}s "
+                                  f"({got} of {n} bytes)") from None
+            except OSError as e:
+                self._break(f"receive failed: {e}")
+                raise ProtocolError(f"receive from {self.peer} failed: {e}") from e
+            if r == 0:
+                self._break("peer closed the connection")
+                what = "closed the connection" if first else \
+                    f"closed the connection mid-frame ({got} of {n} bytes)"
+                raise ProtocolError(f"{self.peer} {what}")
+            got += r
 
     def recv(self, timeout: Optional[float] = None, *, within: Optional[float] = None
              ) -> tuple[MsgType, dict, memoryview]:
@@ -311,7 +356,7 @@ class Connection:
             self._end, self._within = (None, None) if within is None else (time.monotonic() + within, within)
             try:
                 t, payload = self._recv(wait)
-            except (FrameError, DigestError) as e:
+            except (FrameError, DigestError) as e:   # (FrameAuthError is a FrameError)
                 self._break(str(e))
                 raise
             finally:
@@ -337,6 +382,7 @@ class Connection:
             left = max(0.0, deadline - time.monotonic())
             self._recv_into(memoryview(hdr), first_wait=max(left, 1e-3))
             h = decode_header(hdr)
+            sealed = self._check_sealed(h)
             if h.msg_type != MsgType.CHUNK:
                 # an unchunked frame is never larger than a chunk (bigger messages must be chunked), so a
                 # hostile length cannot make us allocate more than MAX_PAYLOAD[CHUNK] here
@@ -346,7 +392,9 @@ class Connection:
                                      f"receiver's maximum {limit} (larger messages travel as CHUNKs)")
                 payload = np.empty(h.length, np.uint8)
                 self._recv_into(memoryview(payload))
-                if xxhash.xxh3_64_intdigest(payload) != h.digest:
+                if sealed:
+                    self._open(hdr, None, memoryview(payload), h.msg_type.name)
+                elif xxhash.xxh3_64_intdigest(payload) != h.digest:
                     raise DigestError(f"digest mismatch in {h.msg_type.name} message from {self.peer}")
                 return h.msg_type, memoryview(payload)
             if h.length < ENVELOPE_SIZE:
@@ -357,10 +405,17 @@ class Connection:
             n = h.length - ENVELOPE_SIZE
             dst = self._reasm.reserve(env, n)  # validated against maxima before any allocation
             self._recv_into(dst)
-            d = xxhash.xxh3_64()
-            d.update(envb)
-            d.update(dst)
-            if d.intdigest() != h.digest:
+            if sealed:
+                try:
+                    self._open(hdr, memoryview(envb), dst, f"chunk of {_chunks._label(env)} (offset {env.offset})")
+                except FrameAuthError:
+                    self._reasm.drop(env.msg_id)
+                    raise
+            else:
+                d = xxhash.xxh3_64()
+                d.update(envb)
+                d.update(dst)
+            if not sealed and d.intdigest() != h.digest:
                 self._reasm.drop(env.msg_id)
                 raise DigestError(f"digest mismatch in chunk of {_chunks._label(env)} from {self.peer} "
                                   f"(offset {env.offset})")
@@ -369,6 +424,35 @@ class Connection:
                 return done[0], memoryview(done[1])
             # a message is flowing: wait for its next frame as long as for any stalled read
             deadline = max(deadline, time.monotonic() + self.timeout)
+
+    def _check_sealed(self, h) -> bool:
+        """Whether this frame is protected; refuses an unprotected frame once protection is on (except the one
+        clear ERROR allowed right after the switch) and a protected one before."""
+        bits = h.flags & (FLAG_AUTH | FLAG_ENC)
+        if self._rx is None:
+            if bits:
+                raise FrameError(f"{h.msg_type.name} frame from {self.peer} is protected (flags {bits}) but no keys "
+                                 "were agreed")
+            return False
+        clear_ok, self._rx_clear_error = self._rx_clear_error, False
+        if bits == self._rx.flags:
+            return True
+        if not bits and clear_ok and h.msg_type == MsgType.ERROR:
+            return False
+        want = "authenticated and encrypted" if self._rx.encrypt else "authenticated"
+        raise FrameAuthError(f"frame {self._rx.seq} from {self.peer} ({h.msg_type.name}, flags {h.flags}) is not "
+                             f"{want} as agreed in the handshake: injected or downgraded; closing the connection")
+
+    def _open(self, hdr, clear, body: memoryview, what: str) -> None:
+        tag = bytearray(TAG_SIZE)
+        self._recv_into(memoryview(tag))
+        seq = self._rx.seq
+        try:
+            self._rx.open(hdr, clear, body, tag)
+        except InvalidTag:
+            raise FrameAuthError(f"frame authentication failed: {what} from {self.peer} is not frame {seq} as "
+                                 "sealed by the peer (altered, injected, replayed, reordered or dropped on the "
+                                 "path); closing the connection") from None
 
     def _deliver(self, t: MsgType, payload: memoryview) -> tuple[MsgType, dict, memoryview]:
         meta, body = unpack(payload)

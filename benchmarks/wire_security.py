@@ -1,0 +1,107 @@
+"""Cost of frame protection: INIT / BASE / PUSH messages over loopback with frames unprotected (insecure
+mode: xxh3 digests), authenticated (``mac``, AES-256-GMAC, the default with a key) and encrypted (``aead``,
+AES-256-GCM, ``--encrypt``), against a raw socket sending the same bytes (no framing at all) into one buffer of the message's size.
+
+    python benchmarks/wire_security.py [--mib 256] [--repeat 3]
+
+Each figure is the best of ``--repeat`` transfers of one ``--mib`` MiB message (chunked as the transport does:
+4 MiB chunks), sender and receiver in two threads of this process; the ratio is to the raw socket.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from yeto_patch.wire import transport  # noqa: E402
+from yeto_patch.wire.frames import MsgType  # noqa: E402
+
+PIECE = 4 << 20
+
+
+def _socketpair():
+    ls = transport.listen("127.0.0.1:0")
+    a = socket.create_connection(ls.getsockname()[:2])
+    b, _ = ls.accept()
+    ls.close()
+    for s in (a, b):
+        transport._tune(s)
+    return a, b
+
+
+def raw(nbytes: int) -> float:
+    """The same bytes over a plain socket, received (like the transport does) into one fresh buffer of the
+    message's size."""
+    a, b = _socketpair()
+
+    def reader():
+        got = 0
+        mv = memoryview(np.empty(nbytes, np.uint8))
+        while got < nbytes:
+            got += b.recv_into(mv[got:], min(PIECE, nbytes - got))
+
+    data = memoryview(np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8))
+    th = threading.Thread(target=reader)
+    t0 = time.perf_counter()
+    th.start()
+    for o in range(0, nbytes, PIECE):
+        a.sendall(data[o:o + PIECE])
+    th.join()
+    dt = time.perf_counter() - t0
+    a.close()
+    b.close()
+    return nbytes / dt
+
+
+def framed(nbytes: int, mode: str, msg_type: MsgType) -> float:
+    a, b = _socketpair()
+    tx, rx = transport.Connection(a, timeout=30), transport.Connection(b, timeout=30)
+    rx.set_limits({msg_type: nbytes + (1 << 20)})
+    if mode != "none":
+        k1, k2 = os.urandom(32), os.urandom(32)
+        tx.protect(k1, k2, mode == "aead")
+        rx.protect(k2, k1, mode == "aead")
+    body = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    box = {}
+
+    def reader():
+        box["msg"] = rx.recv(timeout=30)
+
+    th = threading.Thread(target=reader)
+    t0 = time.perf_counter()
+    th.start()
+    mv = memoryview(body)
+    tx.send(msg_type, {"fragment": 0, "numel": nbytes // 4}, body_len=nbytes,
+            body_iter=(mv[o:o + PIECE] for o in range(0, nbytes, PIECE)))
+    th.join()
+    dt = time.perf_counter() - t0
+    assert box["msg"][0] == msg_type and len(box["msg"][2]) == nbytes
+    tx.close()
+    rx.close()
+    return nbytes / dt
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mib", type=int, default=256)
+    p.add_argument("--repeat", type=int, default=3)
+    a = p.parse_args(argv)
+    n = a.mib << 20
+    base = max(raw(n) for _ in range(a.repeat))
+    print(f"loopback, {a.mib} MiB messages, best of {a.repeat}; raw socket {base / 1e9:.2f} GB/s")
+    print(f"{'message':8s} {'mode':5s} {'GB/s':>6s} {'x raw':>6s}")
+    for t in (MsgType.INIT, MsgType.BASE, MsgType.PUSH):
+        for mode in ("none", "mac", "aead"):
+            r = max(framed(n, mode, t) for _ in range(a.repeat))
+            print(f"{t.name:8s} {mode:5s} {r / 1e9:6.2f} {r / base:6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

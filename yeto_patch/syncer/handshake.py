@@ -1,0 +1,287 @@
+"""The syncer's side of the handshake: CHALLENGE, HELLO (or PROBE) checked, the island joined, WELCOME.
+
+``accept_handshake(server, session)`` runs on the connection's reader thread before anything else; it returns
+True when the island joined the run (the session then reads messages), False when the connection is to be
+closed (a refusal was sent, or a PROBE was answered). See docs/protocol.md ("Handshake", "Authentication").
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+import weakref
+
+from ..wire import auth, secure
+from ..wire.frames import AuthError, MsgType, PeerError, ProtocolError, WireTimeout
+from ..wire.text import EscapeArgs, check_island_id, printable
+from .layout import first_difference, normalize_manifest
+from .rounds import PushRefused
+
+__all__ = ["accept_handshake"]
+
+log = logging.getLogger("yeto.syncer")
+if not any(isinstance(f, EscapeArgs) for f in log.filters):
+    # every argument of every syncer log line is escaped and bounded: island ids, peers' ERROR texts, fields
+    # echoed in refusals can neither forge lines (newlines, CR) nor drive a terminal (ANSI) nor break a handler
+    log.addFilter(EscapeArgs(2000))
+
+STRANGER_TEXT = 200   # characters of a stranger's text that reach the log
+
+
+class StrangerLog:
+    """Log lines caused by peers that have not authenticated: each argument cut to ``STRANGER_TEXT`` characters,
+    at most ``burst`` lines per ``period`` seconds (the rest counted and reported with the next line allowed),
+    so strangers cannot make the syncer write more than a few KB a minute however many connect."""
+
+    def __init__(self, burst: int = 10, period: float = 10.0):
+        self.burst, self.period = burst, period
+        self._lock = threading.Lock()
+        self._window = 0.0
+        self._count = 0
+        self._suppressed = 0
+
+    def warning(self, fmt: str, *args) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._window >= self.period:
+                self._window, self._count = now, 0
+            if self._count >= self.burst:
+                self._suppressed += 1
+                return False
+            self._count += 1
+            dropped, self._suppressed = self._suppressed, 0
+        args = tuple(printable(a, STRANGER_TEXT) for a in args)
+        if dropped:
+            fmt += " (%d more lines about unauthenticated peers suppressed)"
+            args += (dropped,)
+        log.warning(fmt, *args)
+        return True
+
+
+_stranger_logs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # one budget per syncer
+_stranger_lock = threading.Lock()
+
+
+def strangers(server) -> StrangerLog:
+    with _stranger_lock:
+        sl = _stranger_logs.get(server)
+        if sl is None:
+            sl = _stranger_logs[server] = StrangerLog()
+        return sl
+
+
+def _refuse(s, code: str, message: str, stranger=None) -> None:
+    """Send ERROR ``code`` and log it; ``stranger``: the syncer, when the peer has not authenticated yet (the
+    line then counts against its budget for strangers)."""
+    who = s.island or s.conn.peer
+    if stranger is not None:
+        strangers(stranger).warning("refusing %s (%s): %s", who, code, message)
+    else:
+        log.warning("refusing %s (%s): %s", who, code, message)
+    try:
+        s.conn.send_error(code, message)
+    except ProtocolError:
+        pass
+
+
+def _parse_hello(t, meta) -> tuple:
+    """(island, incarnation, client nonce, manifest digest, mac) of a HELLO/PROBE; ValueError/KeyError/
+    TypeError when malformed."""
+    island = meta["island_id"]
+    incarnation = meta["incarnation"]
+    client_nonce = bytes.fromhex(meta["nonce"])
+    digest = bytes.fromhex(meta["manifest_digest"])
+    mac = bytes.fromhex(meta.get("mac", ""))
+    check_island_id(island)   # printable, encodable, 1..256 characters (no forged log lines, no MAC crash)
+    return island, incarnation, client_nonce, digest, mac
+
+
+def accept_handshake(server, s) -> bool:
+    try:
+        return _handshake(server, s)
+    except (ProtocolError, OSError) as e:
+        if s.joined:   # authenticated and joined: the session's own error handling reports it
+            raise
+        if isinstance(e, PeerError):
+            strangers(server).warning("unauthenticated peer %s sent an error [%s]: %s", s.conn.peer, e.code,
+                                      e.message)
+            return False
+        strangers(server).warning("handshake with %s failed: %s", s.conn.peer, e)
+        if isinstance(e, ProtocolError) and not isinstance(e, WireTimeout):
+            try:   # a framing error: tell the peer why before closing (best effort)
+                s.conn.send_error("protocol", str(e)[:1000])
+            except (ProtocolError, OSError):
+                pass
+        return False
+
+
+def _key_for(cfg, island: str):
+    """The key island ``island`` must prove: its own (--island-keys) if it has one, else the shared key."""
+    own = (getattr(cfg, "island_keys", None) or {}).get(island)
+    return own if own is not None else cfg.key
+
+
+def _keyed(cfg) -> bool:
+    return cfg.key is not None or bool(getattr(cfg, "island_keys", None))
+
+
+def _handshake(server, s) -> bool:
+    cfg = server.cfg
+    server_nonce = auth.new_nonce()
+    mode = "aead" if _keyed(cfg) and getattr(cfg, "encrypt", False) else "mac" if _keyed(cfg) else "none"
+    challenge = {"nonce": server_nonce.hex(), "protocol": 1, "auth": _keyed(cfg), "frames": mode}
+    s.conn.send(MsgType.CHALLENGE, challenge)
+    # the whole HELLO within the handshake timeout: a peer trickling bytes cannot hold the connection
+    t, meta, _ = s.conn.recv(timeout=cfg.handshake_timeout_s, within=cfg.handshake_timeout_s)
+    if t not in (MsgType.HELLO, MsgType.PROBE):
+        _refuse(s, "protocol", f"expected HELLO or PROBE, got {t.name}", stranger=server)
+        return False
+    try:
+        island, incarnation, client_nonce, digest, mac = _parse_hello(t, meta)
+    except (KeyError, ValueError, TypeError) as e:
+        _refuse(s, "protocol", f"malformed {t.name}: {e}", stranger=server)
+        return False
+    s.island = island
+    key = _key_for(cfg, island)
+    try:
+        if key is not None:
+            auth.verify(auth.client_mac(key, server_nonce, client_nonce, island, incarnation, digest), mac,
+                        what=f"{t.name} from island {island!r}")
+        elif _keyed(cfg):
+            raise AuthError(f"no key for island {island!r}: it has no key file in --island-keys and the syncer has "
+                            "no shared key")
+        elif not meta.get("insecure"):
+            raise AuthError("this syncer runs without a key (insecure, loopback only); the island must be "
+                            "configured insecure too")
+    except AuthError as e:
+        _refuse(s, "auth", str(e), stranger=server)
+        return False
+    smac = auth.server_mac(key, server_nonce, client_nonce, island, incarnation, digest).hex() \
+        if key is not None else ""
+    sess = _Keys(key, mode, server_nonce, client_nonce, challenge, meta)
+    if t == MsgType.PROBE:
+        _protect(s, sess)
+        s.conn.send(MsgType.WELCOME, {"probe": True, "server_mac": smac, **server.status()})
+        return False
+    try:
+        manifest = normalize_manifest(meta.get("manifest"))
+    except (ValueError, TypeError) as e:
+        _refuse(s, "manifest", f"bad manifest: {e}")
+        return False
+    held = meta.get("held")
+    if held is not None:
+        if not (isinstance(held, list) and len(held) == len(manifest) and all(
+                isinstance(h, str) and len(h) == 16 and all(c in "0123456789abcdef" for c in h) for h in held)):
+            _refuse(s, "protocol", "malformed HELLO: 'held' must hold one 16-hex-digit digest per tensor")
+            return False
+        s.declared = held
+    if auth.manifest_digest(manifest) != digest:
+        _refuse(s, "auth", "the manifest does not match the authenticated manifest digest")
+        return False
+    return _join(server, s, island, incarnation, manifest, digest, smac, sess)
+
+
+class _Keys:
+    """What one authenticated handshake derives: frame keys, the session's resumption secret, and whether the
+    HELLO proved the previous session of its island id (None without a key)."""
+
+    def __init__(self, key, mode, server_nonce, client_nonce, challenge, hello):
+        self.frames = self.resumption = None
+        self.mode = mode
+        self.server_nonce, self.client_nonce, self.hello = server_nonce, client_nonce, hello
+        if key is not None:
+            th = secure.transcript(challenge, hello)
+            self.frames = secure.derive_keys(key, server_nonce, client_nonce, mode, th)
+            self.resumption = secure.derive_resumption(key, server_nonce, client_nonce, th)
+
+    def proves(self, previous: "bytes | None", island: str) -> bool:
+        proof = self.hello.get("resume")
+        if previous is None or not isinstance(proof, str):
+            return False
+        try:
+            got = bytes.fromhex(proof)
+        except ValueError:
+            return False
+        return hmac.compare_digest(secure.resumption_proof(previous, self.server_nonce, self.client_nonce, island), got)
+
+
+_resumption: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # syncer -> {island: secret}
+
+
+def _secrets(server) -> dict:
+    with _stranger_lock:
+        return _resumption.setdefault(server, {})
+
+
+def _taken(server, s, island: str, sess: _Keys) -> bool:
+    """Whether ``island`` is held by another live connection that this HELLO may not take over: with keys, a
+    connected id whose lease has not expired can only be claimed again by its own session (resumption proof);
+    called under the coordinator's lock."""
+    if sess.resumption is None:
+        return False   # insecure (keyless loopback): as before, the newest connection wins
+    old = server.sessions.get(island)
+    if old is None or old is s or old.closed or island not in server.coord.alive_members():
+        return False
+    return not sess.proves(_secrets(server).get(island), island)
+
+
+def _protect(s, sess: _Keys) -> None:
+    if sess.frames is not None:   # from WELCOME on, every frame both ways is authenticated (aead: and encrypted)
+        s.conn.protect(sess.frames[1], sess.frames[0], sess.mode == "aead")
+
+
+def _join(server, s, island, incarnation, manifest, digest, smac, sess) -> bool:
+    cfg = server.cfg
+    coord = server.coord
+    with coord.lock:
+        if coord.manifest is None:
+            if len(manifest) < cfg.fragments:
+                _refuse(s, "manifest", f"the manifest has {len(manifest)} tensors, fewer than "
+                                       f"--fragments {cfg.fragments}")
+                return False
+            coord.set_manifest(manifest, cfg.fragments)
+            log.info("manifest fixed by island %s: %d tensors, %d parameters, digest %s", island,
+                     len(manifest), sum(f.numel for f in coord.frags), digest.hex()[:16])
+        elif manifest != coord.manifest:
+            _refuse(s, "manifest", "this island's parameter manifest differs from the run's: "
+                    + first_difference(coord.manifest, manifest))
+            return False
+        if _taken(server, s, island, sess):
+            _refuse(s, "island-taken", f"island id {island!r} is held by a live connection; only that session "
+                    f"(its resumption proof) can reconnect before its lease of {cfg.rounds.lease_s:g}s expires")
+            return False
+        try:
+            coord.join(island, str(incarnation))
+        except PushRefused as e:
+            _refuse(s, e.code, e.message)
+            return False
+        s.incarnation = incarnation
+        old = server.sessions.get(island)
+        server.sessions[island] = s
+        s.joined = True
+        needs_init: list = []
+        if not coord.initialized:
+            if server.initializer is None or server.initializer.closed:
+                server.initializer = s
+                needs_init = coord.missing_init()
+        welcome = {"island_id": island, "server_mac": smac, "layout": coord.layout,
+                   "numels": [f.numel for f in coord.frags], "fragments": len(coord.frags),
+                   "versions": coord.versions() if coord.initialized else None, "needs_init": needs_init,
+                   "base_wire": cfg.base_wire, "heartbeat_s": server.heartbeat_s,
+                   "lease_s": cfg.rounds.lease_s, "islands": cfg.islands, "quorum": cfg.rounds.k,
+                   "total_rounds": cfg.rounds.total_rounds, "manifest_digest": digest.hex(),
+                   "final": server.final_started}
+        if coord.initialized:  # queued now (the writer starts after WELCOME went out)
+            for f in range(len(coord.frags)):
+                s.post_base(f, "check" if s.declared and not server.final_done else "f32", final=server.final_done)
+        if sess.resumption is not None:
+            _secrets(server)[island] = sess.resumption   # the next connection of this id proves this session
+    _protect(s, sess)
+    s.conn.send(MsgType.WELCOME, welcome)  # outside the central lock: a slow reader blocks only itself
+    if old is not None and old is not s:
+        log.info("island %s reconnected (incarnation %s); closing its previous connection", island, incarnation)
+        old.close()
+    log.info("island %s joined (incarnation %s)%s", island, incarnation, " and will send INIT" if needs_init else "")
+    server.metrics.connections.set(len(server.sessions))
+    return True
