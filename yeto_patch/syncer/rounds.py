@@ -394,7 +394,9 @@ class Coordinator:
         now = self.clock()
         with self.lock:
             alive = [m for m in self.members.values() if m.alive(now, self.rs.lease_s)]
-            return bool(alive) and all(m.finished for m in alive)
+            # FINALs end the run only once the roster (the quorum of islands, as for rounds) has joined: an
+            # island that finished before the others ever joined must not cut the run at v0 without them
+            return bool(alive) and all(m.finished for m in alive) and self._joined_enough()
 
     def all_closed(self) -> bool:
         with self.lock:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -28,6 +29,7 @@ from ..wire.message import encode_meta
 from ..wire.transport import Connection, listen
 from .checkpoint import CheckpointError, CheckpointWriter, read_checkpoint
 from .layout import first_difference, normalize_manifest
+from .limits import InitWatch, default_max_model_bytes, island_buffer_bytes, model_size_error, printable
 from .merge import ChunkRunner
 from .metrics import Metrics, Tape
 from .rounds import Coordinator, MergeRecord, MergeSettings, Push, PushRefused, RoundSettings, capture, restore
@@ -78,6 +80,9 @@ class ServerConfig:
     final_ack_timeout_s: float = 60.0
     max_handshakes: int = 64   # connections not yet authenticated held at once (more are closed at once) ...
     max_handshakes_per_host: int = 16   # ... and from one address
+    max_model_bytes: int = 0   # float32 size of the largest model a first manifest may fix (0: limits.py default)
+    island_buffer_bytes: int = 0   # unfinished chunked messages one island may hold (0: one push + 2 MiB)
+    init_timeout_s: Optional[float] = None   # INIT progress bound of the initializing island (None: lease + io)
 
 
 def _host_of(sock) -> str:
@@ -199,6 +204,8 @@ class SyncerServer:
         self.sessions: dict[str, _Session] = {}
         self.all_sessions: set = set()
         self.initializer: Optional[_Session] = None
+        self.init_watch = InitWatch(cfg.init_timeout_s if cfg.init_timeout_s is not None
+                                    else cfg.rounds.lease_s + cfg.io_timeout_s)
         self.final_started = False
         self.final_done = False
         self.stopping = threading.Event()
@@ -332,7 +339,8 @@ class SyncerServer:
     def _session_main(self, s: _Session) -> None:
         try:
             if self._handshake(s):
-                s.conn.set_limits(self._island_max())
+                s.conn.set_limits(self._island_max(), island_buffer_bytes(
+                    self._island_max()[MsgType.PUSH], self.cfg.island_buffer_bytes))
                 s.writer = threading.Thread(target=s.writer_loop, daemon=True, name=f"yeto-send-{s.island}")
                 s.writer.start()
                 self._read_loop(s)
@@ -412,6 +420,11 @@ class SyncerServer:
                     self._refuse(s, "manifest", f"the manifest has {len(manifest)} tensors, fewer than "
                                                 f"--fragments {cfg.fragments}")
                     return False
+                too_big = model_size_error(sum(math.prod(e[1]) for e in manifest),
+                                           cfg.max_model_bytes or default_max_model_bytes())
+                if too_big:
+                    self._refuse(s, "manifest", too_big)
+                    return False
                 coord.set_manifest(manifest, cfg.fragments)
                 log.info("manifest fixed by island %s: %d tensors, %d parameters, digest %s", island,
                          len(manifest), sum(f.numel for f in coord.frags), digest.hex()[:16])
@@ -425,6 +438,7 @@ class SyncerServer:
                 self._refuse(s, e.code, e.message)
                 return False
             s.incarnation = incarnation
+            self._close_lapsed(island)
             old = self.sessions.get(island)
             self.sessions[island] = s
             s.joined = True
@@ -432,6 +446,7 @@ class SyncerServer:
             if not coord.initialized:
                 if self.initializer is None or self.initializer.closed:
                     self.initializer = s
+                    self.init_watch.assigned()
                     needs_init = coord.missing_init()
             welcome = {"island_id": island, "server_mac": smac, "layout": coord.layout,
                        "numels": [f.numel for f in coord.frags], "fragments": len(coord.frags),
@@ -451,6 +466,40 @@ class SyncerServer:
                  " and will send INIT" if needs_init else "")
         self.metrics.connections.set(len(self.sessions))
         return True
+
+    def _close_lapsed(self, island: str) -> None:
+        """(coordinator lock held) Before ``island`` joins: at most ``--islands`` joined connections stay open
+        (each may hold its reassembly budget), so a connection whose island's lease ran out is closed now."""
+        others = [x for i, x in self.sessions.items() if i != island and not x.closed]
+        if len(others) < self.cfg.islands:
+            return
+        alive = set(self.coord.alive_members())
+        for x in [x for x in others if x.island not in alive][:len(others) - self.cfg.islands + 1]:
+            log.warning("closing the connection of island %s: its lease ran out and island %s takes its place",
+                        printable(x.island), printable(island))
+            x.close()
+
+    def _check_init(self) -> None:
+        """(scheduler) The initializing island made no INIT progress within the INIT timeout: forget its claim
+        and its partial INIT, and ask another connected island (its later INIT is refused)."""
+        coord = self.coord
+        with coord.lock:
+            old = self.initializer
+            if coord.initialized or old is None or old.closed or not self.init_watch.expired():
+                return
+            for f in coord.frags:
+                f.t.base = None
+            self.init_watch.failed.add(old.island)
+            self.init_watch.clear()
+            self.initializer = self.init_watch.pick(
+                x for x in self.sessions.values() if x is not old and not x.closed)
+            log.warning("initializing island %s completed no INIT within %.1fs (lease + io timeout); its claim "
+                        "is dropped%s", printable(old.island), self.init_watch.timeout_s,
+                        f"; asking island {printable(self.initializer.island)}" if self.initializer
+                        else "; the next island to join initializes the run")
+            if self.initializer is not None:
+                self.initializer.post(MsgType.INIT, {"request": coord.missing_init()})
+                self.init_watch.assigned()
 
     def _island_max(self) -> dict:
         """Per-type maxima for an authenticated island: INIT and PUSH bodies are one fragment (int8 with block 1
@@ -535,6 +584,7 @@ class SyncerServer:
             s.close()
             return
         self.metrics.bytes_in.labels("init").inc(mv.nbytes)
+        self.init_watch.progress()
         if done:
             log.info("run initialized from island %s's INIT (%d fragments)", s.island, len(coord.frags))
             if self.writer is not None:  # version 0 on disk before any island trains from it
@@ -625,6 +675,7 @@ class SyncerServer:
                             log.warning("initializing island %s left before INIT completed; asking island %s",
                                         s.island, other.island)
                             other.post(MsgType.INIT, {"request": coord.missing_init()})
+                            self.init_watch.assigned()
                             break
                 coord.cond.notify_all()
             log.info("island %s disconnected%s", s.island, " (goodbye)" if s.bye else "")
@@ -718,6 +769,7 @@ class SyncerServer:
                 return 0
             self.metrics.members.set(len(coord.alive_members()))
             if not coord.initialized:
+                self._check_init()
                 continue
             now = time.monotonic()
             due = coord.due()
