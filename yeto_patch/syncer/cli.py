@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weights", choices=WEIGHTINGS, default="equal", help="weight of each island's delta")
     g.add_argument("--exact", action="store_true", help="hold pushes (encoded) and fold them in island order at "
                    "merge time: bit-reproducible whatever the arrival order (more memory)")
+    g.add_argument("--max-push-norm-ratio", type=_nonneg_float, default=10.0, help="refuse (code outlier) a push "
+                   "whose delta norm is above this many times the median of the fragment's recent accepted push "
+                   "norms (before 3 were accepted: of the base norm); 0 disables the guard")
     g = p.add_argument_group("outer optimizer")
     g.add_argument("--outer", choices=OUTER_KINDS, default="nesterov", help="outer optimizer")
     g.add_argument("--outer-lr", type=_pos_float, default=None, help="outer learning rate (default: 0.7; 1.0 for "
@@ -171,7 +174,8 @@ def config_from_args(a: argparse.Namespace):
                         merge_threads=a.merge_threads, io_timeout_s=a.io_timeout,
                         final_ack_timeout_s=a.final_ack_timeout, max_handshakes=a.max_handshakes,
                         max_handshakes_per_host=a.max_handshakes_per_host, max_model_bytes=a.max_model_bytes,
-                        island_buffer_bytes=a.island_buffer_bytes, init_timeout_s=a.init_timeout)
+                        island_buffer_bytes=a.island_buffer_bytes, init_timeout_s=a.init_timeout,
+                        max_push_norm_ratio=a.max_push_norm_ratio)
 
 
 def _setup_logging(level: str, path: Optional[str]) -> None:

@@ -272,6 +272,7 @@ class Coordinator:
         self.merges_total = 0
         self.initialized = False
         self.protect: Optional[Callable[[int], None]] = None  # called before a fragment's state changes
+        self.guard = None  # a guard.NormGuard: refuses pushes far outside what the fragment has seen
         self._spare: Optional[np.ndarray] = None  # one released accumulator, reused (no fresh page faults)
         self._spare_lock = threading.Lock()
         # --base-wire int8/int4: merged bases go out as quantized updates of a shadow base (what every island
@@ -451,6 +452,10 @@ class Coordinator:
                 raise PushRefused("duplicate", f"island {p.island!r} already pushed fragment {f.index} relative to "
                                                f"base v{p.base_version}; duplicate refused")
             held = lag != 0 or self.ms.exact
+        guard = self.guard
+        norm = guard.measure(p.codec, p.body, f.numel, p.block) if guard is not None else None
+        base_norm = guard.base_norm(f.index, f.version, f.t.base) \
+            if norm is not None and guard.needs_base_norm(f.index) else 0.0
         validated = False
         while True:
             if held and not validated:  # a held push is validated now: it is decoded only at merge time
@@ -477,6 +482,9 @@ class Coordinator:
                 held = lag != 0 or self.ms.exact
                 if held and not validated:
                     continue  # the round merged while we looked: validate, then decide again
+                why = guard.admit(f.index, norm, p.island, base_norm) if guard is not None else None
+                if why is not None:
+                    raise PushRefused("outlier", why)
                 c = self._register(p, f, r, w, lag, held, key)
                 if c is None:
                     return ("carried", lag) if lag else ("accepted", 0)

@@ -28,6 +28,7 @@ from ..wire.frames import MAX_PAYLOAD, AuthError, MsgType, PeerError, ProtocolEr
 from ..wire.message import encode_meta
 from ..wire.transport import Connection, listen
 from .checkpoint import CheckpointError, CheckpointWriter, read_checkpoint
+from .guard import NormGuard, too_large, unusable
 from .layout import first_difference, normalize_manifest
 from .limits import InitWatch, default_max_model_bytes, island_buffer_bytes, model_size_error, printable
 from .merge import ChunkRunner
@@ -83,6 +84,7 @@ class ServerConfig:
     max_model_bytes: int = 0   # float32 size of the largest model a first manifest may fix (0: limits.py default)
     island_buffer_bytes: int = 0   # unfinished chunked messages one island may hold (0: one push + 2 MiB)
     init_timeout_s: Optional[float] = None   # INIT progress bound of the initializing island (None: lease + io)
+    max_push_norm_ratio: float = 10.0   # refuse pushes above this x the recent median push norm (0: off)
 
 
 def _host_of(sock) -> str:
@@ -193,6 +195,7 @@ class SyncerServer:
         self.cfg = cfg
         self.runner = ChunkRunner(cfg.merge_threads)
         self.coord = Coordinator(cfg.merge, cfg.rounds, self.runner)
+        self.coord.guard = NormGuard(cfg.max_push_norm_ratio, self.runner) if cfg.max_push_norm_ratio else None
         if cfg.base_wire in BASE_UPDATES:
             self.coord.down_codec = cfg.base_wire
         self.fold_pool = ThreadPoolExecutor(max(2, min(8, cfg.islands)), thread_name_prefix="yeto-fold")
@@ -229,6 +232,12 @@ class SyncerServer:
                 raise CheckpointError(f"checkpoint {cfg.checkpoint} has {len(meta['layout'])} fragments; "
                                       f"--fragments is {cfg.fragments}")
             restore(self.coord, meta, arrays)
+            for i, fa in enumerate(arrays):
+                for name, a in sorted(fa.items()):
+                    why = unusable(f"fragment {i} {name}", a)
+                    if why:
+                        raise CheckpointError(f"checkpoint {cfg.checkpoint} is not usable: {why}; resume from an "
+                                              "earlier checkpoint")
             log.info("resumed from %s: %d fragments at versions %s, %d merges so far", cfg.checkpoint,
                      len(self.coord.frags), self.coord.versions(), self.coord.merges_total)
         elif cfg.checkpoint and os.path.exists(cfg.checkpoint):
@@ -577,6 +586,9 @@ class SyncerServer:
             arr = np.frombuffer(mv, np.float32)
             if arr.ctypes.data % 4 or not arr.flags.writeable:
                 arr = arr.copy()
+            why = too_large(f"INIT of fragment {idx}", arr)
+            if why:
+                raise PushRefused("bad-init", why + " (a base must stay usable)")
             done = coord.init_fragment(idx, arr)
         except (PushRefused, KeyError, ValueError, TypeError) as e:
             msg = e.message if isinstance(e, PushRefused) else f"malformed INIT: {e}"
