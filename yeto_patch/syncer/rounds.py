@@ -35,6 +35,7 @@ import numpy as np
 from ..wire import codecs
 from ..wire.frames import CodecError
 from .layout import fragment_numels, partition
+from .limits import stateless_members
 from .merge import ChunkRunner
 from .outer import FragmentTensors, NonFiniteMerge, OuterOptimizer
 
@@ -345,6 +346,7 @@ class Coordinator:
     def join(self, island: str, incarnation: str) -> Member:
         now = self.clock()
         with self.lock:
+            self._prune()
             m = self.members.get(island)
             alive = [i for i, mm in self.members.items() if mm.alive(now, self.rs.lease_s) and i != island]
             if m is None and len(alive) >= self.rs.islands:
@@ -376,7 +378,17 @@ class Coordinator:
             m.connected = max(0, m.connected - 1)
             if bye and not m.connected:
                 m.last_seen = -float("inf")  # leaves the expected set now
+            self._prune()
             self.cond.notify_all()
+
+    def _prune(self) -> None:
+        """(lock held) Forget ledger entries that carry no state (churned ids must not grow the ledger and the
+        checkpoint forever; see limits.stateless_members)."""
+        busy = {k[0] for k in self.seen}
+        for f in self.frags:
+            busy.update(c.island for c in list(f.round.contribs.values()) + list(f.carry))
+        for i in stateless_members(self.members, busy, self.clock(), self.rs.lease_s):
+            del self.members[i]
 
     def finish(self, island: str, last_step: int) -> None:
         with self.lock:
