@@ -121,3 +121,36 @@ def test_churned_ids_do_not_grow_the_ledger_or_the_checkpoint(tmp_path):
         assert ids0 == ids1 == ["a"], ids1[:5]
         assert abs(size1 - size0) < 64, (size0, size1)  # (the timestamp's digits vary; 300 ids were ~70 KB)
         a.close()
+
+
+def raw_join(addr, island, manifest):
+    conn = connect(addr, timeout=10, retries=2)
+    _, ch, _ = conn.recv()
+    nonce, digest = auth.new_nonce(), auth.manifest_digest(manifest)
+    conn.send(MsgType.HELLO, {"island_id": island, "incarnation": 1, "nonce": nonce.hex(),
+                              "manifest_digest": digest.hex(), "insecure": False,
+                              "manifest": [[n, list(s), d] for n, s, d in manifest],
+                              "mac": auth.client_mac(KEY, bytes.fromhex(ch["nonce"]), nonce, island, 1,
+                                                     digest).hex()})
+    t, _, _ = conn.recv()
+    assert t == MsgType.WELCOME
+    return conn
+
+
+def test_connection_of_a_lapsed_island_is_closed_when_another_takes_its_place():
+    # a connection that only trickles chunks never renews its lease; it must not keep its buffer budget once
+    # another island joins in its place (else ids could pile up connections, each holding a budget)
+    from .helpers import MANIFEST
+
+    server, addr = make_server(islands=1, fragments=1, rounds={"lease_s": 0.5})
+    with running(server):
+        x = raw_join(addr, "x", MANIFEST)
+        x.sock.sendall(chunk_frame(7, MsgType.PUSH, 4096, 0, bytes(1024)))  # a partial message, held open
+        time.sleep(1.0)  # x's lease runs out (a chunk is not a complete message)
+        y = client(addr, "y")
+        y.connect()
+        _, closed = wait_closed(x.sock, 5)
+        assert closed, "the lapsed island's connection (and its partial message) was kept"
+        assert [i for i, s in server.sessions.items() if not s.closed] == ["y"]
+        x.close()
+        y.close()
