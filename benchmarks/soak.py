@@ -89,7 +89,7 @@ class _Dir:
         with self.cv:
             self.eof = True
             self.cv.notify_all()
-        self.conn.ended(self.name)
+        self.conn.ended(("the island" if self.name == "up" else "the syncer") + " closed its end")
 
     def writer(self):
         rate = self.link.rate
@@ -112,8 +112,9 @@ class _Dir:
                     if rate:
                         time.sleep(len(piece) / rate)
         except OSError:
-            pass
-        self.conn.ended(self.name)
+            self.conn.ended(("the syncer" if self.name == "up" else "the island") + " stopped taking data (closed)")
+            return
+        self.conn.ended(f"{self.name} direction ended")
 
 
 class _Conn:
@@ -134,7 +135,7 @@ class _Conn:
             self.dead = True
             if not self.cut and self.link.faults:
                 self.link.counts["drops"] += 1
-                self.link.drop_log.append(f"connection closed by an endpoint ({why} direction) during faults")
+                self.link.drop_log.append(f"connection closed during faults: {why}")
         for s in (self.a, self.b):
             try:
                 s.shutdown(socket.SHUT_RDWR)
