@@ -209,6 +209,7 @@ class SyncerServer:
         self.initializer: Optional[_Session] = None
         self.init_watch = InitWatch(cfg.init_timeout_s if cfg.init_timeout_s is not None
                                     else cfg.rounds.lease_s + cfg.io_timeout_s)
+        self._init_lock = threading.Lock()
         self.final_started = False
         self.final_done = False
         self.stopping = threading.Event()
@@ -491,6 +492,14 @@ class SyncerServer:
     def _check_init(self) -> None:
         """(scheduler) The initializing island made no INIT progress within the INIT timeout: forget its claim
         and its partial INIT, and ask another connected island (its later INIT is refused)."""
+        if not self._init_lock.acquire(blocking=False):
+            return   # an INIT is being installed right now: that is progress
+        try:
+            self._drop_stalled_init()
+        finally:
+            self._init_lock.release()
+
+    def _drop_stalled_init(self) -> None:
         coord = self.coord
         with coord.lock:
             old = self.initializer
@@ -502,7 +511,7 @@ class SyncerServer:
             self.init_watch.clear()
             self.initializer = self.init_watch.pick(
                 x for x in self.sessions.values() if x is not old and not x.closed)
-            log.warning("initializing island %s completed no INIT within %.1fs (lease + io timeout); its claim "
+            log.warning("initializing island %s completed no INIT within %.1fs (--init-timeout); its claim "
                         "is dropped%s", printable(old.island), self.init_watch.timeout_s,
                         f"; asking island {printable(self.initializer.island)}" if self.initializer
                         else "; the next island to join initializes the run")
@@ -569,6 +578,10 @@ class SyncerServer:
                 return
 
     def _on_init(self, s: _Session, meta: dict, body) -> None:
+        with self._init_lock:   # the INIT-timeout check does not drop a claim while one of its INITs is installed
+            self._on_init_locked(s, meta, body)
+
+    def _on_init_locked(self, s: _Session, meta: dict, body) -> None:
         coord = self.coord
         if coord.initialized:
             log.info("island %s sent INIT of fragment %s after the run was initialized; ignored", s.island,
