@@ -74,6 +74,7 @@ DIGEST = auth.manifest_digest(MANIFEST)
 FRAGMENTS = 3
 LEGIT = "island-a"
 HOSTILE = {"push": "mallory-push", "frame": "mallory-frame", "slow": "mallory-slow"}
+INIT_ISLAND = "mallory-init"  # joins first, INITs one fragment and then only heartbeats (its claim must lapse)
 INCARNATION = 77
 ROUNDS = 2  # legitimate merges of every fragment before the fuzz (versions 2: a base-0 push is stale)
 PRE_AUTH = ("header", "oversize", "truncated", "digest", "chunk", "meta", "hello", "auth")
@@ -87,11 +88,11 @@ def serve(cfg: dict) -> None:
 
     logging.basicConfig(level=cfg["log_level"], stream=sys.stderr,
                         format="%(asctime)s %(threadName)s %(levelname)s %(message)s")
-    islands = 1 + len(HOSTILE)
+    islands = 2 + len(HOSTILE)
     server = SyncerServer(ServerConfig(
         listen="127.0.0.1:0", islands=islands, fragments=FRAGMENTS, key=bytes.fromhex(cfg["key"]),
         merge=MergeSettings(), rounds=RoundSettings(islands=islands, quorum=1, grace_s=0.0, lease_s=3600.0),
-        checkpoint=cfg["checkpoint"], checkpoint_every=1, merge_threads=1,
+        checkpoint=cfg["checkpoint"], checkpoint_every=1, merge_threads=1, init_timeout_s=cfg["init_timeout"],
         io_timeout_s=cfg["io_timeout"], handshake_timeout_s=cfg["handshake_timeout"],
         # every input is to reach the handshake code: the flood cap (tested on its own) must not trip
         max_handshakes=100_000, max_handshakes_per_host=100_000))
@@ -515,7 +516,7 @@ class PushFuzzer:
                 "codec": "f32", "block": 256, "numel": n, "final": r.random() < 0.3}
         body = self.zero[(f, "f32")]
         kind = r.choices(["fragment", "missing", "counter", "base", "stale", "codec", "size", "nonfinite",
-                          "ignored"], [2, 1, 2, 2, 1, 2, 3, 5, 1])[0]
+                          "ignored", "outlier"], [2, 1, 2, 2, 1, 2, 3, 5, 1, 2])[0]
         if kind == "fragment":
             g = pick([len(self.numels), 99, -1, 1 << 63, "0", None, 1.5, [0], {"i": 0}, True, False])
             meta["fragment"] = g
@@ -543,6 +544,17 @@ class PushFuzzer:
                 meta["codec"] = pick(["int4", "int4-log"])
                 meta["block"] = pick([1, 3, 255, 1 << 25, 1 << 40])
             return MsgType.PUSH, meta, body, "bad-codec"
+        if kind == "outlier":  # within every codec check, but a norm far above anything the fragment has seen
+            nb = -(-n // 256)
+            meta["codec"] = pick(["int4-log", "int8", "f32"])
+            if meta["codec"] == "f32":
+                body = np.full(n, pick([1e30, 2.9e38, 1e20]), np.float32).tobytes()
+            else:
+                k = 0x77 if meta["codec"] == "int4-log" else 0x7F
+                scale = pick([2.9e38, 1e30]) if k == 0x77 else pick([1e30, 1e20]) / 127
+                body = np.concatenate([np.full(nb, scale, np.float32).view(np.uint8),
+                                       np.full(-(-n // 2) if k == 0x77 else n, k, np.uint8)]).tobytes()
+            return MsgType.PUSH, meta, body, "outlier"
         codec = pick(codecs.CODECS)
         meta["codec"] = codec
         good = self.zero[(f, codec)]
@@ -698,10 +710,28 @@ def setup(syncer: Syncer, key: bytes, np_rng) -> dict:
     """The legitimate island INITs the run and merges ROUNDS rounds of every fragment; the hostile islands
     join once (so the ledger holds them before the state is captured)."""
     addr = syncer.addr
+    t_init = time.monotonic()
+    stall, w0 = handshake(addr, key, INIT_ISLAND)   # asked to INIT; sends one fragment, then heartbeats only
+    bad = [np.full(s, 7.0, np.float32) for _, s, _ in MANIFEST]
+    stall.send(MsgType.INIT, {"fragment": 0, "numel": w0["numels"][0], "dtype": "f32"},
+               np.concatenate([bad[i].reshape(-1) for i in w0["layout"][0]]).tobytes())
+    beating = threading.Event()
+
+    def beat():
+        while not beating.wait(0.2):
+            try:
+                stall.send(MsgType.HEARTBEAT, {"step": 0})
+            except Exception:  # noqa: BLE001
+                return
+
+    threading.Thread(target=beat, daemon=True).start()
     legit = SyncerClient("%s:%d" % addr, key, LEGIT, MANIFEST, timeout=20, connect_retries=3)
     w = legit.connect()
     values = [np_rng.standard_normal(s).astype(np.float32) for _, s, _ in MANIFEST]
-    legit.wait_ready(30, init_source=lambda f: [values[i] for i in w.layout[f]])
+    legit.wait_ready(60, init_source=lambda f: [values[i] for i in w.layout[f]])  # asked once the claim lapsed
+    partial_init_s = time.monotonic() - t_init
+    beating.set()
+    stall.close()
     for v in range(ROUNDS):
         for f in range(FRAGMENTS):
             d = (np_rng.standard_normal(w.numels[f]) * 0.01).astype(np.float32)
@@ -718,7 +748,8 @@ def setup(syncer: Syncer, key: bytes, np_rng) -> dict:
         if state["checkpoints"] == FRAGMENTS * ROUNDS or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    return {"legit": legit, "welcome": w, "replay": replay, "push_conn": conns["push"], "state": state}
+    return {"legit": legit, "welcome": w, "replay": replay, "push_conn": conns["push"], "state": state,
+            "partial_init_s": partial_init_s, "init_needed": w0["needs_init"]}
 
 
 def fuzz(args, syncer: Syncer, key: bytes, ctx: dict, tally: Tally, violations: list) -> bool:
@@ -748,8 +779,12 @@ def fuzz(args, syncer: Syncer, key: bytes, ctx: dict, tally: Tally, violations: 
     def post_worker():
         for c in post:
             if time.monotonic() < stop_at:
-                tally.record("post-auth", run_case(addr, c, close_within, key, HOSTILE["frame"]), c,
-                             frames=c.frames)
+                try:
+                    res = run_case(addr, c, close_within, key, HOSTILE["frame"])
+                except Exception as e:  # noqa: BLE001 - e.g. the handshake itself timed out under load
+                    violations.append(f"post-auth: the authenticated handshake failed: {e!r}")
+                    continue
+                tally.record("post-auth", res, c, frames=c.frames)
 
     def slow_worker(i):
         if time.monotonic() < stop_at:
@@ -791,7 +826,7 @@ def fuzz(args, syncer: Syncer, key: bytes, ctx: dict, tally: Tally, violations: 
     # being folded) whatever else is wrong with it; any other difference is a violation
     extra, missing = got - expected, expected - got
     if {k for k in got if k[0] != "refused"} or {c for _, c in extra} - {"duplicate"} or \
-            {c for _, c in missing} - {"nonfinite", "bad-push"}:
+            {c for _, c in missing} - {"nonfinite", "bad-push", "outlier"}:
         diff = {f"{k[0]}/{k[1]}": (expected.get(k, 0), got.get(k, 0)) for k in set(extra) | set(missing)}
         violations.append(f"hostile pushes: replies differ from the expected refusals (expected, got): {diff}")
         tally.add("pushes", unexpected=sum(extra.values()))
@@ -801,6 +836,29 @@ def fuzz(args, syncer: Syncer, key: bytes, ctx: dict, tally: Tally, violations: 
         if row["unexpected"] and cat != "pushes":
             violations.append(f"{cat}: {row['unexpected']} refusal(s) without the expected ERROR code")
     return time.monotonic() >= stop_at
+
+
+def churn(syncer: Syncer, key: bytes, n: int, violations: list) -> dict:
+    """After the fuzz: HELLO + BYE with ``n`` fresh ids, one at a time (mallory-slow says BYE first to free a
+    slot); stateless ids are forgotten, so the ledger (and the checkpoint) must not grow."""
+    addr, t0, done = syncer.addr, time.monotonic(), 0
+    for k in range(-1, n):
+        island = HOSTILE["slow"] if k < 0 else "churn-%06d-%s" % (k, "x" * 200)
+        end = time.monotonic() + 10
+        while True:  # (the syncer closes the connection just before it records the BYE: retry briefly)
+            try:
+                conn, _ = handshake(addr, key, island)
+                break
+            except Exception as e:  # noqa: BLE001
+                if "too-many-islands" not in str(e) or time.monotonic() > end:
+                    violations.append(f"churn: island {k} could not join: {e!r}")
+                    return {"ids": done, "seconds": time.monotonic() - t0}
+                time.sleep(0.05)
+        conn.send(MsgType.BYE, {"reason": "churn"})
+        wait_closed(conn.sock, 10)  # the syncer closes after the BYE: handled before the next id joins
+        conn.close()
+        done += k >= 0
+    return {"ids": done, "seconds": time.monotonic() - t0}
 
 
 def verify(syncer: Syncer, ctx: dict, ckpt: dict, np_rng, violations: list) -> dict:
@@ -815,6 +873,7 @@ def verify(syncer: Syncer, ctx: dict, ckpt: dict, np_rng, violations: list) -> d
         time.sleep(0.1)
     if s1["sessions"] != 1:
         violations.append(f"{s1['sessions'] - 1} hostile connection(s) still held by the syncer")
+    s0 = {**s0, "ledger": {i: e for i, e in s0["ledger"].items() if i != HOSTILE["slow"]}}  # (churn's BYE)
     changed = [k for k in ("arrays", "versions", "merges_total", "ledger") if s1[k] != s0[k]]
     for k in changed:
         violations.append(f"syncer state changed: {k}: {s0[k]} -> {s1[k]}")
@@ -849,6 +908,7 @@ def run(args) -> dict:
     tmp = tempfile.mkdtemp(prefix="yeto-fuzz-")
     log_path, ckpt_path = os.path.join(tmp, "syncer.log"), os.path.join(tmp, "syncer.ckpt")
     syncer = Syncer({"key": key.hex(), "checkpoint": ckpt_path, "io_timeout": args.io_timeout,
+                     "init_timeout": 2 * args.io_timeout,
                      "handshake_timeout": args.io_timeout, "log_level": args.log_level}, log_path)
     violations: list = []
     tally = Tally()
@@ -865,6 +925,11 @@ def run(args) -> dict:
         t0 = time.monotonic()
         capped = fuzz(args, syncer, key, ctx, tally, violations)
         elapsed = time.monotonic() - t0
+        res["churn"] = churn(syncer, key, args.churn, violations)
+        res["partial_init_s"] = ctx["partial_init_s"]
+        if ctx["init_needed"] != list(range(FRAGMENTS)) or ctx["partial_init_s"] > 2 * args.io_timeout + 30:
+            violations.append(f"partial INIT: the stalled initializer's claim did not lapse in time "
+                              f"({ctx['partial_init_s']:.1f}s)")
         res.update(verify(syncer, ctx, ckpt, np_rng, violations))
         sampler.done.set()
         sampler.join()
@@ -906,6 +971,9 @@ def report(res: dict) -> str:
         lines.append(f"total: {res['frames']} frames in {res['seconds']:.1f}s = {res['frames_per_s']:.0f} frames/s"
                      f"{' (stopped by --seconds)' if res['capped'] else ''}; crashes {res['crashes']}, internal "
                      f"errors {res['internal_errors']}")
+        lines.append(f"churn: {res.get('churn', {}).get('ids')} ids joined and left in "
+                     f"{res.get('churn', {}).get('seconds', 0):.1f}s (ledger unchanged: {res.get('state_unchanged')}); "
+                     f"partial INIT handed to the legitimate island after {res.get('partial_init_s', 0):.1f}s")
         lines.append(f"syncer RSS {res['rss_base_mib']:.0f} MiB before, peak growth {res['rss_growth_mib']:.1f} MiB, "
                      f"peak threads {res['peak_threads']}; state unchanged: {res.get('state_unchanged')}; "
                      f"checkpoint unchanged: {res.get('checkpoint_unchanged')}")
@@ -921,6 +989,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="CI setting: 3000 inputs, 0.5 s io timeout")
     p.add_argument("--io-timeout", type=float, default=1.0, help="the syncer's io and handshake timeouts")
     p.add_argument("--slack", type=float, default=3.0, help="seconds past the timeouts a close may take")
+    p.add_argument("--churn", type=int, default=1500, help="ids that join and say BYE after the fuzz")
     p.add_argument("--concurrency", type=int, default=4, help="parallel hostile connections")
     p.add_argument("--max-rss-mib", type=float, default=256.0, help="bound on the syncer's RSS growth")
     p.add_argument("--log-level", default="ERROR", help="the syncer's log level (its log is kept in a temp dir)")
@@ -930,6 +999,7 @@ def parse_args(argv=None):
     if a.quick:
         a.frames = min(a.frames, 3000)
         a.io_timeout = min(a.io_timeout, 0.5)
+        a.churn = min(a.churn, 150)
     return a
 
 

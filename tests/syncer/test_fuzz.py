@@ -26,6 +26,8 @@ def test_quick_fuzz_holds_every_invariant():
     assert res["crashes"] == 0 and res["internal_errors"] == 0, text
     assert res["state_unchanged"] and res["checkpoint_unchanged"], text
     assert res["rss_growth_mib"] < 256, text
+    assert res["churn"]["ids"] == 150, text  # churned ids left the ledger unchanged (state_unchanged above)
+    assert res["partial_init_s"] < 30, text  # a stalled partial INIT was handed to the legitimate island
     rows = res["rows"]
     assert res["frames"] >= 3000 and not res["capped"], text
     assert all(r.get("open", 0) == 0 and r.get("unexpected", 0) == 0 for r in rows.values()), text

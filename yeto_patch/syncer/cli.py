@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weights", choices=WEIGHTINGS, default="equal", help="weight of each island's delta")
     g.add_argument("--exact", action="store_true", help="hold pushes (encoded) and fold them in island order at "
                    "merge time: bit-reproducible whatever the arrival order (more memory)")
+    g.add_argument("--max-push-norm-ratio", type=_nonneg_float, default=10.0, help="refuse (code outlier) a push "
+                   "whose delta norm is above this many times the median of the fragment's recent accepted push "
+                   "norms (before 3 were accepted: of the base norm); 0 disables the guard")
     g = p.add_argument_group("outer optimizer")
     g.add_argument("--outer", choices=OUTER_KINDS, default="nesterov", help="outer optimizer")
     g.add_argument("--outer-lr", type=_pos_float, default=None, help="outer learning rate (default: 0.7; 1.0 for "
@@ -122,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-handshakes", type=_pos_int, default=64, help="connections still in their handshake held "
                    "at once; more are closed at once (bounds what strangers can make the syncer hold)")
     g.add_argument("--max-handshakes-per-host", type=_pos_int, default=16, help="the same limit per peer address")
+    g.add_argument("--max-model-bytes", type=_nonneg_int, default=0, help="largest float32 model size (bytes) a "
+                   "first manifest may fix; larger ones are refused at HELLO (default: 0, a quarter of the "
+                   "physical memory)")
+    g.add_argument("--island-buffer-bytes", type=_nonneg_int, default=0, help="bytes of unfinished chunked "
+                   "messages one island connection may hold; all islands together hold at most --islands times "
+                   "this (default: 0, one fragment in its largest push encoding plus 2 MiB)")
+    g.add_argument("--init-timeout", type=_pos_float, default=None, help="seconds the initializing island may "
+                   "go without completing a fragment's INIT before its claim is dropped and another island is "
+                   "asked (default: --lease plus --io-timeout)")
     g.add_argument("--final-ack-timeout", type=_pos_float, default=60.0, help="seconds to wait for the islands' "
                    "acknowledgements of the final model")
     g = p.add_argument_group("checkpoints")
@@ -173,7 +185,9 @@ def config_from_args(a: argparse.Namespace):
                         resume=a.resume, metrics_port=a.metrics_port, metrics_addr=a.metrics_addr, tape=a.tape,
                         merge_threads=a.merge_threads, io_timeout_s=a.io_timeout,
                         final_ack_timeout_s=a.final_ack_timeout, max_handshakes=a.max_handshakes,
-                        max_handshakes_per_host=a.max_handshakes_per_host)
+                        max_handshakes_per_host=a.max_handshakes_per_host, max_model_bytes=a.max_model_bytes,
+                        island_buffer_bytes=a.island_buffer_bytes, init_timeout_s=a.init_timeout,
+                        max_push_norm_ratio=a.max_push_norm_ratio)
 
 
 def _setup_logging(level: str, path: Optional[str]) -> None:

@@ -37,3 +37,7 @@ class ServerConfig:
     final_ack_timeout_s: float = 60.0
     max_handshakes: int = 64   # connections not yet authenticated held at once (more are closed at once) ...
     max_handshakes_per_host: int = 16   # ... and from one address
+    max_model_bytes: int = 0   # float32 size of the largest model a first manifest may fix (0: limits.py default)
+    island_buffer_bytes: int = 0   # unfinished chunked messages one island may hold (0: one push + 2 MiB)
+    init_timeout_s: Optional[float] = None   # INIT progress bound of the initializing island (None: lease + io)
+    max_push_norm_ratio: float = 10.0   # refuse pushes above this x the recent median push norm (0: off)

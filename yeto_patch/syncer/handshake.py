@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import threading
 import time
 import weakref
@@ -16,6 +17,7 @@ from ..wire import auth, secure
 from ..wire.frames import AuthError, MsgType, PeerError, ProtocolError, WireTimeout
 from ..wire.text import EscapeArgs, check_island_id, printable
 from .layout import first_difference, normalize_manifest
+from .limits import default_max_model_bytes, model_size_error
 from .rounds import PushRefused
 
 __all__ = ["accept_handshake"]
@@ -240,6 +242,11 @@ def _join(server, s, island, incarnation, manifest, digest, smac, sess) -> bool:
                 _refuse(s, "manifest", f"the manifest has {len(manifest)} tensors, fewer than "
                                        f"--fragments {cfg.fragments}")
                 return False
+            too_big = model_size_error(sum(math.prod(e[1]) for e in manifest),
+                                       cfg.max_model_bytes or default_max_model_bytes())
+            if too_big:
+                _refuse(s, "manifest", too_big)
+                return False
             coord.set_manifest(manifest, cfg.fragments)
             log.info("manifest fixed by island %s: %d tensors, %d parameters, digest %s", island,
                      len(manifest), sum(f.numel for f in coord.frags), digest.hex()[:16])
@@ -257,6 +264,7 @@ def _join(server, s, island, incarnation, manifest, digest, smac, sess) -> bool:
             _refuse(s, e.code, e.message)
             return False
         s.incarnation = incarnation
+        server.close_lapsed(island)
         old = server.sessions.get(island)
         server.sessions[island] = s
         s.joined = True
@@ -264,6 +272,7 @@ def _join(server, s, island, incarnation, manifest, digest, smac, sess) -> bool:
         if not coord.initialized:
             if server.initializer is None or server.initializer.closed:
                 server.initializer = s
+                server.init_watch.assigned()
                 needs_init = coord.missing_init()
         welcome = {"island_id": island, "server_mac": smac, "layout": coord.layout,
                    "numels": [f.numel for f in coord.frags], "fragments": len(coord.frags),

@@ -25,6 +25,18 @@ from .merge import ChunkRunner
 __all__ = ["OUTER_KINDS", "OuterOptimizer", "NonFiniteMerge", "FragmentTensors"]
 
 OUTER_KINDS = ("nesterov", "avg", "delayed-nesterov")
+#: committed base, momentum and delay buffer values stay at most this large: a merge whose result would not is
+#: refused like a non-finite one, so a committed base stays usable (later steps and the islands' codecs, which
+#: refuse |x| > 3e38, cannot overflow on it)
+USABLE_MAX = 1e30
+
+
+def _usable(x: np.ndarray, old: np.ndarray) -> bool:
+    """Finite, and no larger than USABLE_MAX (or than the largest value already there: state that never came
+    from a merge, e.g. a test's, is not made unusable by a merge that leaves it as it is)."""
+    if not np.isfinite(x).all():
+        return False
+    return x.size == 0 or float(np.max(np.abs(x))) <= max(USABLE_MAX, float(np.max(np.abs(old))))
 
 
 class NonFiniteMerge(ValueError):
@@ -133,7 +145,7 @@ class OuterOptimizer:
                     s2[...] = g
                 np.multiply(m[a:b], mu, out=s1)
                 np.add(s1, s2, out=s1)          # s1 = new m
-                ok = bool(np.isfinite(s1).all())
+                ok = _usable(s1, m[a:b])
                 np.multiply(s1, mu, out=s1)
                 np.add(s1, g, out=s1)           # s1 = g + mu*m'
             elif ok:
@@ -141,10 +153,10 @@ class OuterOptimizer:
             if ok:
                 np.multiply(s1, lr, out=s1)
                 np.subtract(base[a:b], s1, out=s1)
-                ok = bool(np.isfinite(s1).all())
+                ok = _usable(s1, base[a:b])
             if ok and dn and not momentum_round:
                 np.add(d[a:b], g, out=s2)
-                ok = bool(np.isfinite(s2).all())
+                ok = _usable(s2, d[a:b])
             return ok
 
         def quiet(fn):
@@ -172,13 +184,13 @@ class OuterOptimizer:
         nm = mu_f * B + B + gmax
         new_bound = max(B + lr_f * (gmax + mu_f * nm), nm, B + gmax) * (1.0 + 1e-6)
         divided = False
-        if not new_bound < 1e38:  # cannot rule out an overflow: compute the would-be values first
+        if not new_bound < USABLE_MAX:  # cannot rule out an unusable result: compute the would-be values first
             oks = runner.map(n, quiet(check))
             divided = True
             if not all(oks):
                 c = oks.index(False) * runner.chunk
-                raise NonFiniteMerge(f"merged result would overflow or is not finite (first bad chunk at element "
-                                     f"{c}); state unchanged")
+                raise NonFiniteMerge(f"merged result would overflow, is not finite or above {USABLE_MAX:g} (first "
+                                     f"bad chunk at element {c}); state unchanged")
 
         def commit(a: int, b: int) -> float:
             if divided:

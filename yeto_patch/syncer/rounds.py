@@ -37,6 +37,7 @@ from ..wire import codecs
 from ..wire.frames import CodecError
 from .fragment import Fragment
 from .layout import fragment_numels, partition
+from .limits import stateless_members
 from .members import Member
 from .merge import ChunkRunner
 from .outer import NonFiniteMerge
@@ -116,6 +117,7 @@ class Coordinator:
         self.merges_total = 0
         self.initialized = False
         self.protect: Optional[Callable[[int], None]] = None  # called before a fragment's state changes
+        self.guard = None  # a guard.NormGuard: refuses pushes far outside what the fragment has seen
         self._spare: Optional[np.ndarray] = None  # one released accumulator, reused (no fresh page faults)
         self._spare_lock = threading.Lock()
         # --base-wire int8/int4: merged bases go out as quantized updates of a shadow base (what every island
@@ -199,6 +201,7 @@ class Coordinator:
     def join(self, island: str, incarnation: str) -> Member:
         now = self.clock()
         with self.lock:
+            self._prune()
             m = self.members.get(island)
             alive = [i for i, mm in self.members.items() if mm.alive(now, self.rs.lease_s) and i != island]
             if m is None and len(alive) >= self.rs.islands:
@@ -230,7 +233,17 @@ class Coordinator:
             m.connected = max(0, m.connected - 1)
             if bye and not m.connected:
                 m.last_seen = -float("inf")  # leaves the expected set now
+            self._prune()
             self.cond.notify_all()
+
+    def _prune(self) -> None:
+        """(lock held) Forget ledger entries that carry no state (churned ids must not grow the ledger and the
+        checkpoint forever; see limits.stateless_members)."""
+        busy = {k[0] for k in self.seen}
+        for f in self.frags:
+            busy.update(c.island for c in list(f.round.contribs.values()) + list(f.carry))
+        for i in stateless_members(self.members, busy, self.clock(), self.rs.lease_s):
+            del self.members[i]
 
     def finish(self, island: str, last_step: int) -> None:
         with self.lock:
@@ -249,7 +262,9 @@ class Coordinator:
         now = self.clock()
         with self.lock:
             alive = [m for m in self.members.values() if m.alive(now, self.rs.lease_s)]
-            return bool(alive) and all(m.finished for m in alive)
+            # FINALs end the run only once the roster (the quorum of islands, as for rounds) has joined: an
+            # island that finished before the others ever joined must not cut the run at v0 without them
+            return bool(alive) and all(m.finished for m in alive) and self._joined_enough()
 
     def all_closed(self) -> bool:
         with self.lock:
@@ -315,6 +330,10 @@ class Coordinator:
         with self.lock:
             f, w = self._checked(p)
         key = (p.island, f.index, p.base_version)
+        guard = self.guard
+        norm = guard.measure(p.codec, p.body, f.numel, p.block) if guard is not None else None
+        base_norm = guard.base_norm(f.index, f.version, f.t.base) \
+            if norm is not None and guard.needs_base_norm(f.index) else 0.0
         validated = False
         while True:
             with self.lock:
@@ -324,6 +343,9 @@ class Coordinator:
                 r = f.round
                 held = lag != 0 or self.ms.exact
                 if not held or validated:
+                    why = guard.admit(f.index, norm, p.island, base_norm) if guard is not None else None
+                    if why is not None:
+                        raise PushRefused("outlier", why)
                     c = self._register(p, f, r, w, lag, held, key)
                     if c is None:
                         return ("carried", lag) if lag else ("accepted", 0)

@@ -24,6 +24,9 @@ from ..wire.frames import MAX_PAYLOAD, FrameAuthError, MsgType, PeerError, Proto
 from ..wire.transport import Connection, listen
 from .checkpoint import CheckpointError, CheckpointWriter, read_checkpoint
 from .config import BASE_WIRE, ServerConfig
+from .guard import NormGuard, too_large, unusable
+from ..wire.text import printable
+from .limits import InitWatch, island_buffer_bytes
 from .merge import ChunkRunner
 from .handshake import accept_handshake
 from .metrics import Metrics, Tape
@@ -62,6 +65,7 @@ class SyncerServer:
         self.cfg = cfg
         self.runner = ChunkRunner(cfg.merge_threads)
         self.coord = Coordinator(cfg.merge, cfg.rounds, self.runner)
+        self.coord.guard = NormGuard(cfg.max_push_norm_ratio, self.runner) if cfg.max_push_norm_ratio else None
         if cfg.base_wire in BASE_UPDATES:
             self.coord.down_codec = cfg.base_wire
         self.fold_pool = ThreadPoolExecutor(max(2, min(8, cfg.islands)), thread_name_prefix="yeto-fold")
@@ -73,6 +77,9 @@ class SyncerServer:
         self.sessions: dict[str, _Session] = {}
         self.all_sessions: set = set()
         self.initializer: Optional[_Session] = None
+        self.init_watch = InitWatch(cfg.init_timeout_s if cfg.init_timeout_s is not None
+                                    else cfg.rounds.lease_s + cfg.io_timeout_s)
+        self._init_lock = threading.Lock()
         self.final_started = False
         self.final_done = False
         self.stopping = threading.Event()
@@ -96,6 +103,12 @@ class SyncerServer:
                 raise CheckpointError(f"checkpoint {cfg.checkpoint} has {len(meta['layout'])} fragments; "
                                       f"--fragments is {cfg.fragments}")
             restore(self.coord, meta, arrays)
+            for i, fa in enumerate(arrays):
+                for name, a in sorted(fa.items()):
+                    why = unusable(f"fragment {i} {name}", a)
+                    if why:
+                        raise CheckpointError(f"checkpoint {cfg.checkpoint} is not usable: {why}; resume from an "
+                                              "earlier checkpoint")
             log.info("resumed from %s: %d fragments at versions %s, %d merges so far", cfg.checkpoint,
                      len(self.coord.frags), self.coord.versions(), self.coord.merges_total)
         elif cfg.checkpoint and os.path.exists(cfg.checkpoint):
@@ -206,7 +219,8 @@ class SyncerServer:
     def _session_main(self, s: _Session) -> None:
         try:
             if self._handshake(s):
-                s.conn.set_limits(self._island_max())
+                s.conn.set_limits(self._island_max(), island_buffer_bytes(
+                    self._island_max()[MsgType.PUSH], self.cfg.island_buffer_bytes))
                 s.writer = threading.Thread(target=s.writer_loop, daemon=True, name=f"yeto-send-{s.island}")
                 s.writer.start()
                 self._read_loop(s)
@@ -230,6 +244,48 @@ class SyncerServer:
     # --------------------------------------------------------------------------------------- handshake
     def _handshake(self, s: _Session) -> bool:
         return accept_handshake(self, s)   # syncer/handshake.py
+
+    def close_lapsed(self, island: str) -> None:
+        """(coordinator lock held) Before ``island`` joins: at most ``--islands`` joined connections stay open
+        (each may hold its reassembly budget), so a connection whose island's lease ran out is closed now."""
+        others = [x for i, x in self.sessions.items() if i != island and not x.closed]
+        if len(others) < self.cfg.islands:
+            return
+        alive = set(self.coord.alive_members())
+        for x in [x for x in others if x.island not in alive][:len(others) - self.cfg.islands + 1]:
+            log.warning("closing the connection of island %s: its lease ran out and island %s takes its place",
+                        printable(x.island), printable(island))
+            x.close()
+
+    def _check_init(self) -> None:
+        """(scheduler) The initializing island made no INIT progress within the INIT timeout: forget its claim
+        and its partial INIT, and ask another connected island (its later INIT is refused)."""
+        if not self._init_lock.acquire(blocking=False):
+            return   # an INIT is being installed right now: that is progress
+        try:
+            self._drop_stalled_init()
+        finally:
+            self._init_lock.release()
+
+    def _drop_stalled_init(self) -> None:
+        coord = self.coord
+        with coord.lock:
+            old = self.initializer
+            if coord.initialized or old is None or old.closed or not self.init_watch.expired():
+                return
+            for f in coord.frags:
+                f.drop_init()
+            self.init_watch.failed.add(old.island)
+            self.init_watch.clear()
+            self.initializer = self.init_watch.pick(
+                x for x in self.sessions.values() if x is not old and not x.closed)
+            log.warning("initializing island %s completed no INIT within %.1fs (--init-timeout); its claim "
+                        "is dropped%s", printable(old.island), self.init_watch.timeout_s,
+                        f"; asking island {printable(self.initializer.island)}" if self.initializer
+                        else "; the next island to join initializes the run")
+            if self.initializer is not None:
+                self.initializer.post(MsgType.INIT, {"request": coord.missing_init()})
+                self.init_watch.assigned()
 
     def _island_max(self) -> dict:
         """Per-type maxima for an authenticated island: INIT and PUSH bodies are one fragment (int8 with block 1
@@ -293,6 +349,10 @@ class SyncerServer:
                 return
 
     def _on_init(self, s: _Session, meta: dict, body) -> None:
+        with self._init_lock:   # the INIT-timeout check does not drop a claim while one of its INITs is installed
+            self._on_init_locked(s, meta, body)
+
+    def _on_init_locked(self, s: _Session, meta: dict, body) -> None:
         coord = self.coord
         if coord.initialized:   # (docs/protocol.md: a second INIT is an ERROR init)
             self._refuse(s, "init", "INIT after the run was initialized; refused")
@@ -310,6 +370,9 @@ class SyncerServer:
             arr = np.frombuffer(mv, np.float32)
             if arr.ctypes.data % 4 or not arr.flags.writeable:
                 arr = arr.copy()
+            why = too_large(f"INIT of fragment {idx}", arr)
+            if why:
+                raise PushRefused("bad-init", why + " (a base must stay usable)")
             done = coord.init_fragment(idx, arr)
         except (PushRefused, KeyError, ValueError, TypeError) as e:
             msg = e.message if isinstance(e, PushRefused) else f"malformed INIT: {e}"
@@ -317,6 +380,7 @@ class SyncerServer:
             s.close()
             return
         self.metrics.bytes_in.labels("init").inc(mv.nbytes)
+        self.init_watch.progress()
         if done:
             log.info("run initialized from island %s's INIT (%d fragments)", s.island, len(coord.frags))
             if self.writer is not None:  # version 0 on disk before any island trains from it
@@ -379,6 +443,7 @@ class SyncerServer:
                             log.warning("initializing island %s left before INIT completed; asking island %s",
                                         s.island, other.island)
                             other.post(MsgType.INIT, {"request": coord.missing_init()})
+                            self.init_watch.assigned()
                             break
                 coord.cond.notify_all()
             log.info("island %s disconnected%s", s.island, " (goodbye)" if s.bye else "")
@@ -427,6 +492,7 @@ class SyncerServer:
                 return 0
             self.metrics.members.set(len(coord.alive_members()))
             if not coord.initialized:
+                self._check_init()
                 continue
             now = time.monotonic()
             due = coord.due()
