@@ -1,7 +1,8 @@
 """How the training thread's time at a DiLoCo boundary grows with the model, against a memcpy of the rank's own shard.
 
     python benchmarks/boundary_scaling.py            # 3 sizes, ~23M / ~109M / ~239M parameters (needs ~14 GB)
-    python benchmarks/boundary_scaling.py --quick    # the two smallest (4.7x apart), a few minutes on 2 cores
+    python benchmarks/boundary_scaling.py --quick    # the two smallest (4.7x apart); minutes on idle cores, but
+                                                     # the 109M size took >30 min on 2 cores at load ~200
     python benchmarks/boundary_scaling.py --sizes 2x128,2x256 --rounds 1   # a smoke run (LxH: layers x hidden)
 
 Each size is a 4-rank island (TP2 x DP2, bf16 GPTModel, DistributedOptimizer, real megatron-core) in 4 spawned
