@@ -106,3 +106,49 @@ def state_of(server):
     return {"arrays": h.hexdigest(), "versions": [f["version"] for f in snap.meta["fragments"]],
             "merges_total": snap.meta["merges_total"], "ledger": snap.meta["ledger"], "pending": pending,
             "finals": finals, "seen": seen}
+
+
+class SealedFrames:
+    """Raw frames an island sends after its handshake, sealed as the handshake agreed (wire/secure.py), for tests
+    that write partial or hand-made messages on the socket. One instance per connection: it owns the sequence."""
+
+    def __init__(self, key: bytes, encrypt: bool = False):
+        from yeto_patch.wire import secure
+        self._sealer = secure.Sealer(key, encrypt)
+        self._flags = secure.FLAG_AUTH | (secure.FLAG_ENC if encrypt else 0)
+
+    def _frame(self, msg_type, parts: list, clear: int) -> bytes:
+        from yeto_patch.wire.frames import encode_header
+        header = encode_header(msg_type, sum(len(p) for p in parts), 0, self._flags)
+        out, tag = self._sealer.seal(header, parts, clear=clear)
+        return header + b"".join(bytes(p) for p in out) + tag
+
+    def chunk(self, msg_id: int, inner, total: int, offset: int, data: bytes) -> bytes:
+        import struct
+        from yeto_patch.wire.frames import MsgType
+        return self._frame(MsgType.CHUNK, [struct.pack("<QHHQQ", msg_id, inner, 0, total, offset), data], 1)
+
+    def message(self, msg_type, meta: dict, body: bytes = b"") -> bytes:
+        from yeto_patch.wire.message import pack_meta
+        return self._frame(msg_type, [pack_meta(meta, len(body)) + body], 0)
+
+
+def raw_join(addr, island: str, manifest, key: bytes = KEY, incarnation: int = 1):
+    """An island's handshake by hand (no SyncerClient): returns (connection protected as agreed, SealedFrames
+    for raw frames on its socket). Send raw frames or use the connection, not both (one sequence)."""
+    from yeto_patch.wire import auth, secure
+    from yeto_patch.wire.frames import MsgType
+    from yeto_patch.wire.transport import connect
+    conn = connect(addr, timeout=10, retries=2)
+    _, ch, _ = conn.recv()
+    nonce, digest = auth.new_nonce(), auth.manifest_digest(manifest)
+    sn = bytes.fromhex(ch["nonce"])
+    hello = {"island_id": island, "incarnation": incarnation, "nonce": nonce.hex(), "manifest_digest": digest.hex(),
+             "insecure": False, "manifest": [[n, list(s), d] for n, s, d in manifest]}
+    hello["mac"] = auth.client_mac(key, sn, nonce, island, incarnation, digest).hex()
+    conn.send(MsgType.HELLO, hello)
+    c2s, s2c = secure.derive_keys(key, sn, nonce, ch["frames"], secure.transcript(ch, hello))
+    conn.protect(c2s, s2c, ch["frames"] == "aead", clear_error_first=True)
+    t, _, _ = conn.recv()
+    assert t == MsgType.WELCOME
+    return conn, SealedFrames(c2s, ch["frames"] == "aead")

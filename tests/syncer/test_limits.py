@@ -1,27 +1,19 @@
 """Resource limits (issue 13): an authenticated island cannot make the syncer hold unbounded unfinished chunked
 messages, and churned island ids (HELLO + BYE) do not grow the ledger and the checkpoint."""
 import os
-import struct
 import time
 
 import numpy as np
 import pytest
-import xxhash
 
 from yeto_patch.syncer.checkpoint import CheckpointWriter
 from yeto_patch.syncer.rounds import capture
-from yeto_patch.wire import auth, codecs
-from yeto_patch.wire.frames import HEADER, MAGIC, MsgType, ProtocolError
-from yeto_patch.wire.transport import connect
+from yeto_patch.wire import codecs
+from yeto_patch.wire.frames import MsgType, ProtocolError
 
-from .helpers import KEY, client, init_values, join_all, make_server, running
+from .helpers import client, init_values, join_all, make_server, raw_join, running
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def chunk_frame(msg_id, inner, total, offset, data):
-    payload = struct.pack("<QHHQQ", msg_id, inner, 0, total, offset) + data
-    return HEADER.pack(MAGIC, 1, MsgType.CHUNK, 0, len(payload), xxhash.xxh3_64_intdigest(payload)) + payload
 
 
 def wait_closed(sock, timeout):
@@ -46,23 +38,13 @@ def test_partial_chunked_pushes_kept_alive_cannot_hold_hundreds_of_mib(caplog):
     numel = 16_500_000
     server, addr = make_server(islands=1, fragments=1)
     with running(server):
-        manifest = [("w", (numel,), "float32")]
-        conn = connect(addr, timeout=10, retries=2)
-        _, ch, _ = conn.recv()
-        nonce, digest = auth.new_nonce(), auth.manifest_digest(manifest)
-        conn.send(MsgType.HELLO, {"island_id": "mallory", "incarnation": 1, "nonce": nonce.hex(),
-                                  "manifest_digest": digest.hex(), "insecure": False,
-                                  "manifest": [["w", [numel], "float32"]],
-                                  "mac": auth.client_mac(KEY, bytes.fromhex(ch["nonce"]), nonce, "mallory", 1,
-                                                         digest).hex()})
-        t, _, _ = conn.recv()
-        assert t == MsgType.WELCOME
+        conn, frames = raw_join(addr, "mallory", [("w", (numel,), "float32")])
         total = codecs.encoded_nbytes("int8", numel, 1) + (1 << 20) - 64
         sent = 0
         try:
             for k in range(4):
-                conn.sock.sendall(chunk_frame(100 + k, MsgType.PUSH, total, 0, bytes(1 << 20)))
-                conn.send(MsgType.HEARTBEAT, {"step": k})
+                conn.sock.sendall(frames.chunk(100 + k, MsgType.PUSH, total, 0, bytes(1 << 20)))
+                conn.sock.sendall(frames.message(MsgType.HEARTBEAT, {"step": k}))
                 sent += 1
                 time.sleep(0.2)
         except (OSError, ProtocolError):
@@ -123,20 +105,6 @@ def test_churned_ids_do_not_grow_the_ledger_or_the_checkpoint(tmp_path):
         a.close()
 
 
-def raw_join(addr, island, manifest):
-    conn = connect(addr, timeout=10, retries=2)
-    _, ch, _ = conn.recv()
-    nonce, digest = auth.new_nonce(), auth.manifest_digest(manifest)
-    conn.send(MsgType.HELLO, {"island_id": island, "incarnation": 1, "nonce": nonce.hex(),
-                              "manifest_digest": digest.hex(), "insecure": False,
-                              "manifest": [[n, list(s), d] for n, s, d in manifest],
-                              "mac": auth.client_mac(KEY, bytes.fromhex(ch["nonce"]), nonce, island, 1,
-                                                     digest).hex()})
-    t, _, _ = conn.recv()
-    assert t == MsgType.WELCOME
-    return conn
-
-
 def test_connection_of_a_lapsed_island_is_closed_when_another_takes_its_place():
     # a connection that only trickles chunks never renews its lease; it must not keep its buffer budget once
     # another island joins in its place (else ids could pile up connections, each holding a budget)
@@ -144,8 +112,8 @@ def test_connection_of_a_lapsed_island_is_closed_when_another_takes_its_place():
 
     server, addr = make_server(islands=1, fragments=1, rounds={"lease_s": 0.5})
     with running(server):
-        x = raw_join(addr, "x", MANIFEST)
-        x.sock.sendall(chunk_frame(7, MsgType.PUSH, 4096, 0, bytes(1024)))  # a partial message, held open
+        x, frames = raw_join(addr, "x", MANIFEST)
+        x.sock.sendall(frames.chunk(7, MsgType.PUSH, 4096, 0, bytes(1024)))  # a partial message, held open
         time.sleep(1.0)  # x's lease runs out (a chunk is not a complete message)
         y = client(addr, "y")
         y.connect()
