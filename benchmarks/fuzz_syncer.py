@@ -748,8 +748,12 @@ def fuzz(args, syncer: Syncer, key: bytes, ctx: dict, tally: Tally, violations: 
     def post_worker():
         for c in post:
             if time.monotonic() < stop_at:
-                tally.record("post-auth", run_case(addr, c, close_within, key, HOSTILE["frame"]), c,
-                             frames=c.frames)
+                try:
+                    res = run_case(addr, c, close_within, key, HOSTILE["frame"])
+                except Exception as e:  # noqa: BLE001 - the authenticated handshake itself failed: a violation
+                    violations.append(f"post-auth: handshake failed: {e!r}")
+                    continue
+                tally.record("post-auth", res, c, frames=c.frames)
 
     def slow_worker(i):
         if time.monotonic() < stop_at:
