@@ -236,6 +236,11 @@ class Coordinator:
             self._prune()
             self.cond.notify_all()
 
+    def prune(self) -> None:
+        """Forget ledger entries that carry no state now (also done on every join and disconnect)."""
+        with self.lock:
+            self._prune()
+
     def _prune(self) -> None:
         """(lock held) Forget ledger entries that carry no state (churned ids must not grow the ledger and the
         checkpoint forever; see limits.stateless_members)."""

@@ -531,6 +531,7 @@ class SyncerServer:
                 s.post_base(rec.fragment, self.cfg.base_wire)
 
     def _checkpoint(self, final: bool) -> None:
+        self.coord.prune()   # islands whose lease ran out without state do not go to disk
         snap = capture(self.coord, {"final": final})
         self.writer.save(snap, background=False if final else None)
         self.metrics.checkpoint_seconds.set(self.writer.last_seconds)
