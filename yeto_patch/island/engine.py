@@ -86,6 +86,7 @@ class Engine:
         self.log = None
         self._warned_tokens = False
         self._resume: Optional[tuple] = None   # (directory, iteration) of the Megatron checkpoint loaded
+        self.init_sent: List[int] = []   # rank 0: fragments this island sent INIT of (in the WELCOME or later)
         _current = self
 
     def set_resume(self, directory, iteration):
@@ -262,7 +263,7 @@ class Engine:
                      s.overlap_steps, self.total, time.time() - t0)
             self.log.write("start", step=self.step, fragments=self.P, versions=[self.anchor_version[f]
                                                                                 for f in range(self.P)],
-                           init=welcome["needs_init"], seconds=round(time.time() - t0, 3),
+                           init=sorted(set(self.init_sent)), seconds=round(time.time() - t0, 3),
                            held=[f for f in range(self.P) if plans[str(f)][2]])
             atexit.register(self.close)
 
@@ -635,6 +636,7 @@ class Engine:
             bridge.abort()
             raise
         bridge.close()
+        self.init_sent.append(f)
         log.info("yeto-patch: sent INIT of fragment %d (%.1f M values)", f, self.frag_numel[f] / 1e6)
 
     def _start_digests(self):

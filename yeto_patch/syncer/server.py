@@ -428,11 +428,7 @@ class SyncerServer:
             old = self.sessions.get(island)
             self.sessions[island] = s
             s.joined = True
-            needs_init: list = []
-            if not coord.initialized:
-                if self.initializer is None or self.initializer.closed:
-                    self.initializer = s
-                    needs_init = coord.missing_init()
+            needs_init = self._pick_initializer(s) if not coord.initialized else []
             welcome = {"island_id": island, "server_mac": smac, "layout": coord.layout,
                        "numels": [f.numel for f in coord.frags], "fragments": len(coord.frags),
                        "versions": coord.versions() if coord.initialized else None, "needs_init": needs_init,
@@ -451,6 +447,30 @@ class SyncerServer:
                  " and will send INIT" if needs_init else "")
         self.metrics.connections.set(len(self.sessions))
         return True
+
+    def _pick_initializer(self, joining: Optional[_Session]) -> list:
+        """Choose the island whose INIT becomes the run's initial base (under coord.lock, before INIT is complete).
+        An elastic roster (--quorum below --islands) takes the first island that joins. A fixed roster waits until
+        all --islands islands are connected and takes the lowest island id, so the initial base (and with it a
+        tau = 0 run, bit for bit) does not depend on which island connects first. Returns the fragments `joining`
+        must INIT (its WELCOME carries them); another chosen island gets an INIT request."""
+        if self.initializer is not None and not self.initializer.closed:
+            return []
+        self.initializer = None
+        live = [x for x in self.sessions.values() if not x.closed]
+        if self.cfg.rounds.k < self.cfg.islands:
+            chosen = joining if joining is not None else (live[0] if live else None)
+        else:
+            chosen = min(live, key=lambda x: x.island) if len(live) >= self.cfg.islands else None
+        if chosen is None:
+            return []
+        self.initializer = chosen
+        if chosen is joining:
+            return self.coord.missing_init()
+        log.info("island %s initializes the run (%s)", chosen.island, "the first to join" if
+                 self.cfg.rounds.k < self.cfg.islands else "the lowest id of the complete roster")
+        chosen.post(MsgType.INIT, {"request": self.coord.missing_init()})
+        return []
 
     def _island_max(self) -> dict:
         """Per-type maxima for an authenticated island: INIT and PUSH bodies are one fragment (int8 with block 1
@@ -619,13 +639,10 @@ class SyncerServer:
                     for f in coord.frags:
                         f.t.base = None
                     self.initializer = None
-                    for other in self.sessions.values():
-                        if not other.closed:
-                            self.initializer = other
-                            log.warning("initializing island %s left before INIT completed; asking island %s",
-                                        s.island, other.island)
-                            other.post(MsgType.INIT, {"request": coord.missing_init()})
-                            break
+                    self._pick_initializer(None)
+                    log.warning("initializing island %s left before INIT completed; %s", s.island,
+                                f"asking island {self.initializer.island}" if self.initializer is not None
+                                else "waiting for the roster to be complete again")
                 coord.cond.notify_all()
             log.info("island %s disconnected%s", s.island, " (goodbye)" if s.bye else "")
         self.metrics.connections.set(len(self.sessions))
