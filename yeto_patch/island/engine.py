@@ -223,20 +223,28 @@ class Engine:
     def _start(self):
         from yeto_patch.island.collective import IslandComm
         from yeto_patch.island.masters import MasterView
-        from yeto_patch.island.names import build_manifest
+        from yeto_patch.island.names import VOCAB_NAMES, build_manifest, vocab_rows_message
         s = self.settings
         t0 = time.time()
         chunks = self._model_chunks()
         self.comm = IslandComm(timeout_s=s.timeout + 60.0)
         self.rank = self.comm.rank
-        self.manifest = build_manifest(chunks, real_vocab_size=self.vocab_size, comm=self.comm)
-        self.view = MasterView(chunks, self.optimizer, self.manifest, chunk_bytes=s.chunk_bytes, comm=self.comm)
         self.total = self._resolve_total()
         if self.rank == 0:
             from yeto_patch.island.boundary_log import BoundaryLog
             self.log = BoundaryLog(s.metrics_path, s.island_id)
-        self._declared = self._start_digests() if s.start_digest else None
-        welcome = self._rank0(self._connect, f"connect to the syncer at {s.syncer}")
+        vocab_rows: dict = {}   # every padded row is merged unless the run's manifest has other vocabulary rows
+        for _ in range(len(VOCAB_NAMES) + 1):
+            self.manifest = build_manifest(chunks, real_vocab_size=self.vocab_size, vocab_rows=vocab_rows,
+                                           merge_padding=True, comm=self.comm)
+            self.view = MasterView(chunks, self.optimizer, self.manifest, chunk_bytes=s.chunk_bytes, comm=self.comm)
+            self._declared = self._start_digests() if s.start_digest else None
+            welcome = self._rank0(self._connect, f"connect to the syncer at {s.syncer}")
+            if "vocab_rows" not in welcome:
+                break
+            for name, rows in welcome["vocab_rows"].items():   # said on every rank
+                log.warning("yeto-patch: %s", vocab_rows_message(self.manifest, name, int(rows)))
+                vocab_rows[name] = int(rows)
         self._adopt_layout(welcome)
         if welcome["final"]:
             raise EngineError(f"the syncer at {s.syncer} has already ended its run (final cut done); start a new "
@@ -400,6 +408,8 @@ class Engine:
         from yeto_patch.wire import auth
         from yeto_patch.wire.client import SyncerClient
         from yeto_patch.wire.sender import BackgroundSender
+        from yeto_patch.wire.frames import PeerError
+        from yeto_patch.island.names import run_vocab_rows
         s = self.settings
         key = auth.load_key(s.key_file) if (s.key_file or s.key_from_env) else None
         if key is None and not s.insecure:
@@ -413,7 +423,14 @@ class Engine:
         self.client = SyncerClient(s.syncer, key, s.island_id, self.manifest.wire_manifest(),
                                    timeout=s.timeout, insecure=s.insecure, connect_retries=retries,
                                    backoff=0.5, max_backoff=10.0, held=self._declared)
-        w = self.client.connect()
+        try:
+            w = self.client.connect()
+        except PeerError as e:   # the run pads the vocabulary otherwise: connect again with its rows
+            rows = run_vocab_rows(e.message, self.manifest.wire_manifest()) if e.code == "manifest" else None
+            if rows is None:
+                raise
+            self.client.close()
+            return {"vocab_rows": rows}
         self.sender = BackgroundSender(s.send_queue_bytes, name="yeto-push-sender")
         return dict(layout=w.layout, numels=w.numels, fragments=w.fragments, versions=w.versions,
                     needs_init=list(w.needs_init), final=bool(w.final))
