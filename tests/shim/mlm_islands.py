@@ -41,27 +41,31 @@ def island(tmp, name, layout, port, key, args, env_extra=None):
            "--master-addr", "127.0.0.1", "--master-port", str(P.free_port()), SCRIPT, *LAYOUTS[layout], *args,
            "--export-npz-at-start", os.path.join(out, "start"), "--export-npz", os.path.join(out, "final")]
     env = dict(YETO_DILOCO_SYNCER=f"127.0.0.1:{port}", YETO_DILOCO_KEY_FILE=key, YETO_DILOCO_ISLAND_ID=name,
-               YETO_DILOCO_SYNC_EVERY=2, YETO_DILOCO_TIMEOUT=300,
+               YETO_DILOCO_SYNC_EVERY=2, YETO_DILOCO_TIMEOUT=900,
                YETO_DILOCO_METRICS=os.path.join(out, "metrics.jsonl"), **(env_extra or {}))
     return P.Proc(name, cmd, P.base_env(**env), os.path.join(tmp, f"{name}.log"), cwd=out)
 
 
-def run_pair(tmp, first, second, vocab=100, iters=2, extra=None, env=None, timeout=600):
-    """first/second: (island id, layout); `second` starts once the syncer logged that `first` joined.
-    extra/env: {island id: extra Megatron arguments / YETO_* variables}. Returns (rcs, (first, second, syncer))."""
+def run_pair(tmp, first, second, vocab=100, iters=2, extra=None, env=None, timeout=1200):
+    """first/second: (island id, layout); both start at once, but `second`'s first train_step (where the island
+    connects) waits until the syncer logged that `first` joined. extra/env: {island id: extra Megatron arguments
+    / YETO_* variables}. Returns (rcs, (first, second, syncer))."""
     extra, env = extra or {}, env or {}
     tmp = str(tmp)
     port = P.free_port()
     key = P.key_file(pathlib.Path(tmp))
+    go = os.path.join(tmp, "second-may-connect")
     syncer = P.start_syncer(pathlib.Path(tmp), port, islands=2, fragments=2, key=key)
     (ida, la), (idb, lb) = first, second
     a = island(tmp, ida, la, port, key, mlm_args(vocab, iters, extra.get(ida, ())), env.get(ida))
+    b = island(tmp, idb, lb, port, key, [*mlm_args(vocab, iters, extra.get(idb, ())), "--wait-for-file", go],
+               env.get(idb))
     deadline = time.time() + timeout
     while f"island {ida} joined" not in syncer.text():
-        if a.poll() is not None or syncer.poll() is not None or time.time() > deadline:
+        if any(p.poll() is not None for p in (a, b, syncer)) or time.time() > deadline:
             break
         time.sleep(0.3)
-    b = island(tmp, idb, lb, port, key, mlm_args(vocab, iters, extra.get(idb, ())), env.get(idb))
+    open(go, "w").close()
     rcs = P.wait_all([a, b, syncer], timeout=max(60.0, deadline - time.time()))
     return rcs, (a, b, syncer)
 

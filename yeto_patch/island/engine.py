@@ -245,6 +245,8 @@ class Engine:
             for name, rows in welcome["vocab_rows"].items():   # said on every rank
                 log.warning("yeto-patch: %s", vocab_rows_message(self.manifest, name, int(rows)))
                 vocab_rows[name] = int(rows)
+        else:
+            raise EngineError(f"the syncer at {s.syncer} keeps refusing this island's vocabulary rows {vocab_rows}")
         self._adopt_layout(welcome)
         if welcome["final"]:
             raise EngineError(f"the syncer at {s.syncer} has already ended its run (final cut done); start a new "

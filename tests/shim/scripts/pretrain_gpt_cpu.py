@@ -1,7 +1,7 @@
 """Megatron-LM's own training loop on CPU, in the style of Megatron-LM's pretrain_gpt.py (test-only): a GPT with
 the local (non-Transformer-Engine) layer spec, mock data, megatron.training.pretrain. Knows nothing about
 DiLoCo. Usage: torchrun --nproc-per-node 2 pretrain_gpt_cpu.py <Megatron-LM arguments> [--export-npz PATH]
-[--crash-at-iteration N] [--export-npz-at-start PATH]
+[--crash-at-iteration N] [--export-npz-at-start PATH] [--wait-for-file PATH]
 
 --export-npz PATH: after pretrain() returns (also when --load reached --train-iters and nothing trained), each
 rank writes PATH.rank<r>.npz with its part of the full model (full_model.py: FP32 masters and weights).
@@ -93,7 +93,23 @@ if __name__ == "__main__":
         i = sys.argv.index("--crash-at-iteration")
         crash_at = int(sys.argv[i + 1])
         del sys.argv[i:i + 2]
+    wait_for = None   # --wait-for-file PATH: the first train_step waits (up to 30 min) until PATH exists (tests)
+    if "--wait-for-file" in sys.argv:
+        i = sys.argv.index("--wait-for-file")
+        wait_for = sys.argv[i + 1]
+        del sys.argv[i:i + 2]
     import megatron.training.training as T
+    if wait_for is not None:
+        import time
+        _first_step = T.train_step
+
+        def train_step(*a, **k):   # outside any hook on train_step: it runs before them
+            t_end = time.time() + 1800
+            while not os.path.exists(wait_for) and time.time() < t_end:
+                time.sleep(0.2)
+            T.train_step = _first_step
+            return _first_step(*a, **k)
+        T.train_step = train_step
     if crash_at is not None:
         import random
         import signal
