@@ -35,7 +35,7 @@ def check_start(tmp, init_from, other):
     return init
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(3000)
 def test_start_installs_every_tensor_and_a_tau0_run_does_not_depend_on_the_connection_order(tmp_path):
     finals = []
     for order in ("pp2-first", "tp2-first"):
@@ -66,7 +66,7 @@ def test_start_installs_every_tensor_and_a_tau0_run_does_not_depend_on_the_conne
             assert np.array_equal(isl1[n][k], isl2[n][k]), (n, k)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1800)
 def test_pp2_initializing_tp2_and_a_padding_unlike_the_runs(tmp_path):
     """TP2 (256 rows) joins first and fixes the run's manifest; PP2 (128 rows) is refused, says so on both its
     ranks, joins with the run's 256 rows (128..255 virtual there) and, as the lowest id, initializes TP2."""
