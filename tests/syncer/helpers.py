@@ -49,14 +49,28 @@ def client(addr, island, key=KEY, manifest=MANIFEST, **kw):
 
 
 def join_all(addr, names, values=None, **kw):
-    """Connect islands ``names``; the first INITs the run with ``values``; returns (clients, welcomes, layout,
-    the bases each received)."""
+    """Connect islands ``names``; the one the syncer picks INITs the run with ``values`` (the first to join, or
+    with a fixed roster the lowest id once all joined); returns (clients, welcomes, layout, the bases each
+    received). The islands wait for their initial bases at the same time, as real islands do."""
     values = values if values is not None else init_values()
     cs = [client(addr, n, **kw) for n in names]
     ws = [c.connect() for c in cs]
     layout = ws[0].layout
     src = lambda f: [values[i] for i in layout[f]]  # noqa: E731
-    bases = [c.wait_ready(20, init_source=src) for c in cs]
+    bases, errors = [None] * len(cs), []
+
+    def ready(k):
+        try:
+            bases[k] = cs[k].wait_ready(20, init_source=src)
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+    threads = [threading.Thread(target=ready, args=(k,), daemon=True) for k in range(len(cs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
     return cs, ws, layout, bases
 
 

@@ -85,6 +85,7 @@ class Engine:
         self.log = None               # rank 0: the boundary log
         self._warned_tokens = False
         self._resume: Optional[tuple] = None   # (directory, iteration) of the Megatron checkpoint loaded
+        self.init_sent: list = []     # rank 0: fragments this island sent INIT of (in the WELCOME or later)
         _current = self
 
     def set_resume(self, directory, iteration):
@@ -159,7 +160,7 @@ class Engine:
         from yeto_patch.island.collective import IslandComm
         from yeto_patch.island.data_path import DataPath, model_chunks
         from yeto_patch.island.masters import MasterView
-        from yeto_patch.island.names import build_manifest
+        from yeto_patch.island.names import VOCAB_NAMES, build_manifest, vocab_rows_message
         from yeto_patch.island.plan import final_step
         s = self.settings
         t0 = time.time()
@@ -167,15 +168,25 @@ class Engine:
         self.comm = IslandComm(timeout_s=s.timeout + 60.0)
         self.rank = self.comm.rank
         self.channel = IslandChannel(self.comm)
-        self.manifest = build_manifest(chunks, real_vocab_size=self.vocab_size, comm=self.comm)
-        self.view = MasterView(chunks, self.optimizer, self.manifest, chunk_bytes=s.chunk_bytes, comm=self.comm)
-        self.data = DataPath(self.view, self.manifest, s, self.rank)
         self.total = final_step(s.total_steps, self.train_iters, self.step)
         if self.rank == 0:
             from yeto_patch.island.boundary_log import BoundaryLog
             self.log = BoundaryLog(s.metrics_path, s.island_id)
-        declared = self.data.start_digests() if s.start_digest else None
-        welcome = self.channel.rank0(lambda: self._connect(declared), f"connect to the syncer at {s.syncer}")
+        vocab_rows: dict = {}   # every padded row is merged unless the run's manifest has other vocabulary rows
+        for _ in range(len(VOCAB_NAMES) + 1):
+            self.manifest = build_manifest(chunks, real_vocab_size=self.vocab_size, vocab_rows=vocab_rows,
+                                           merge_padding=True, comm=self.comm)
+            self.view = MasterView(chunks, self.optimizer, self.manifest, chunk_bytes=s.chunk_bytes, comm=self.comm)
+            self.data = DataPath(self.view, self.manifest, s, self.rank)
+            declared = self.data.start_digests() if s.start_digest else None
+            welcome = self.channel.rank0(lambda: self._connect(declared), f"connect to the syncer at {s.syncer}")
+            if "vocab_rows" not in welcome:
+                break
+            for name, rows in welcome["vocab_rows"].items():   # said on every rank
+                log.warning("yeto-patch: %s", vocab_rows_message(self.manifest, name, int(rows)))
+                vocab_rows[name] = int(rows)
+        else:
+            raise EngineError(f"the syncer at {s.syncer} keeps refusing this island's vocabulary rows {vocab_rows}")
         self._adopt_layout(welcome)
         if welcome["final"]:
             raise EngineError(f"the syncer at {s.syncer} has already ended its run (final cut done); start a new "
@@ -208,15 +219,23 @@ class Engine:
                  len(self.manifest), self.manifest.total_numel() / 1e6, P, s.sync_every, s.push_dtype,
                  s.overlap_steps, self.total, secs)
         self.log.write("start", step=self.step, fragments=P, versions=self.frags.anchors(),
-                       init=welcome["needs_init"], seconds=round(secs, 3),
+                       init=sorted(set(self.init_sent)), seconds=round(secs, 3),
                        held=[f for f in range(P) if plans[str(f)][2]])
 
     def _connect(self, declared):
         """Rank 0: the link to the syncer, connected (waiting for a syncer not up yet, see ``link.py``)."""
         from yeto_patch.island.link import SyncerLink
+        from yeto_patch.island.names import run_vocab_rows
+        from yeto_patch.wire.frames import PeerError
         self.link = SyncerLink(self.settings, self.manifest.wire_manifest(), held=declared, step=lambda: self.step,
                                record=self.log.write)
-        w = self.link.open()
+        try:
+            w = self.link.open()
+        except PeerError as e:   # the run pads the vocabulary otherwise: connect again with its rows
+            rows = run_vocab_rows(e.message, self.manifest.wire_manifest()) if e.code == "manifest" else None
+            if rows is None:
+                raise
+            return {"vocab_rows": rows}
         return dict(layout=w.layout, numels=w.numels, fragments=w.fragments, versions=w.versions,
                     needs_init=list(w.needs_init), final=bool(w.final))
 
@@ -285,6 +304,7 @@ class Engine:
     def _send_init(self, f):
         """Every rank: read fragment f's FP32 masters; rank 0 streams them to the syncer as INIT."""
         self.data.send_init(self.frags[f], lambda it: self.link.send_init(f, it))
+        self.init_sent.append(f)
 
     def _install_specs(self, frags, what):
         """Every rank: rank 0's {fragment: [version, updates, held]} for installing the bases it holds."""

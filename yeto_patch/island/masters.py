@@ -174,9 +174,12 @@ class Item:
     rows: Optional[Tuple[int, int]]      # (o0, o1) outer rows interleaving all shards, or None
     shard: int                           # for non-row items: the shard and its local offset
     local_offset: int
+    virtual: bool = False                # beyond this island's padded rows: read as zeros, never installed
 
     def parts(self, lay: EntryLayout):
         """[(shard r, local start a, local end b)]: the local ranges of each shard this item covers."""
+        if self.virtual:
+            return []
         if self.rows is None:
             return [(self.shard, self.local_offset, self.local_offset + self.count)]
         outer, s, T, seg = lay.geometry
@@ -187,14 +190,18 @@ class Item:
 def _build_items(e: int, lay: EntryLayout, chunk: int) -> List[Item]:
     outer, s, T, seg = lay.geometry
     row = s * T * seg
+    held = outer * row
+    # the run's vocabulary rows beyond this island's padded rows (names.py vocab_rows): virtual here
+    tail = [Item(e, off, min(chunk, lay.full_numel - off), None, 0, 0, virtual=True)
+            for off in range(held, lay.full_numel, chunk)]
     items = []
-    truncated = lay.full_numel < outer * row
+    truncated = lay.full_numel < held
     if not truncated and row <= chunk:
         k = max(1, chunk // row)
         for o0 in range(0, outer, k):
             o1 = min(outer, o0 + k)
             items.append(Item(e, o0 * row, (o1 - o0) * row, (o0, o1), 0, 0))
-        return items
+        return items + tail
     for kseg in range(outer * s * T):
         f = kseg * seg
         if f >= lay.full_numel:
@@ -204,7 +211,7 @@ def _build_items(e: int, lay: EntryLayout, chunk: int) -> List[Item]:
         for off in range(0, length, chunk):
             n = min(chunk, length - off)
             items.append(Item(e, f + off, n, None, r, q * seg + off))
-    return items
+    return items + tail
 
 
 def _rounds(items: List[Item], chunk: int) -> List[List[Item]]:
@@ -420,7 +427,7 @@ class MasterView:
                 interleave = it.rows is not None and T > 1
                 out = bufs = None
                 if self.rank == 0:
-                    out = torch.empty(it.count, dtype=torch.float32)
+                    out = (torch.zeros if it.virtual else torch.empty)(it.count, dtype=torch.float32)
                     nbytes += it.count * _F32
                     if interleave:
                         n_o = it.rows[1] - it.rows[0]
@@ -531,6 +538,8 @@ class MasterView:
             works, nbytes = [], 0
             vals = []     # (item, r, x, y, owner, tensor) in plan order, on ranks that hold or own it
             for it in rnd:
+                if it.virtual:   # rows this island does not hold: nothing to install
+                    continue
                 lay = self.layout[it.entry]
                 outer, s, T, seg = lay.geometry
                 interleave = it.rows is not None and T > 1

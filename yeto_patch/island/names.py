@@ -18,6 +18,11 @@ Vocabulary padding: Megatron pads the vocabulary to a multiple of `make_vocab_si
 islands with different TP sizes disagree on the embedding / output rows unless the real vocabulary size is
 known. With `real_vocab_size` the entries keep only the real rows (padding rows never see data and are left
 untouched on write); without it the padded shape is used and `Manifest.check_matches` explains a mismatch.
+`merge_padding=True` (what the engine uses) keeps every padded row (the output layer's padding rows do train:
+their logits are in the softmax), `real_vocab_size` then only bounds `vocab_rows`: {global name: rows} gives an
+entry the row count of the run's manifest instead, so an island whose padding differs still merges the common
+rows: its own rows beyond are kept out of the entry (local), the run's rows beyond its own are virtual here
+(read as zeros, never installed; see masters.py).
 """
 from __future__ import annotations
 
@@ -124,8 +129,10 @@ def _tp(is_expert: bool) -> Tuple[int, int]:
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 
 
-def local_params(model_chunks, real_vocab_size: Optional[int] = None) -> List[Tuple[str, LocalParam]]:
-    """This rank's trainable parameters with their global names (no communication). `entry` is left -1."""
+def local_params(model_chunks, real_vocab_size: Optional[int] = None, vocab_rows: Optional[dict] = None,
+                 merge_padding: bool = False) -> List[Tuple[str, LocalParam]]:
+    """This rank's trainable parameters with their global names (no communication). `entry` is left -1.
+    See the module docstring for the vocabulary options."""
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     layer_types, moe_types = _layer_types(), _moe_types()
     out = []
@@ -194,19 +201,32 @@ def local_params(model_chunks, real_vocab_size: Optional[int] = None) -> List[Tu
                 shape[pdim] *= tp_size
             padded = tuple(shape)
             full = padded
-            if pname in VOCAB_NAMES and real_vocab_size is not None:
-                if real_vocab_size > padded[0]:
-                    raise ManifestError(f"real vocabulary size {real_vocab_size} is larger than the model's "
-                                        f"{padded[0]} rows of '{pname}'")
-                if pdim not in (-1, 0) or stride != 1:
-                    raise ManifestError(f"'{pname}' is not split along the vocabulary dimension")
-                full = (int(real_vocab_size),) + padded[1:]
+            if pname in VOCAB_NAMES:
+                full = _vocab_shape(pname, gname, padded, pdim, stride, real_vocab_size, vocab_rows, merge_padding)
             out.append((gname, LocalParam(
                 entry=-1, name=gname, local_name=pname, chunk=ci, param=p,
                 shard=tp_rank if split else 0, nshards=tp_size if split else 1, partition_dim=pdim,
                 stride=stride, is_expert=is_expert, tied_copy=tied_copy, padded_shape=padded,
                 full_shape=full)))
     return out
+
+
+def _vocab_shape(pname, gname, padded, pdim, stride, real, rows_of, merge_padding) -> Tuple[int, ...]:
+    if real is not None and real > padded[0]:
+        raise ManifestError(f"real vocabulary size {real} is larger than the model's {padded[0]} rows of '{pname}'")
+    rows = (rows_of or {}).get(gname)
+    if rows is None:
+        rows = padded[0] if merge_padding or real is None else int(real)
+    if rows == padded[0]:
+        return padded
+    if pdim not in (-1, 0) or stride != 1:
+        raise ManifestError(f"'{pname}' is not split along the vocabulary dimension")
+    if real is not None and rows < real:
+        raise ManifestError(f"the run's manifest has {rows} rows of '{gname}', fewer than the real vocabulary "
+                            f"size {real} of this island")
+    if not 0 < int(rows) <= 1 << 31:
+        raise ManifestError(f"'{gname}': {rows} rows is out of range")
+    return (int(rows),) + tuple(padded[1:])
 
 
 def _prefixes(pname: str):
@@ -269,6 +289,40 @@ class Manifest:
         raise ManifestError("parameter manifests list the same parameters in a different order")
 
 
+def run_vocab_rows(refusal: str, mine: Sequence) -> Optional[dict]:
+    """{name: rows} when a syncer's manifest refusal (its first-difference text) says the run's manifest differs
+    from `mine` only in the row count of a vocabulary entry; None otherwise."""
+    m = re.search(r"entry (\d+): expected '([\w.]+)' shape \[([\d, ]*)\] (\w+), got '([\w.]+)' shape "
+                  r"\[([\d, ]*)\] (\w+)", refusal or "")
+    if m is None:
+        return None
+    i, name = int(m.group(1)), m.group(2)
+    theirs = tuple(int(x) for x in m.group(3).split(",") if x.strip())
+    if name not in VOCAB_NAMES or m.group(5) != name or i >= len(mine) or mine[i][0] != name:
+        return None
+    ours = tuple(mine[i][1])
+    if len(theirs) != len(ours) or theirs[1:] != ours[1:] or theirs[0] == ours[0] or not 0 < theirs[0] <= 1 << 31:
+        return None
+    return {name: theirs[0]}
+
+
+def vocab_rows_message(manifest: "Manifest", name: str, rows: int) -> str:
+    """What an island whose padded vocabulary differs from the run's says at start-up (every rank): `manifest`
+    is the one the syncer refused (this island's padded rows)."""
+    mine = manifest.entries[manifest.index[name]].full_shape[0]
+    real = manifest.real_vocab_size
+    common = min(rows, mine)
+    local = (f"this island's padding rows {common}..{mine - 1} stay local" if mine > rows else
+             f"the run's rows {mine}..{rows - 1} are not held here (this island pushes zero changes for them and "
+             f"does not install them)")
+    return (f"'{name}': the run's manifest (fixed by the first island that joined) has {rows} rows, this island "
+            f"pads the vocabulary to {mine}; rows 0..{common - 1} are merged"
+            + ("" if real is None else f" (the real vocabulary is {real} rows)") + f", {local}. Megatron pads "
+            f"the vocabulary to a multiple of --make-vocab-size-divisible-by x tensor-parallel size: launch every "
+            f"island with a --make-vocab-size-divisible-by that gives the same padded size on every layout to merge "
+            f"every row and end with identical tensors.")
+
+
 def vocab_mismatch_message(name: str, mine: int, theirs: int, real: Optional[int]) -> str:
     return (f"'{name}' has {mine} rows here and {theirs} rows on the other side. Megatron pads the vocabulary "
             f"to a multiple of --make-vocab-size-divisible-by x tensor-parallel size, so islands with different "
@@ -278,13 +332,14 @@ def vocab_mismatch_message(name: str, mine: int, theirs: int, real: Optional[int
             + ("" if real is None else f" (real vocabulary size given here: {real})") + ".")
 
 
-def build_manifest(model_chunks, *, real_vocab_size: Optional[int] = None, comm=None) -> Manifest:
+def build_manifest(model_chunks, *, real_vocab_size: Optional[int] = None, vocab_rows: Optional[dict] = None,
+                   merge_padding: bool = False, comm=None) -> Manifest:
     """Collective over the island: every rank contributes its local names; all get the same Manifest."""
     from yeto_patch.island.collective import IslandComm
     comm = comm or IslandComm()
     err, local = None, []
     try:
-        local = local_params(model_chunks, real_vocab_size)
+        local = local_params(model_chunks, real_vocab_size, vocab_rows, merge_padding)
     except Exception as e:  # noqa: BLE001 - raised on every rank
         err = e
     comm.agree(err, "build_manifest: naming local parameters")

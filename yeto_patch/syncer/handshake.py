@@ -268,12 +268,7 @@ def _join(server, s, island, incarnation, manifest, digest, smac, sess) -> bool:
         old = server.sessions.get(island)
         server.sessions[island] = s
         s.joined = True
-        needs_init: list = []
-        if not coord.initialized:
-            if server.initializer is None or server.initializer.closed:
-                server.initializer = s
-                server.init_watch.assigned()
-                needs_init = coord.missing_init()
+        needs_init = server.pick_initializer(s) if not coord.initialized else []
         welcome = {"island_id": island, "server_mac": smac, "layout": coord.layout,
                    "numels": [f.numel for f in coord.frags], "fragments": len(coord.frags),
                    "versions": coord.versions() if coord.initialized else None, "needs_init": needs_init,

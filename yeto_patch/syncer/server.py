@@ -287,6 +287,32 @@ class SyncerServer:
                 self.initializer.post(MsgType.INIT, {"request": coord.missing_init()})
                 self.init_watch.assigned()
 
+    def pick_initializer(self, joining: Optional[_Session]) -> list:
+        """Choose the island whose INIT becomes the run's initial base (under coord.lock, before INIT is complete).
+        An elastic roster (--quorum below --islands) takes the first island that joins. A fixed roster waits until
+        all --islands islands are connected and takes the lowest island id, so the initial base (and with it a
+        tau = 0 run, bit for bit) does not depend on which island connects first. Returns the fragments `joining`
+        must INIT (its WELCOME carries them); another chosen island gets an INIT request."""
+        if self.initializer is not None and not self.initializer.closed:
+            return []
+        self.initializer = None
+        live = [x for x in self.sessions.values() if not x.closed]
+        fit = [x for x in live if x.island not in self.init_watch.failed] or live   # (not one that stalled INIT)
+        if self.cfg.rounds.k < self.cfg.islands:
+            chosen = joining if joining is not None and joining in fit else (fit[0] if fit else None)
+        else:
+            chosen = min(fit, key=lambda x: x.island) if len(live) >= self.cfg.islands else None
+        if chosen is None:
+            return []
+        self.initializer = chosen
+        self.init_watch.assigned()
+        if chosen is joining:
+            return self.coord.missing_init()
+        log.info("island %s initializes the run (%s)", chosen.island, "the first to join" if
+                 self.cfg.rounds.k < self.cfg.islands else "the lowest id of the complete roster")
+        chosen.post(MsgType.INIT, {"request": self.coord.missing_init()})
+        return []
+
     def _island_max(self) -> dict:
         """Per-type maxima for an authenticated island: INIT and PUSH bodies are one fragment (int8 with block 1
         is the largest encoding), plus room for the meta; the other messages are small."""
@@ -437,14 +463,10 @@ class SyncerServer:
                     # INIT must come from one island: drop a partial INIT and ask another island
                     coord.drop_partial_init()
                     self.initializer = None
-                    for other in self.sessions.values():
-                        if not other.closed:
-                            self.initializer = other
-                            log.warning("initializing island %s left before INIT completed; asking island %s",
-                                        s.island, other.island)
-                            other.post(MsgType.INIT, {"request": coord.missing_init()})
-                            self.init_watch.assigned()
-                            break
+                    self.pick_initializer(None)
+                    log.warning("initializing island %s left before INIT completed; %s", s.island,
+                                f"asking island {self.initializer.island}" if self.initializer is not None
+                                else "waiting for the roster to be complete again")
                 coord.cond.notify_all()
             log.info("island %s disconnected%s", s.island, " (goodbye)" if s.bye else "")
         self.metrics.connections.set(len(self.sessions))

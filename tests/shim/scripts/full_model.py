@@ -34,9 +34,11 @@ def _masters(optimizer):
     return main_of
 
 
-def full_model(model_chunks, optimizer, num_layers, tied=True):
+def full_model(model_chunks, optimizer, num_layers, tied=True, tied_copy=False):
     """{"master/<name>": fp32 master, "param/<name>": model param as fp32} for the parameters whose TP-rank-0 /
-    DP-rank-0 copy lives on this rank (collective over the job: call on every rank)."""
+    DP-rank-0 copy lives on this rank (collective over the job: call on every rank). tied_copy: also the last
+    pipeline stage's copy of a tied output layer, as "output_layer.weight(tied)" (only when it is a separate
+    tensor there, i.e. with pipeline parallelism)."""
     from megatron.core import parallel_state as ps
     main_of = _masters(optimizer)
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
@@ -58,7 +60,9 @@ def full_model(model_chunks, optimizer, num_layers, tied=True):
             if bits[:2] == ["decoder", "layers"]:
                 bits[2] = str((ci * pp + pp_rank) * per_chunk + int(bits[2]))
             if name == "output_layer.weight" and tied:
-                continue
+                if not tied_copy or ps.get_pipeline_model_parallel_world_size() == 1:
+                    continue
+                bits = ["output_layer", "weight(tied)"]
             if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
                 gname = ".".join(bits)
                 out["master/" + gname] = pieces["master"].numpy().copy()

@@ -1,10 +1,12 @@
 """Megatron-LM's own training loop on CPU, in the style of Megatron-LM's pretrain_gpt.py (test-only): a GPT with
 the local (non-Transformer-Engine) layer spec, mock data, megatron.training.pretrain. Knows nothing about
 DiLoCo. Usage: torchrun --nproc-per-node 2 pretrain_gpt_cpu.py <Megatron-LM arguments> [--export-npz PATH]
-[--crash-at-iteration N]
+[--crash-at-iteration N] [--export-npz-at-start PATH] [--wait-for-file PATH]
 
 --export-npz PATH: after pretrain() returns (also when --load reached --train-iters and nothing trained), each
-rank writes PATH.rank<r>.npz with its part of the full model (full_model.py: FP32 masters and weights)."""
+rank writes PATH.rank<r>.npz with its part of the full model (full_model.py: FP32 masters and weights).
+--export-npz-at-start PATH: the same at the first forward step of the run (inside the first train_step, so after
+anything that runs before it: with yeto-patch attached, the island's start), tied output-layer copy included."""
 import os
 import sys
 import warnings
@@ -71,11 +73,12 @@ def train_valid_test_datasets_provider(num_samples, vp_stage=None):
                                          lambda: is_first_or_last_pipeline_stage(vp_stage), config).build()
 
 
-def export_npz(path, model_chunks, optimizer):
+def export_npz(path, model_chunks, optimizer, tied_copy=False):
     import numpy as np
     from full_model import full_model
     args = get_args()
-    arrays = full_model(model_chunks, optimizer, args.num_layers, not args.untie_embeddings_and_output_weights)
+    arrays = full_model(model_chunks, optimizer, args.num_layers, not args.untie_embeddings_and_output_weights,
+                        tied_copy=tied_copy)
     np.savez(f"{path}.rank{torch.distributed.get_rank()}.npz", **arrays)
 
 
@@ -90,7 +93,23 @@ if __name__ == "__main__":
         i = sys.argv.index("--crash-at-iteration")
         crash_at = int(sys.argv[i + 1])
         del sys.argv[i:i + 2]
+    wait_for = None   # --wait-for-file PATH: the first train_step waits (up to 30 min) until PATH exists (tests)
+    if "--wait-for-file" in sys.argv:
+        i = sys.argv.index("--wait-for-file")
+        wait_for = sys.argv[i + 1]
+        del sys.argv[i:i + 2]
     import megatron.training.training as T
+    if wait_for is not None:
+        import time
+        _first_step = T.train_step
+
+        def train_step(*a, **k):   # outside any hook on train_step: it runs before them
+            t_end = time.time() + 1800
+            while not os.path.exists(wait_for) and time.time() < t_end:
+                time.sleep(0.2)
+            T.train_step = _first_step
+            return _first_step(*a, **k)
+        T.train_step = train_step
     if crash_at is not None:
         import random
         import signal
@@ -103,6 +122,18 @@ if __name__ == "__main__":
             return _train_step(*a, **k)
         T.train_step = train_step
     built = {}
+    export_start = None
+    if "--export-npz-at-start" in sys.argv:
+        i = sys.argv.index("--export-npz-at-start")
+        export_start = sys.argv[i + 1]
+        del sys.argv[i:i + 2]
+        _forward_step = forward_step
+
+        def forward_step(data_iterator, model, return_schedule_plan=False):   # noqa: F811
+            if not built.get("exported_start"):
+                built["exported_start"] = True
+                export_npz(export_start, built["model"], built["optimizer"], tied_copy=True)
+            return _forward_step(data_iterator, model, return_schedule_plan)
     _setup = T.setup_model_and_optimizer
 
     def setup_model_and_optimizer(*a, **k):   # keep a handle on the model for the export
