@@ -127,22 +127,8 @@ def doctor(argv) -> int:
     for dist in ("yeto-patch", "torch", "megatron-core", "megatron-bridge", "wrapt", "numpy", "xxhash"):
         print(f"  {dist:30s} {_version(dist)}", file=out)
 
-    print("\nhooks (what would attach in this environment):", file=out)
-    from yeto_patch import hooks
-    if a.no_import:
-        for name in hooks.HOOK_MODULES:
-            target = importlib.import_module(f"yeto_patch.hooks.{name}").TARGET
-            top = target.split(".")[0]
-            print(f"  {name:28s} {target}: {'installed package ' + top if _has(top) else 'absent'}", file=out)
-    else:
-        t0 = time.time()
-        rows = hooks.survey()
-        for name, target, status in rows:
-            print(f"  {name:28s} {target}: {status}", file=out)
-        if not any(status.startswith("would attach") for _, _, status in rows):
-            ok = False
-            print("  ERROR: no Megatron optimizer or training loop found to attach to", file=out)
-        print(f"  (surveyed in {time.time() - t0:.1f}s)", file=out)
+    print("\nhooks (declared targets: patched / not patched / missing / not imported):", file=out)
+    ok = _doctor_hooks(out, import_targets=not a.no_import) and ok
 
     print("\nsyncer handshake:", file=out)
     if a.no_handshake:
@@ -163,11 +149,37 @@ def doctor(argv) -> int:
     return 0 if ok else 1
 
 
-def _has(top):
-    try:
-        return importlib.util.find_spec(top) is not None
-    except Exception:
-        return False
+def _doctor_hooks(out, import_targets: bool) -> bool:
+    """Print every declared hook target with its status, the supported versions and recorded hook errors;
+    False when a required target is missing, a patch failed, or (after importing) nothing can attach."""
+    from yeto_patch import hooks
+    from yeto_patch.hooks import _targets
+    ok = True
+    t0 = time.time()
+    rows = hooks.survey(import_targets=import_targets)
+    versions = hooks.supported_versions()
+    shown = set()
+    for hook_name, target, status in rows:
+        if hook_name not in shown:
+            shown.add(hook_name)
+            supported = []
+            for dist, spec, have, fits in _targets.versions(versions.get(hook_name, {})):
+                note = "" if fits is not False else "  WARNING: outside the supported range"
+                supported.append(f"{dist} {spec}, here {have or 'not installed'}{note}")
+            print(f"  {hook_name:28s} {target.module}  ({'; '.join(supported) or 'no version declared'})",
+                  file=out)
+        print(f"    {target.name:44s} {status}", file=out)
+        if target.required and status.startswith("missing"):
+            ok = False
+    for where, why in sorted(hooks.errors().items()):
+        ok = False
+        print(f"  ERROR: {where}: {why}", file=out)
+    if import_targets:
+        if not any(status in ("patched", "not patched") for _, _, status in rows):
+            ok = False
+            print("  ERROR: no Megatron optimizer or training loop found to attach to", file=out)
+        print(f"  (surveyed in {time.time() - t0:.1f}s)", file=out)
+    return ok
 
 
 def _handshake(settings, timeout):

@@ -3,8 +3,11 @@ that module by ``train``, so the module attribute is what gets wrapped. Bridge p
 ``cfg`` holds the schedule and ``train_state.step`` the iteration."""
 
 from . import _train_step, _wrap
+from ._targets import Target
 
 TARGET = "megatron.bridge.training.train"
+TARGETS = (Target(TARGET, None, "train_step"),)
+SUPPORTED_VERSIONS = {"megatron-bridge": "*"}   # tested only against stand-ins of its train_step signatures
 
 
 def _facts(bound) -> dict:
