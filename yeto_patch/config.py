@@ -90,7 +90,7 @@ def integer(lo: int, hi: int, what: str) -> Parser:
         if not lo <= v <= hi:
             raise ConfigError(f"{name}={v} is out of range: {what}, an integer in [{lo}, {hi}]")
         return v
-    return Parser(parse, lambda v: v, f"integer {lo}..{_fmt_int(hi)}")
+    return Parser(parse, lambda v: v, f"{lo}..{_fmt_int(hi)}")
 
 
 def number(lo: float, hi: float, what: str) -> Parser:
@@ -104,7 +104,7 @@ def number(lo: float, hi: float, what: str) -> Parser:
         if not (lo <= v <= hi):  # also refuses nan
             raise ConfigError(f"{name}={raw.strip()} is out of range: {what}, a number in [{lo}, {hi}]")
         return v
-    return Parser(parse, lambda v: v, f"number {lo:g}..{hi:g}")
+    return Parser(parse, lambda v: v, f"{lo:g}..{hi:g}")
 
 
 def size(lo: int, hi: int, what: str) -> Parser:
@@ -120,7 +120,7 @@ def size(lo: int, hi: int, what: str) -> Parser:
             raise ConfigError(f"{name}={raw.strip()} is out of range: {what}, between {_fmt_bytes(lo)} "
                               f"and {_fmt_bytes(hi)}")
         return v
-    return Parser(parse, _fmt_bytes, f"bytes {_fmt_bytes(lo)}..{_fmt_bytes(hi)}, K/M/G suffixes")
+    return Parser(parse, _fmt_bytes, f"{_fmt_bytes(lo)}..{_fmt_bytes(hi)}, K/M/G")
 
 
 def duration() -> Parser:
@@ -133,7 +133,7 @@ def duration() -> Parser:
             raise ConfigError(f"{name}={raw!r} is not a usable timeout: seconds between 1 and 604800, optionally "
                               f"with an s/m/h suffix (e.g. 600, 90s, 10m)")
         return v
-    return Parser(parse, lambda v: "%gs" % v, "seconds 1..604800, s/m/h suffixes")
+    return Parser(parse, lambda v: "%gs" % v, "1..604800 s, s/m/h")
 
 
 def choice(choices) -> Parser:
@@ -243,9 +243,9 @@ TABLE = (
         "`1`: carry each push's quantization residual into the next push of that fragment (4 bytes/parameter on "
         "rank 0's host)", bool),
     Var("YETO_DILOCO_START_DIGEST", "start_digest", boolean(), True,
-        "`1`: at start, rank 0 reads the model once (the same pass INIT makes) and sends a digest (xxh3) per "
-        "tensor; fragments whose weights already equal the syncer's base (islands started from the same seed "
-        "and layout, or the same checkpoint) are not downloaded. `0`: always download the initial base", bool),
+        "`1`: fragments whose weights already equal the syncer's initial base (same seed and layout, or the "
+        "same checkpoint) are declared by per-tensor digests (xxh3) instead of downloaded; `0`: always download",
+        bool),
     Var("YETO_DILOCO_OVERLAP_STEPS", "overlap_steps", integer(0, 10**9, "tau, steps a merged base may trail its "
         "push"), 0, "tau: steps a fragment's merged base may trail its push before the island waits; `0` = "
         "synchronous DiLoCo; must be < H", int),
@@ -266,8 +266,8 @@ TABLE = (
     Var("YETO_DILOCO_TIMEOUT", "timeout", duration(), 600.0,
         "seconds any collective, socket wait or base wait may take before every rank fails with the cause", float),
     Var("YETO_DILOCO_METRICS", "metrics_path", text("file path"), None,
-        "JSONL file rank 0 appends one record per boundary to (step, fragment, base version, bytes, "
-        "gather/encode/wait ms, pull lag, install); `{island}` expands to the island id", Optional[str],
+        "JSONL file rank 0 appends one record per boundary to (bytes, timings, pull lag); `{island}` expands "
+        "to the island id", Optional[str],
         "(unset)"),
     Var("YETO_DILOCO_LOG_LEVEL", "log_level", choice(LOG_LEVELS), "INFO", "log level of logger `yeto_patch`", str),
 )
