@@ -92,9 +92,13 @@ def _bootstrap_status():
     return False, "NOT active: sitecustomize.py of yeto-patch is not next to the package (install from a checkout)"
 
 
-def _print_launchers(hooks, rows, out) -> None:
-    """Which launchers this environment has, and which hooks attach for each (from the survey when it ran)."""
-    status = {name: st for name, _, st in (rows or ())}
+def _print_launchers(out, surveyed: bool) -> None:
+    """Which launchers this environment has, and which hooks attach for each (statuses from the survey, which
+    sees the target modules the hook survey imported; ``surveyed`` False: --no-import)."""
+    from yeto_patch import hooks
+    status: dict = {}
+    for name, t, st in (hooks.survey(import_targets=False) if surveyed else ()):
+        status.setdefault(name, []).append(f"{t.name} {st}")
     print("\nlaunchers (recognised here, and the hooks that attach for each):", file=out)
     for launcher, dist, version, names in hooks.launchers():
         if version is None:
@@ -102,7 +106,7 @@ def _print_launchers(hooks, rows, out) -> None:
             continue
         print(f"  {launcher:36s} recognised: {dist} {version}", file=out)
         for name in names:
-            print(f"    {name:34s} {status.get(name, 'not surveyed (--no-import)')}", file=out)
+            print(f"    {name:34s} {'; '.join(status.get(name, ['not surveyed (--no-import)']))}", file=out)
 
 
 def doctor(argv) -> int:
@@ -140,24 +144,10 @@ def doctor(argv) -> int:
     for dist in ("yeto-patch", "torch", "megatron-core", "megatron-bridge", "wrapt", "numpy", "xxhash"):
         print(f"  {dist:30s} {_version(dist)}", file=out)
 
-    print("\nhooks (what would attach in this environment):", file=out)
-    from yeto_patch import hooks
-    if a.no_import:
-        for name in hooks.HOOK_MODULES:
-            target = importlib.import_module(f"yeto_patch.hooks.{name}").TARGET
-            top = target.split(".")[0]
-            print(f"  {name:28s} {target}: {'installed package ' + top if _has(top) else 'absent'}", file=out)
-    else:
-        t0 = time.time()
-        rows = hooks.survey()
-        for name, target, status in rows:
-            print(f"  {name:28s} {target}: {status}", file=out)
-        if not any(status.startswith("would attach") for _, _, status in rows):
-            ok = False
-            print("  ERROR: no Megatron optimizer or training loop found to attach to", file=out)
-        print(f"  (surveyed in {time.time() - t0:.1f}s)", file=out)
+    print("\nhooks (declared targets: patched / not patched / missing / not imported):", file=out)
+    ok = _doctor_hooks(out, import_targets=not a.no_import) and ok
 
-    _print_launchers(hooks, None if a.no_import else rows, out)
+    _print_launchers(out, surveyed=not a.no_import)
 
     print("\nsyncer handshake:", file=out)
     if a.no_handshake:
@@ -178,11 +168,37 @@ def doctor(argv) -> int:
     return 0 if ok else 1
 
 
-def _has(top):
-    try:
-        return importlib.util.find_spec(top) is not None
-    except Exception:
-        return False
+def _doctor_hooks(out, import_targets: bool) -> bool:
+    """Print every declared hook target with its status, the supported versions and recorded hook errors;
+    False when a required target is missing, a patch failed, or (after importing) nothing can attach."""
+    from yeto_patch import hooks
+    from yeto_patch.hooks import _targets
+    ok = True
+    t0 = time.time()
+    rows = hooks.survey(import_targets=import_targets)
+    versions = hooks.supported_versions()
+    shown = set()
+    for hook_name, target, status in rows:
+        if hook_name not in shown:
+            shown.add(hook_name)
+            supported = []
+            for dist, spec, have, fits in _targets.versions(versions.get(hook_name, {})):
+                note = "" if fits is not False else "  WARNING: outside the supported range"
+                supported.append(f"{dist} {spec}, here {have or 'not installed'}{note}")
+            print(f"  {hook_name:28s} {target.module}  ({'; '.join(supported) or 'no version declared'})",
+                  file=out)
+        print(f"    {target.name:44s} {status}", file=out)
+        if target.required and status.startswith("missing"):
+            ok = False
+    for where, why in sorted(hooks.errors().items()):
+        ok = False
+        print(f"  ERROR: {where}: {why}", file=out)
+    if import_targets:
+        if not any(status in ("patched", "not patched") for _, _, status in rows):
+            ok = False
+            print("  ERROR: no Megatron optimizer or training loop found to attach to", file=out)
+        print(f"  (surveyed in {time.time() - t0:.1f}s)", file=out)
+    return ok
 
 
 def _handshake(settings, timeout):

@@ -2,8 +2,18 @@
 
 Supported: megatron-core 0.19.2 (Python 3.12, torch 2.13.0 registry build, which runs on CPU without a driver:
 torch.cuda.is_available() is False, so every torch.cuda.* runtime call would raise "Found no NVIDIA driver")
-and megatron-core 0.16.1 (Python 3.11, torch 2.13.0+cpu).  Adapted from the measured recipe in
-shared/notes/megatron-on-cpu.md; line numbers in comments refer to the 0.19.2 wheel unless noted.
+and megatron-core 0.16.1 (Python 3.11, torch 2.13.0+cpu).  Line numbers in comments refer to the 0.19.2 wheel
+unless noted.
+
+How this was found (a measured recipe, not guesswork): tiny GPTModels (local layer specs, fp32 or bf16, MoE with
+SequentialMLP) with DDP and the DistributedOptimizer were trained on 4 gloo processes (TP2xDP2, PP2xTP2, EP2,
+TP2xEP2), and every CUDA-only call that failed was patched at the site where it was hit; each numbered block in
+apply() names that site. parallel_state.initialize_model_parallel itself needs no patch. With them, losses fall in
+every layout and TP2xDP2 matches a single process to 4 decimals; full recompute, sequence parallel,
+overlap_grad_reduce and overlap_param_gather work. One module serves both releases. What cannot run on CPU at all:
+Transformer Engine specs, context parallel > 1, moe_grouped_gemm, fp8/fp4, CUDA graphs. A known upstream bug: MoE
+with TP2, expert-TP1, EP1 gives wrong expert gradients (expert params keep allreduce=True), so MoE tests use EP > 1.
+In torch 2.13 the TorchFunctionMode of (3) is popped inside torch.autograd.backward; backward re-enters it.
 
 Call apply() in every worker process BEFORE building models/optimizers (before or after
 torch.distributed.init_process_group; megatron.core must be importable).

@@ -1,25 +1,13 @@
-"""The hostile-input fuzzer (benchmarks/fuzz_syncer.py) with its quick setting: a few thousand hostile inputs
-against a real syncer process; nothing crashes, grows, stays open or changes state."""
-import importlib.util
-import os
-import sys
-
+"""The hostile-input fuzzer (benchmarks/fuzzlib.py; script: benchmarks/fuzz_syncer.py) with its quick setting: a
+few thousand hostile inputs against a real syncer process; nothing crashes, grows, stays open or changes state."""
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import fuzzlib as fz
+
 pytestmark = pytest.mark.timeout(120)
 
 
-def load_fuzzer():
-    spec = importlib.util.spec_from_file_location("fuzz_syncer", os.path.join(ROOT, "benchmarks", "fuzz_syncer.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # (its dataclasses look their module up there)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_quick_fuzz_holds_every_invariant():
-    fz = load_fuzzer()
     res = fz.run(fz.parse_args(["--quick", "--seed", "1"]))
     text = fz.report(res)
     assert res["violations"] == [], text

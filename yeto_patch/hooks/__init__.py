@@ -1,25 +1,45 @@
-"""The only place that names Megatron symbols to patch. One module per patched target, each with idempotent
-``patch()`` / ``unpatch()`` / ``patched()`` (in the style of ddtrace's contrib patch modules):
+"""The only place that names Megatron symbols to patch. One module per patched Megatron module, each with
+idempotent ``patch(module=None)`` / ``unpatch()`` / ``patched()`` (in the style of ddtrace's contrib patch modules)
+and its targets declared as data (in the style of ddtrace's ``_supported_versions`` and OpenTelemetry's
+``_instruments``):
 
 =================================  ==========================================================================
-hook module                        target
+hook module                        target module
 =================================  ==========================================================================
-mcore_optimizer                    megatron.core.optimizer.optimizer: step of MixedPrecisionOptimizer,
-                                   Float16OptimizerWithFloat16Params, FP32Optimizer, ChainedOptimizer
-mcore_distrib_optimizer            megatron.core.optimizer.distrib_optimizer: DistributedOptimizer.step
-                                   (where a release defines its own)
-mcore_hybrid_optimizer             megatron.core.optimizer.cpu_offloading.hybrid_optimizer:
-                                   HybridDeviceOptimizer.step
-mcore_layer_wise_optimizer         megatron.core.optimizer.layer_wise_optimizer:
-                                   LayerWiseDistributedOptimizer.step (where defined)
-mlm_training                       megatron.training.training: train_step (Megatron-LM)
-bridge_train                       megatron.bridge.training.train: train_step (Megatron-Bridge)
-bridge_checkpointing               megatron.bridge.training.checkpointing: save_checkpoint, load_checkpoint
-swift_megatron                     swift.megatron.trainers.base: BaseMegatronTrainer.train_step,
-                                   save_checkpoint, _load_checkpoint (ms-swift ``megatron sft`` / ``pt``)
+mcore_optimizer                    megatron.core.optimizer.optimizer
+mcore_distrib_optimizer            megatron.core.optimizer.distrib_optimizer
+mcore_hybrid_optimizer             megatron.core.optimizer.cpu_offloading.hybrid_optimizer
+mcore_layer_wise_optimizer         megatron.core.optimizer.layer_wise_optimizer
+mlm_training                       megatron.training.training (Megatron-LM: train_step, save/load_checkpoint)
+bridge_train                       megatron.bridge.training.train (Megatron-Bridge: train_step)
+bridge_checkpointing               megatron.bridge.training.checkpointing (Megatron-Bridge: save/load_checkpoint)
+swift_megatron                     swift.megatron.trainers.base (ms-swift ``megatron sft`` / ``pt``: train_step,
+                                   save_checkpoint, _load_checkpoint)
 =================================  ==========================================================================
 
-``install()`` registers a wrapt post-import hook per target: a target already imported is patched at once, the
+Declaring a hook module (add its name to ``HOOK_MODULES``)::
+
+    from ._targets import Target
+
+    TARGET = "megatron.bridge.training.train"          # importing this module triggers patch(module)
+    TARGETS = (                                        # everything patch() wraps, one Target each
+        Target(TARGET, None, "train_step"),            # (module, owner class or None for a function, attribute)
+        Target(TARGET, "SomeClass", "step", required=False),   # optional: absent or inherited in some releases
+    )
+    SUPPORTED_VERSIONS = {"megatron-bridge": ">=0.2"}  # distribution -> ">=a.b[,<c.d]" or "*" (shown by doctor)
+
+    def patch(module=None) -> list: ...                # wrap what is defined; return patched qualnames
+    def unpatch() -> None: ...
+    def patched() -> list: ...                         # "<module>.<owner>.<attribute>" / "<module>.<attribute>"
+
+(``_wrap.function_hook`` and ``_optimizer_step.hook_functions`` build the three functions for the usual cases.)
+A target is defined when its owner has the attribute in its own namespace. After ``patch()`` ran on an import,
+every REQUIRED target that the module does not define is recorded in ``errors()`` and logged once (a release that
+renamed ``save_checkpoint`` would otherwise silently break island restart). ``survey()`` walks the declarations
+for ``yeto-patch doctor``: every target as patched / not patched / missing / not imported.
+tests/hooks/test_declarations.py checks, for every hook module, that ``patch()`` wraps exactly what it declares.
+
+``install()`` registers a wrapt post-import hook per target module: one already imported is patched at once, the
 others when they are imported. It imports neither torch nor Megatron. A failing patch never breaks the import
 of a Megatron module (the error is logged). ``uninstall()`` removes the pending registrations and unpatches
 everything (tests use it).
@@ -29,9 +49,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import sys
 import threading
 
 import wrapt
+
+from . import _targets
 
 log = logging.getLogger("yeto_patch")
 
@@ -49,7 +72,7 @@ HOOK_MODULES = (
 _lock = threading.RLock()
 _callbacks = {}     # target module name -> our post-import callback (while registered)
 _installed = False
-_errors = {}        # target module name -> why patching it failed
+_errors = {}        # target module name (patch failed) or target qualname (missing) -> why
 
 
 def _hook(name):
@@ -63,12 +86,26 @@ def _make_callback(hook_name):
                 return
             _callbacks.pop(module.__name__, None)
         try:
-            _hook(hook_name).patch(module)
+            hook = _hook(hook_name)
+            hook.patch(module)
+            _record_missing(hook, module)
         except Exception as err:  # never make `import megatron...` fail because of us
             log.error("yeto-patch: patching %s failed (%s: %s); DiLoCo boundaries will be missing for it",
                       module.__name__, type(err).__name__, err)
             _errors[module.__name__] = f"{type(err).__name__}: {err}"
     return on_import
+
+
+def _record_missing(hook, module) -> None:
+    """Record (and log once) every required target of ``hook`` that the imported ``module`` does not define."""
+    for t in _targets.missing_required(getattr(hook, "TARGETS", ()), module):
+        with _lock:
+            if t.qualname in _errors:
+                continue
+            _errors[t.qualname] = (f"required target {t.qualname} is not defined in this release; "
+                                   f"{hook.__name__.rsplit('.', 1)[-1]} cannot attach to it")
+        log.error("yeto-patch: %s is not defined by this %s release (renamed or removed?): %s cannot be "
+                  "patched, so DiLoCo misses what it does", t.name, t.module, t.qualname)
 
 
 def install() -> None:
@@ -126,38 +163,49 @@ def errors() -> dict:
     return dict(_errors)
 
 
-def survey() -> list:
-    """For `yeto-patch doctor`: (hook, target, status) for this environment. Imports the targets that exist."""
+def declared() -> list:
+    """(hook module name, Target) for every declared target, in HOOK_MODULES order."""
+    return [(name, t) for name in HOOK_MODULES for t in getattr(_hook(name), "TARGETS", ())]
+
+
+def supported_versions() -> dict:
+    """hook module name -> its SUPPORTED_VERSIONS (distribution -> version spec)."""
+    return {name: dict(getattr(_hook(name), "SUPPORTED_VERSIONS", {})) for name in HOOK_MODULES}
+
+
+def _findable(name) -> bool:
+    if name in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except Exception:
+        return False
+
+
+def survey(import_targets: bool = True) -> list:
+    """For `yeto-patch doctor`: one (hook, Target, status) row per declared target. Status is ``patched``,
+    ``not patched`` (present; yeto-patch is not attached in this process), ``missing`` (the module does not
+    define it), ``not imported`` or ``not installed``, with a reason after a colon where there is one.
+    ``import_targets``: import the target modules that are installed first (as training would)."""
     rows = []
     for hook_name in HOOK_MODULES:
-        mod = _hook(hook_name)
-        target = mod.TARGET
-        try:
-            found = importlib.util.find_spec(target) is not None
-        except Exception:
-            found = False
-        if not found:
-            rows.append((hook_name, target, "absent (not installed here)"))
-            continue
-        try:
-            module = importlib.import_module(target)
-        except Exception as err:
-            rows.append((hook_name, target, f"present but fails to import: {type(err).__name__}: {err}"))
-            continue
-        wraps = getattr(mod, "WRAPS", None)
-        if wraps is not None:   # dotted names inside the target (functions, Class.method)
-            own = [w for w in wraps if callable(_lookup(module, w))]
-            rows.append((hook_name, target, ("would attach: " + ", ".join(own)) if own else
-                         "present; none of " + ", ".join(wraps) + " found (another release?)"))
-            continue
-        names = getattr(mod, "CLASSES", ("train_step",))
-        own = [n for n in names if (n == "train_step" and callable(getattr(module, n, None)))
-               or ("step" in vars(getattr(module, n, object)))]
-        if own:
-            rows.append((hook_name, target, "would attach: " + ", ".join(
-                n if n == "train_step" else f"{n}.step" for n in own)))
-        else:
-            rows.append((hook_name, target, "present; nothing of its own to wrap (inherited steps are covered)"))
+        hook = _hook(hook_name)
+        module, why = hook.TARGET, None
+        # find_spec of a dotted name imports its parent packages: without import_targets look at the top only
+        if not _findable(module if import_targets else module.split(".")[0]):
+            why = "not installed"
+        elif import_targets and module not in sys.modules:
+            try:
+                importlib.import_module(module)
+            except Exception as err:
+                why = f"not imported: fails to import: {type(err).__name__}: {err}"
+        for t in getattr(hook, "TARGETS", ()):
+            status = t.status()
+            if status == _targets.NOT_IMPORTED and why:
+                status = why
+            elif status == _targets.MISSING:
+                status += ": required, ERROR" if t.required else ": optional (inherited or absent in this release)"
+            rows.append((hook_name, t, status))
     return rows
 
 

@@ -5,12 +5,14 @@ is saved beside every persistent checkpoint (in ``cfg.checkpoint.save``) and res
 
 from . import _train_step, _wrap
 from ._runtime import RUNTIME
+from ._targets import Target
 
 TARGET = "megatron.bridge.training.checkpointing"
 LAUNCHER = "Megatron-Bridge"
-WRAPS = ("save_checkpoint", "load_checkpoint")
 DISTRIBUTION = "megatron-bridge"
-SUPPORTED = (">=0.6.2,<0.7",)
+TARGETS = (Target(TARGET, None, "save_checkpoint"),   # island restart: sync state saved beside the checkpoint
+           Target(TARGET, None, "load_checkpoint"))   # ... and restored from it
+SUPPORTED_VERSIONS = {"megatron-bridge": ">=0.6.2,<0.7"}   # tested here: 0.6.2 (megatron-core 0.19.2)
 
 
 def _step(state):

@@ -9,12 +9,13 @@ N + 1 updates, so a resume would train one batch twice.) The sync state travels 
 through ``bridge_checkpointing``."""
 
 from . import _train_step, _wrap
+from ._targets import Target
 
 TARGET = "megatron.bridge.training.train"
 LAUNCHER = "Megatron-Bridge"
-WRAPS = ("train_step",)
-DISTRIBUTION = "megatron-bridge"     # the package whose versions SUPPORTED names
-SUPPORTED = (">=0.6.2,<0.7",)        # tested here: 0.6.2 (megatron-core 0.19.2)
+DISTRIBUTION = "megatron-bridge"
+TARGETS = (Target(TARGET, None, "train_step"),)
+SUPPORTED_VERSIONS = {"megatron-bridge": ">=0.6.2,<0.7"}   # tested here: 0.6.2 (megatron-core 0.19.2)
 
 
 def _facts(bound) -> dict:

@@ -3,9 +3,12 @@ offloaded masters; normally stepped inside a DistributedOptimizer, so it only fi
 optimizer).
 """
 from . import _optimizer_step
+from ._targets import Target
 
 TARGET = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer"
-CLASSES = ('HybridDeviceOptimizer',)
+TARGETS = (Target(TARGET, "HybridDeviceOptimizer", "step"),)
+SUPPORTED_VERSIONS = {"megatron-core": ">=0.16"}
+CLASSES = tuple(t.owner for t in TARGETS)
 
 
 patch, unpatch, patched = _optimizer_step.hook_functions(TARGET, CLASSES, __name__)

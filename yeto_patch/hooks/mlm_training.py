@@ -5,11 +5,15 @@ so the module attribute is what gets wrapped."""
 
 from . import _train_step, _wrap
 from ._runtime import RUNTIME
+from ._targets import Target
 
 TARGET = "megatron.training.training"
 LAUNCHER = "Megatron-LM"
 DISTRIBUTION = "megatron-core"     # megatron.training ships in its wheels >= 0.17
-WRAPS = ("train_step", "save_checkpoint", "load_checkpoint")
+TARGETS = (Target(TARGET, None, "train_step"),
+           Target(TARGET, None, "save_checkpoint"),   # island restart: sync state saved beside the checkpoint
+           Target(TARGET, None, "load_checkpoint"))   # ... and restored from it
+SUPPORTED_VERSIONS = {"megatron-core": ">=0.17"}   # megatron.training ships in megatron-core wheels from 0.17
 
 
 def _facts(bound) -> dict:

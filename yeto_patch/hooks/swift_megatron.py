@@ -14,14 +14,15 @@ grad_norm, update_successful)``) and increments ``self.state.iteration`` after i
 
 from . import _train_step, _wrap
 from ._runtime import RUNTIME
+from ._targets import Target
 
 TARGET = "swift.megatron.trainers.base"
-DISTRIBUTION = "ms-swift"            # the package whose versions SUPPORTED names
-SUPPORTED = (">=4.6.0,<4.7",)        # tested here: 4.6.0 (mcore-bridge 1.6.5, megatron-core 0.19.2)
+DISTRIBUTION = "ms-swift"
+LAUNCHER = "ms-swift"
 CLASS = "BaseMegatronTrainer"
 METHODS = ("train_step", "save_checkpoint", "_load_checkpoint")
-LAUNCHER = "ms-swift"
-WRAPS = tuple(f"{CLASS}.{m}" for m in METHODS)
+TARGETS = tuple(Target(TARGET, CLASS, m) for m in METHODS)
+SUPPORTED_VERSIONS = {"ms-swift": ">=4.6.0,<4.7"}   # tested here: 4.6.0 (mcore-bridge 1.6.5, megatron-core 0.19.2)
 
 
 def _int(v):
