@@ -73,8 +73,12 @@ def test_two_bridge_pretrain_islands_of_different_layouts_end_with_the_same_mode
     a, b = models["tp2"], models["dp2"]
     assert sorted(a) == sorted(b) == sorted(final), sorted(set(a) ^ set(final))
     for k, v in final.items():
-        assert np.array_equal(b[k], v), (k, float(np.abs(b[k] - v).max()))            # fp32 island: exact
-        assert np.array_equal(a[k], P.as_bf16(v)), (k, float(np.abs(a[k] - v).max()))  # bf16: the base, cast
+        # the vocabulary is padded to a multiple of 128 x TP (1001 -> 1024 rows); the padding rows see no data
+        # and are not synchronised, so the real rows are compared
+        rows = v.shape[0]
+        assert a[k].shape[1:] == b[k].shape[1:] == v.shape[1:] and min(a[k].shape[0], b[k].shape[0]) >= rows, k
+        assert np.array_equal(b[k][:rows], v), (k, float(np.abs(b[k][:rows] - v).max()))            # fp32: exact
+        assert np.array_equal(a[k][:rows], P.as_bf16(v)), (k, float(np.abs(a[k][:rows] - v).max()))  # bf16: cast
     with open(tmp_path / "tape.jsonl") as f:
         tape = [json.loads(line) for line in f if line.strip()]
     assert tape and all(sorted(r["island"] for r in t["responders"]) == ["dp2", "tp2"] for t in tape), tape
