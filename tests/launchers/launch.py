@@ -50,11 +50,14 @@ def swift_sft_args(tiny, out_dir, tp=1, iters=6, extra=()) -> list:
             "--lr_warmup_iters", "0", "--min_lr", "1e-3", *extra]
 
 
-def launcher_env(yeto: dict, **extra) -> dict:
-    """The island's environment: the repository root (yeto-patch's bootstrap) first on PYTHONPATH, then the
-    test-only CPU start-up code; YETO_* as given (none: a plain run)."""
+def launcher_env(yeto: dict, swift_site=True, **extra) -> dict:
+    """The island's environment: the repository root (yeto-patch's bootstrap) first on PYTHONPATH, then (for
+    ms-swift) the test-only CPU start-up code; YETO_* as given (none: a plain run). The Bridge script applies its
+    CPU support itself."""
     env = P.base_env(**OFFLINE, **extra, **(yeto or {}))
-    env.update(PYTHONPATH=f"{P.ROOT}:{SITE}", LAUNCHER_CPU="1", PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    env.update(PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    if swift_site:
+        env.update(PYTHONPATH=f"{P.ROOT}:{SITE}", LAUNCHER_CPU="1")
     return env
 
 
@@ -67,7 +70,8 @@ def start_swift(tmp_path, name, args, yeto=None, nproc=2) -> P.Proc:
 def start_bridge(tmp_path, name, args, yeto=None, nproc=2) -> P.Proc:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(P.free_port()), BRIDGE_SCRIPT, *args]
-    return P.Proc(name, cmd, launcher_env(yeto), str(tmp_path / f"{name}.log"), cwd=str(tmp_path))
+    return P.Proc(name, cmd, launcher_env(yeto, swift_site=False), str(tmp_path / f"{name}.log"),
+                  cwd=str(tmp_path))
 
 
 def dist_checkpoint(iter_dir) -> dict:

@@ -73,9 +73,54 @@ def test_two_bridge_pretrain_islands_of_different_layouts_end_with_the_same_mode
     a, b = models["tp2"], models["dp2"]
     assert sorted(a) == sorted(b) == sorted(final), sorted(set(a) ^ set(final))
     for k, v in final.items():
-        assert np.array_equal(b[k], v), (k, float(np.abs(b[k] - v).max()))            # fp32 island: exact
-        assert np.array_equal(a[k], P.as_bf16(v)), (k, float(np.abs(a[k] - v).max()))  # bf16: the base, cast
+        # the vocabulary is padded to a multiple of 128 x TP (1001 -> 1024 rows); the padding rows see no data
+        # and are not synchronised, so the real rows are compared
+        rows = v.shape[0]
+        assert a[k].shape[1:] == b[k].shape[1:] == v.shape[1:] and min(a[k].shape[0], b[k].shape[0]) >= rows, k
+        assert np.array_equal(b[k][:rows], v), (k, float(np.abs(b[k][:rows] - v).max()))            # fp32: exact
+        assert np.array_equal(a[k][:rows], P.as_bf16(v)), (k, float(np.abs(a[k][:rows] - v).max()))  # bf16: cast
     with open(tmp_path / "tape.jsonl") as f:
         tape = [json.loads(line) for line in f if line.strip()]
     assert tape and all(sorted(r["island"] for r in t["responders"]) == ["dp2", "tp2"] for t in tape), tape
+    assert versions == {0: 3, 1: 2}, versions
+
+
+@pytest.mark.skip(reason="restart test written but not yet run to completion: on the shared 2-core machine "
+                         "(load 60-120) the first launch did not reach its checkpoint within 15 min; run it once "
+                         "and remove this mark")
+@pytest.mark.timeout(1500)
+def test_bridge_island_stopped_and_resumed_from_its_checkpoint_rejoins(tmp_path):
+    """The island leaves Bridge's loop at iteration 2 through Bridge's own exit interval (it saves, with the sync
+    state beside the checkpoint), then is launched again with cfg.checkpoint.load: it restores the sync state,
+    continues its rounds to the final cut, and every round is merged exactly once."""
+    port = P.free_port()
+    key = P.key_file(tmp_path)
+    syncer = P.start_syncer(tmp_path, port, islands=1, fragments=2, key=key)
+    ckpt = str(tmp_path / "ckpt")
+    args = ["--tp", "2", "--bf16", "--iters", str(ITERS), "--save", ckpt, "--save-interval", "100"]
+    yeto = L.yeto_env(port, key, "a", tmp_path, YETO_DILOCO_SYNC_EVERY=2, YETO_DILOCO_TOTAL_STEPS=CUT,
+                      YETO_DILOCO_OVERLAP_STEPS=0)
+    a = L.start_bridge(tmp_path, "a", [*args, "--exit-interval", "2"], yeto=yeto)
+    procs = [syncer, a]
+    try:
+        assert P.wait_all([a], timeout=900) == [0], P.logs(procs)
+        assert "saved the island's sync state for iteration 2" in a.text(), a.text()[-3000:]
+        b = L.start_bridge(tmp_path, "a2", [*args, "--load", ckpt], yeto=yeto)
+        procs.append(b)
+        rcs = P.wait_all([b, syncer], timeout=900)
+        assert rcs == [0, 0], P.logs(procs)
+    finally:
+        for p in procs:
+            p.kill()
+    log = b.text()
+    assert "resuming the island's sync state of iteration 2" in log, log[-4000:]
+    assert "installed the syncer's final model" in log and f"exiting program at iteration {CUT}" in log
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == str(CUT)
+    with open(tmp_path / "tape.jsonl") as f:
+        tape = [json.loads(line) for line in f if line.strip()]
+    rounds = [(t["fragment"], t["version"]) for t in tape]
+    assert len(rounds) == len(set(rounds)), rounds
+    assert all([r["island"] for r in t["responders"]] == ["a"] for t in tape), tape
+    _, versions = P.syncer_model(str(tmp_path / "syncer.ckpt"))
     assert versions == {0: 3, 1: 2}, versions

@@ -69,8 +69,10 @@ def test_two_megatron_sft_islands_of_different_layouts_end_with_the_same_model(t
     print(f"two megatron sft islands + syncer: {time.time() - t0:.0f}s")
 
     # nothing about yeto-patch on ms-swift's command line (no --external_plugins): PYTHONPATH and YETO_* only
+    # (cmd[0] is the venv's `megatron` script; the project's code is reached only through PYTHONPATH)
     for cmd in cmds.values():
-        assert not any("yeto" in a.lower() or a == "--external_plugins" for a in cmd), cmd
+        assert "--external_plugins" not in cmd and not any(
+            "yeto" in a.lower() or a.startswith(P.ROOT) for a in cmd[1:]), cmd
     final, versions = P.syncer_model(str(tmp_path / "syncer.ckpt"))
     models = {}
     for isl in islands:
@@ -92,3 +94,53 @@ def test_two_megatron_sft_islands_of_different_layouts_end_with_the_same_model(t
         tape = [json.loads(line) for line in f if line.strip()]
     assert tape and all(sorted(r["island"] for r in t["responders"]) == ["dp2", "tp2"] for t in tape), tape
     assert versions == {0: 3, 1: 2}, versions     # H=2: fragment 0 merged at steps 1, 3, 4; fragment 1 at 2, 4
+
+
+def _wait_for(proc, text, timeout):
+    deadline = time.time() + timeout
+    while text not in proc.text() and proc.poll() is None and time.time() < deadline:
+        time.sleep(1)
+    return text in proc.text()
+
+
+@pytest.mark.skip(reason="restart test written but not yet run to completion: on the shared 2-core machine "
+                         "(load 60-120) the first launch did not reach its checkpoint within 15 min; run it once "
+                         "and remove this mark")
+@pytest.mark.timeout(1500)
+def test_megatron_sft_island_stopped_and_resumed_from_its_checkpoint_rejoins(tmp_path):
+    """The island is stopped after ms-swift saved checkpoint-2 (and its sync state beside it), then launched again
+    with `--mcore_model .../checkpoint-2 --finetune false`: it restores the sync state, continues its rounds, and
+    every round is merged exactly once (pushes made after the checkpoint and sent again are not counted twice)."""
+    tiny = L.tiny_qwen2(tmp_path / "tiny")
+    port = P.free_port()
+    key = P.key_file(tmp_path)
+    syncer = P.start_syncer(tmp_path, port, islands=1, fragments=2, key=key)
+    out = tmp_path / "sft"
+    args = L.swift_sft_args(tiny, out, tp=1, iters=ITERS, extra=["--save_steps", "2"])
+    yeto = L.yeto_env(port, key, "a", tmp_path, YETO_DILOCO_SYNC_EVERY=2, YETO_DILOCO_TOTAL_STEPS=CUT,
+                      YETO_DILOCO_OVERLAP_STEPS=0)
+    a = L.start_swift(tmp_path, "a", args, yeto=yeto)
+    procs = [syncer, a]
+    try:
+        assert _wait_for(a, "saved the island's sync state for iteration 2", 900), P.logs(procs)
+        a.kill()                                                  # stopped after its checkpoint at 2
+        ck2 = checkpoint(out, 2)
+        assert os.path.exists(os.path.join(ck2, "yeto_sync", "iter_0000002.bin"))
+        b = L.start_swift(tmp_path, "a2", [*args, "--mcore_model", ck2, "--finetune", "false"], yeto=yeto)
+        procs.append(b)
+        rcs = P.wait_all([b, syncer], timeout=900)
+        assert rcs == [0, 0], P.logs(procs)
+    finally:
+        for p in procs:
+            p.kill()
+    log = b.text()
+    assert "resuming the island's sync state of iteration 2" in log, log[-4000:]
+    assert "installed the syncer's final model" in log and f"'iteration': '{CUT}/{CUT}'" in log
+    assert os.path.exists(os.path.join(checkpoint(out, CUT), "latest_checkpointed_iteration.txt"))
+    with open(tmp_path / "tape.jsonl") as f:
+        tape = [json.loads(line) for line in f if line.strip()]
+    rounds = [(t["fragment"], t["version"]) for t in tape]
+    assert len(rounds) == len(set(rounds)), rounds                 # every round merged once
+    assert all([r["island"] for r in t["responders"]] == ["a"] for t in tape), tape
+    _, versions = P.syncer_model(str(tmp_path / "syncer.ckpt"))
+    assert versions == {0: 3, 1: 2}, versions
