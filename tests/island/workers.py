@@ -13,7 +13,6 @@ import torch.distributed as dist
 from tests.mcore import harness
 from yeto_patch.island import IslandComm, IslandError, MasterView, build_manifest, collect_arrays, find_masters
 from yeto_patch.island.masters import leaf_optimizers
-from yeto_patch.island.names import local_params
 
 
 def _setup(cfg_kwargs, steps=2, real_vocab=None, chunk_bytes=1 << 16):

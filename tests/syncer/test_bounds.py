@@ -17,7 +17,7 @@ from yeto_patch.wire.client import SyncerRefusal
 from yeto_patch.wire.frames import MsgType
 
 from .helpers import client, join_all, make_server, running
-from .test_init_meta import peer_error, raw_frame, send_raw
+from .test_init_meta import peer_error, send_raw
 
 pytestmark = pytest.mark.timeout(90)
 HUGE = 10 ** 4300 - 1   # the largest integer Python's JSON decoder reads (4300 digits)

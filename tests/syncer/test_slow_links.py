@@ -9,7 +9,7 @@ import pytest
 
 from yeto_patch.wire import auth, codecs
 from yeto_patch.wire.client import _handshake
-from yeto_patch.wire.frames import MsgType, WireTimeout
+from yeto_patch.wire.frames import MsgType
 from yeto_patch.wire.transport import connect
 
 from .helpers import KEY, client, make_server, running
