@@ -4,7 +4,7 @@ test-only shim, so its hooks are listed unsurveyed here)."""
 import re
 
 from tests.launchers import need
-from tests.shim.test_doctor import doctor
+from tests.hooks.test_doctor import doctor
 
 pytestmark = need("swift", "megatron.bridge")
 

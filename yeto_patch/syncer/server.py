@@ -10,6 +10,7 @@ that is slower than the merges receives the newest version only.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -44,6 +45,7 @@ log = logging.getLogger("yeto.syncer")
 MAX_PUSHES_IN_FLIGHT = 2  # per connection, handed to the fold pool and not yet accepted/refused
 #: What an unauthenticated peer may send: one HELLO (or PROBE); anything else is refused from its header, so a
 #: hostile length or chunk total cannot make the syncer reserve memory before the MAC is checked.
+EVICT_AFTER_S = 5.0   # a handshake still unauthenticated this long may give way to a new one when all slots are taken
 HANDSHAKE_MAX = {t: 64 << 10 for t in MsgType if t not in (MsgType.CHUNK, MsgType.HELLO)}
 
 
@@ -186,17 +188,7 @@ class SyncerServer:
             except OSError:
                 return
             host = _host_of(sock)
-            waiting = [x for x in list(self.all_sessions) if not x.joined and not x.closed]
-            pending = len(waiting)
-            if pending >= self.cfg.max_handshakes or \
-                    sum(1 for x in waiting if x.host == host) >= self.cfg.max_handshakes_per_host:
-                # bounds what strangers can hold (a HELLO buffer and a thread each) however many connect
-                now = time.monotonic()
-                if now >= self._next_flood_log:
-                    self._next_flood_log = now + 10.0
-                    log.warning("%d connections (from %s: %d) are still in their handshake (--max-handshakes); "
-                                "closing new ones until they finish", pending, host,
-                                sum(1 for x in waiting if x.host == host))
+            if not self._handshake_slot(host):
                 sock.close()
                 continue
             sock.settimeout(None)
@@ -208,6 +200,43 @@ class SyncerServer:
             s.reader = threading.Thread(target=self._session_main, args=(s,), daemon=True,
                                         name=f"yeto-conn-{conn.peer}")
             s.reader.start()
+
+    def _handshake_slot(self, host: str) -> bool:
+        """Whether a new connection from ``host`` may start its handshake. At most --max-handshakes-per-host
+        unauthenticated connections per address (a squatter only hurts itself there) and --max-handshakes in
+        all; when all are taken, the oldest handshake of the address holding the most gives way if that address
+        holds more than the newcomer's would, else the oldest one still unauthenticated after
+        EVICT_AFTER_S (an honest handshake is one round trip and a HELLO), so squatters from many addresses
+        cannot keep honest islands out (docs/protocol.md, Limits)."""
+        waiting = [x for x in list(self.all_sessions) if not x.joined and not x.closed]
+        mine = sum(1 for x in waiting if x.host == host)
+        if mine >= self.cfg.max_handshakes_per_host:
+            self._log_full(len(waiting), host, mine, evicted=None)
+            return False
+        if len(waiting) < self.cfg.max_handshakes:
+            return True
+        per_host = collections.Counter(x.host for x in waiting)
+        top, most = per_host.most_common(1)[0]
+        if most > mine + 1:
+            victim = min((x for x in waiting if x.host == top), key=lambda x: x.since)
+        else:
+            victim = min(waiting, key=lambda x: x.since)
+            if time.monotonic() - victim.since < EVICT_AFTER_S:
+                self._log_full(len(waiting), host, mine, evicted=None)
+                return False
+        victim.close()
+        self._log_full(len(waiting), host, mine, evicted=victim.host)
+        return True
+
+    def _log_full(self, pending: int, host: str, mine: int, evicted) -> None:
+        """Say (at most every 10 s) that the handshake slots are full, and what gave way."""
+        now = time.monotonic()
+        if now >= self._next_flood_log:
+            self._next_flood_log = now + 10.0
+            log.warning("%d connections (from %s: %d) are still in their handshake (--max-handshakes); %s",
+                        pending, printable(host), mine, "closing new ones until they finish" if evicted is None
+                        else f"the oldest from {printable(evicted)} gives way")
+        return False
 
     def _refuse(self, s: _Session, code: str, message: str) -> None:
         log.warning("refusing %s (%s): %s", s.island or s.conn.peer, code, message)

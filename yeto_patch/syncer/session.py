@@ -53,6 +53,7 @@ class Session:
         self.bye = False
         self.joined = False
         self.host = "?"
+        self.since = time.monotonic()   # accepted at (the oldest handshake gives way first)
         self.final_acked: Optional[list] = None
         self.writer: Optional[threading.Thread] = None
         self.reader: Optional[threading.Thread] = None

@@ -1,0 +1,83 @@
+"""Handshake slots cannot be squatted (issue 13): connections from several addresses that never say HELLO fill
+--max-handshakes, yet honest islands from another address still join, because the address holding the most slots
+(or, among equals, a handshake older than EVICT_AFTER_S) gives way to a newcomer."""
+import socket
+import threading
+import time
+
+import pytest
+
+from yeto_patch.syncer import server as server_mod
+from yeto_patch.wire.frames import ProtocolError
+
+from .helpers import client, make_server, running
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def squat(addr, stop, sources, held):
+    """Keep opening connections from each source address that send nothing; reopen the ones the syncer closes."""
+    host, port = addr.rsplit(":", 1)
+    socks = []
+    while not stop.is_set():
+        socks = [s for s in socks if s.fileno() != -1 and not _closed(s)]
+        for src in sources:
+            if stop.is_set():
+                break
+            try:
+                s = socket.create_connection((host, int(port)), timeout=2, source_address=(src, 0))
+                socks.append(s)
+            except OSError:
+                pass
+        held.append(len(socks))
+        time.sleep(0.2)
+    for s in socks:
+        s.close()
+
+
+def _closed(s):
+    s.setblocking(False)
+    try:
+        return s.recv(1 << 16, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        s.setblocking(True)
+
+
+@pytest.mark.parametrize("sources", [[f"127.0.0.{i}" for i in range(2, 10)],    # 8 addresses, 16 slots each
+                                     [f"127.0.{i}.{j}" for i in range(2, 4) for j in range(2, 42)]])  # 80, 1 each
+def test_honest_islands_join_while_squatters_hold_every_handshake_slot(sources, monkeypatch):
+    monkeypatch.setattr(server_mod, "EVICT_AFTER_S", 2.0)   # (5 s by default; a handshake here takes ms)
+    server, addr = make_server(islands=1, fragments=1, handshake_timeout_s=60.0, max_handshakes=32)
+    with running(server):
+        stop, held = threading.Event(), []
+        t = threading.Thread(target=squat, args=(addr, stop, sources, held), daemon=True)
+        t.start()
+        try:
+            deadline = time.monotonic() + 20
+            while (not held or held[-1] < 32) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert held and held[-1] >= 32, held[-5:]   # every slot is squatted
+            joined, attempts = 0, 0
+            for i in range(45):   # each join retried with a short back-off for up to 15 s, as an island's link does
+                end = time.monotonic() + 15
+                while True:
+                    attempts += 1
+                    c = client(addr, "honest", timeout=10)
+                    try:
+                        c.connect()
+                        joined += 1
+                        break
+                    except ProtocolError:
+                        if time.monotonic() > end:
+                            raise
+                        time.sleep(0.2)
+                    finally:
+                        c.close()
+        finally:
+            stop.set()
+            t.join(10)
+        assert joined == 45, (joined, attempts)
