@@ -108,120 +108,156 @@ class OuterOptimizer:
         self.ensure_state(t)
         n = t.base.size
         assert acc.size == n and acc.dtype == np.float32
-        W = np.float32(total_weight)
-        lr, mu = np.float32(self.lr), np.float32(self.momentum)
-        kind = self.kind
-        momentum_round = kind == "nesterov" or (kind == "delayed-nesterov" and new_version % self.delay == 0)
-        dn = kind == "delayed-nesterov" and self.delay > 1 and t.delay_buf is not None
-        invN = np.float32(1.0 / self.delay)
-        base, m, d = t.base, t.momentum, t.delay_buf
-        use_m = m is not None and momentum_round
+        p = self._plan(t, total_weight, new_version)
         if t.bound is None:
             t.bound = self._bound(t, runner)
-
-        def scan(a: int, b: int):
-            """Read-only: is acc finite, max |acc|, sum of acc^2 (float64)."""
-            x = acc[a:b]
-            if b <= a:
-                return True, 0.0, 0.0
-            mx, mn = float(x.max()), float(x.min())  # NaN propagates through max/min
-            if not (np.isfinite(mx) and np.isfinite(mn)):
-                return False, 0.0, 0.0
-            return True, max(mx, -mn), float(np.einsum("i,i->", x, x, dtype=np.float64))
-
-        def check(a: int, b: int):
-            g = acc[a:b]
-            if W != 0:
-                np.divide(g, W, out=g)
-            ok = bool(np.isfinite(g).all())
-            s1 = runner.scratch("s1", b - a)
-            s2 = runner.scratch("s2", b - a)
-            if ok and use_m:
-                # would-be momentum: mu*m + (d + g)/N  (dn)  or  mu*m + g
-                if dn:
-                    np.add(d[a:b], g, out=s2)
-                    np.multiply(s2, invN, out=s2)
-                else:
-                    s2[...] = g
-                np.multiply(m[a:b], mu, out=s1)
-                np.add(s1, s2, out=s1)          # s1 = new m
-                ok = _usable(s1, m[a:b])
-                np.multiply(s1, mu, out=s1)
-                np.add(s1, g, out=s1)           # s1 = g + mu*m'
-            elif ok:
-                s1[...] = g
-            if ok:
-                np.multiply(s1, lr, out=s1)
-                np.subtract(base[a:b], s1, out=s1)
-                ok = _usable(s1, base[a:b])
-            if ok and dn and not momentum_round:
-                np.add(d[a:b], g, out=s2)
-                ok = _usable(s2, d[a:b])
-            return ok
-
-        def quiet(fn):
-            def run(a: int, b: int):
-                with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                    return fn(a, b)
-            return run
-
-        parts = runner.map(n, quiet(scan))
-        bad = [i for i, (ok, _, _) in enumerate(parts) if not ok]
-        if bad:
-            raise NonFiniteMerge(f"merged outer gradient is not finite (first bad chunk at element "
-                                 f"{bad[0] * runner.chunk}); state unchanged")
-        sq = 0.0
-        amax = 0.0
-        for _, mx, sqi in parts:  # fixed order: bit-identical for any thread count
-            sq += sqi
-            amax = max(amax, mx)
-        w = float(W) if W != 0 else 1.0
-        gmax = amax / w * (1.0 + 1e-6)
-        sq /= w * w
-        # an upper bound of every value the update produces (g, momentum, delay buffer, base), from the bound
-        # B of the current state: new momentum <= mu*B + B + gmax (covers (d + g)/N), update <= gmax + mu*that
-        B, lr_f, mu_f = t.bound, float(self.lr), float(self.momentum)
-        nm = mu_f * B + B + gmax
-        new_bound = max(B + lr_f * (gmax + mu_f * nm), nm, B + gmax) * (1.0 + 1e-6)
+        gmax, sq = _scan_gradient(acc, p.W, runner)
+        new_bound = self._new_bound(t.bound, gmax)
         divided = False
         if not new_bound < USABLE_MAX:  # cannot rule out an unusable result: compute the would-be values first
-            oks = runner.map(n, quiet(check))
+            oks = runner.map(n, _quiet(lambda a, b: _check(p, acc, runner, a, b)))
             divided = True
             if not all(oks):
                 c = oks.index(False) * runner.chunk
                 raise NonFiniteMerge(f"merged result would overflow, is not finite or above {USABLE_MAX:g} (first "
                                      f"bad chunk at element {c}); state unchanged")
-
-        def commit(a: int, b: int) -> float:
-            if divided:
-                g = acc[a:b]
-            else:
-                g = runner.scratch("g", b - a)
-                if W != 0:
-                    np.divide(acc[a:b], W, out=g)
-                else:
-                    g[...] = acc[a:b]
-            s1 = runner.scratch("s1", b - a)
-            if use_m:
-                if dn:
-                    np.add(d[a:b], g, out=d[a:b])
-                    np.multiply(d[a:b], invN, out=s1)
-                    d[a:b] = 0.0
-                    np.multiply(m[a:b], mu, out=m[a:b])
-                    np.add(m[a:b], s1, out=m[a:b])
-                else:
-                    np.multiply(m[a:b], mu, out=m[a:b])
-                    np.add(m[a:b], g, out=m[a:b])
-                np.multiply(m[a:b], mu, out=s1)
-                np.add(s1, g, out=s1)
-            else:
-                if dn:
-                    np.add(d[a:b], g, out=d[a:b])
-                s1[...] = g
-            np.multiply(s1, lr, out=s1)
-            np.subtract(base[a:b], s1, out=base[a:b])
-
-        runner.map(n, commit)
+        runner.map(n, lambda a, b: _commit(p, acc, runner, divided, a, b))
         # the analytic bound only grows; measure it again once it gets large (rare: values near 1e30)
         t.bound = new_bound if new_bound < 1e30 else self._bound(t, runner)
         return float(np.sqrt(sq))
+
+    def _plan(self, t: FragmentTensors, total_weight: float, new_version: int) -> "_StepPlan":
+        """The constants and arrays of one step (which update this round applies)."""
+        kind = self.kind
+        momentum_round = kind == "nesterov" or (kind == "delayed-nesterov" and new_version % self.delay == 0)
+        dn = kind == "delayed-nesterov" and self.delay > 1 and t.delay_buf is not None
+        m = t.momentum
+        return _StepPlan(W=np.float32(total_weight), lr=np.float32(self.lr), mu=np.float32(self.momentum),
+                         invN=np.float32(1.0 / self.delay), momentum_round=momentum_round, dn=dn,
+                         use_m=m is not None and momentum_round, base=t.base, m=m, d=t.delay_buf)
+
+    def _new_bound(self, B: float, gmax: float) -> float:
+        """An upper bound of every value the update produces (g, momentum, delay buffer, base), from the bound
+        B of the current state: new momentum <= mu*B + B + gmax (covers (d + g)/N), update <= gmax + mu*that."""
+        lr_f, mu_f = float(self.lr), float(self.momentum)
+        nm = mu_f * B + B + gmax
+        return max(B + lr_f * (gmax + mu_f * nm), nm, B + gmax) * (1.0 + 1e-6)
+
+
+@dataclass
+class _StepPlan:
+    """What one :meth:`OuterOptimizer.step` applies: float32 constants and the fragment's state arrays."""
+    W: np.float32
+    lr: np.float32
+    mu: np.float32
+    invN: np.float32
+    momentum_round: bool
+    dn: bool                        # a delayed-nesterov delay buffer is kept
+    use_m: bool                     # this round updates the momentum
+    base: np.ndarray
+    m: Optional[np.ndarray]
+    d: Optional[np.ndarray]
+
+
+def _quiet(fn):
+    def run(a: int, b: int):
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return fn(a, b)
+    return run
+
+
+def _scan(acc: np.ndarray, a: int, b: int):
+    """Read-only: is acc finite, max |acc|, sum of acc^2 (float64)."""
+    x = acc[a:b]
+    if b <= a:
+        return True, 0.0, 0.0
+    mx, mn = float(x.max()), float(x.min())  # NaN propagates through max/min
+    if not (np.isfinite(mx) and np.isfinite(mn)):
+        return False, 0.0, 0.0
+    return True, max(mx, -mn), float(np.einsum("i,i->", x, x, dtype=np.float64))
+
+
+def _scan_gradient(acc: np.ndarray, W: np.float32, runner: ChunkRunner) -> tuple:
+    """Pass 1: (an upper bound of max |g|, ||g||^2) with g = acc / W; NonFiniteMerge if acc is not finite."""
+    parts = runner.map(acc.size, _quiet(lambda a, b: _scan(acc, a, b)))
+    bad = [i for i, (ok, _, _) in enumerate(parts) if not ok]
+    if bad:
+        raise NonFiniteMerge(f"merged outer gradient is not finite (first bad chunk at element "
+                             f"{bad[0] * runner.chunk}); state unchanged")
+    sq = 0.0
+    amax = 0.0
+    for _, mx, sqi in parts:  # fixed order: bit-identical for any thread count
+        sq += sqi
+        amax = max(amax, mx)
+    w = float(W) if W != 0 else 1.0
+    gmax = amax / w * (1.0 + 1e-6)
+    sq /= w * w
+    return gmax, sq
+
+
+def _check(p: _StepPlan, acc: np.ndarray, runner: ChunkRunner, a: int, b: int) -> bool:
+    """Pass 2 (only when the bound cannot rule out overflow): divides acc by W in place and checks the would-be
+    momentum, base and delay buffer of elements a:b; writes nothing else but scratch."""
+    W, lr, mu, invN = p.W, p.lr, p.mu, p.invN
+    base, m, d, dn = p.base, p.m, p.d, p.dn
+    g = acc[a:b]
+    if W != 0:
+        np.divide(g, W, out=g)
+    ok = bool(np.isfinite(g).all())
+    s1 = runner.scratch("s1", b - a)
+    s2 = runner.scratch("s2", b - a)
+    if ok and p.use_m:
+        # would-be momentum: mu*m + (d + g)/N  (dn)  or  mu*m + g
+        if dn:
+            np.add(d[a:b], g, out=s2)
+            np.multiply(s2, invN, out=s2)
+        else:
+            s2[...] = g
+        np.multiply(m[a:b], mu, out=s1)
+        np.add(s1, s2, out=s1)          # s1 = new m
+        ok = _usable(s1, m[a:b])
+        np.multiply(s1, mu, out=s1)
+        np.add(s1, g, out=s1)           # s1 = g + mu*m'
+    elif ok:
+        s1[...] = g
+    if ok:
+        np.multiply(s1, lr, out=s1)
+        np.subtract(base[a:b], s1, out=s1)
+        ok = _usable(s1, base[a:b])
+    if ok and dn and not p.momentum_round:
+        np.add(d[a:b], g, out=s2)
+        ok = _usable(s2, d[a:b])
+    return ok
+
+
+def _commit(p: _StepPlan, acc: np.ndarray, runner: ChunkRunner, divided: bool, a: int, b: int) -> None:
+    """The update of elements a:b (``divided``: pass 2 already turned acc into g)."""
+    W, lr, mu, invN = p.W, p.lr, p.mu, p.invN
+    base, m, d, dn = p.base, p.m, p.d, p.dn
+    if divided:
+        g = acc[a:b]
+    else:
+        g = runner.scratch("g", b - a)
+        if W != 0:
+            np.divide(acc[a:b], W, out=g)
+        else:
+            g[...] = acc[a:b]
+    s1 = runner.scratch("s1", b - a)
+    if p.use_m:
+        if dn:
+            np.add(d[a:b], g, out=d[a:b])
+            np.multiply(d[a:b], invN, out=s1)
+            d[a:b] = 0.0
+            np.multiply(m[a:b], mu, out=m[a:b])
+            np.add(m[a:b], s1, out=m[a:b])
+        else:
+            np.multiply(m[a:b], mu, out=m[a:b])
+            np.add(m[a:b], g, out=m[a:b])
+        np.multiply(m[a:b], mu, out=s1)
+        np.add(s1, g, out=s1)
+    else:
+        if dn:
+            np.add(d[a:b], g, out=d[a:b])
+        s1[...] = g
+    np.multiply(s1, lr, out=s1)
+    np.subtract(base[a:b], s1, out=base[a:b])

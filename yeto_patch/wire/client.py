@@ -52,6 +52,9 @@ Errors: everything raised is a :class:`~.frames.ProtocolError`: :class:`SyncerRe
 the syncer's text; ``stale`` means pull the current base and push again), :class:`~.frames.PeerError` (the
 syncer's ERROR message: auth, manifest, too-many-islands, protocol; the connection is closed),
 :class:`~.frames.AuthError`, :class:`~.frames.WireTimeout`, :class:`~.transport.ConnectError`.
+
+The value types live in :mod:`.values` and the handshake (with ``probe``) in :mod:`.handshake`; both are
+re-exported here.
 """
 from __future__ import annotations
 
@@ -59,109 +62,21 @@ import collections
 import random
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-from . import auth, codecs, secure
-from .frames import AuthError, CodecError, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
+from . import auth, codecs
+from .frames import CodecError, MsgType, PeerError, ProtocolError, WireTimeout
+from .handshake import _RESUME, _RESUME_LOCK, _handshake, probe  # noqa: F401 - re-exported
 from .message import encode_meta
-from .text import check_island_id, printable
+from .text import check_island_id
 from .transport import Connection, connect
+from .values import DELTA_CODECS, Base, PushReply, SyncerRefusal, Welcome, recoverable  # noqa: F401 - re-exported
 
 __all__ = ["SyncerClient", "SyncerRefusal", "Welcome", "Base", "PushReply", "probe", "recoverable"]
 
 _SEND_PIECE = 4 << 20
-
-
-class SyncerRefusal(PeerError):
-    """The syncer refused a push (the connection stays usable)."""
-
-    def __init__(self, code: str, message: str, fragment=None, base_version=None):
-        super().__init__(code, message)
-        self.fragment = fragment
-        self.base_version = base_version
-
-
-@dataclass
-class Welcome:
-    island_id: str
-    layout: list
-    numels: list
-    fragments: int
-    versions: Optional[list]
-    needs_init: list
-    base_wire: str
-    heartbeat_s: float
-    lease_s: float
-    islands: int
-    quorum: int
-    total_rounds: Optional[int]
-    final: bool
-
-
-DELTA_CODECS = ("int8", "int4")
-_COMPOSE_PIECE = 1 << 18
-
-
-@dataclass
-class Base:
-    fragment: int
-    version: int
-    dtype: str
-    values: Optional[np.ndarray]
-    final: bool = False
-    deltas: tuple = ()              # ((codec, block, encoded body), ...) when values is None
-    start: Optional[int] = None     # the base version the first delta applies to
-    size: int = 0                   # values of the fragment (when values is None)
-    held: bool = False              # start from the weights the island holds (they equal the base of `start`)
-
-    @property
-    def relative(self) -> bool:
-        return self.values is None
-
-    def delta_range(self, i: int, start: int, count: int) -> np.ndarray:
-        codec, block, body = self.deltas[i]
-        return codecs.decode_range(codec, body, self.numel, start, count, block)
-
-    @property
-    def numel(self) -> int:
-        if self.values is not None:
-            return int(self.values.size)
-        return int(self.size)
-
-    def then(self, nxt: "Base") -> "Base":
-        """This base followed by ``nxt``: a full base replaces it; an update must start at this version and is
-        added (a full base + updates becomes the full newer base, float32 additions in order, exactly as the
-        syncer computed it; updates to updates are chained)."""
-        if not nxt.relative or nxt.held:
-            return nxt
-        if nxt.start != self.version:
-            raise ProtocolError(f"base update of fragment {nxt.fragment} applies to v{nxt.start}, but the base "
-                                f"held is v{self.version}")
-        if self.relative:
-            return Base(self.fragment, nxt.version, nxt.dtype, None, nxt.final, self.deltas + nxt.deltas, self.start,
-                        self.size, self.held)
-        vals = self.values if self.values.flags.writeable else self.values.copy()
-        n = vals.size
-        for i in range(len(nxt.deltas)):
-            for a in range(0, n, _COMPOSE_PIECE):
-                k = min(_COMPOSE_PIECE, n - a)
-                vals[a:a + k] += nxt.delta_range(i, a, k)
-        if not np.isfinite(vals).all():
-            raise ProtocolError(f"base update of fragment {nxt.fragment} to v{nxt.version} makes it non-finite")
-        return Base(self.fragment, nxt.version, "f32", vals, nxt.final)
-
-
-@dataclass
-class PushReply:
-    fragment: int
-    base_version: int
-    status: str
-    lag: int = 0
-    version: Optional[int] = None
-    message: str = ""
 
 
 def _aligned(meta: dict, align: int = 64) -> dict:
@@ -178,89 +93,6 @@ def _norm_manifest(manifest) -> list:
         name, shape, dtype = e
         out.append((str(name), tuple(int(d) for d in shape), str(dtype)))
     return out
-
-
-_RESUME: dict = {}   # (syncer address, island id) -> resumption secret of this process's last session
-_RESUME_LOCK = threading.Lock()
-
-
-def _handshake(conn: Connection, key: Optional[bytes], insecure: bool, msg_type: MsgType, island_id: str,
-               incarnation: int, digest: bytes, extra: dict, timeout: float, resume_slot=None) -> dict:
-    """The island's handshake. ``resume_slot`` (address, island id): prove the previous session of this id in
-    this process (its resumption secret), so a reconnect may take over a connection the syncer still holds."""
-    t, challenge, _ = conn.recv(timeout=timeout)
-    if t != MsgType.CHALLENGE:
-        raise ProtocolError(f"expected CHALLENGE from the syncer, got {t.name}")
-    try:
-        server_nonce = bytes.fromhex(challenge["nonce"])
-    except (KeyError, ValueError, TypeError):
-        raise ProtocolError("malformed CHALLENGE from the syncer") from None
-    if challenge.get("auth") and key is None:
-        raise AuthError("the syncer requires a key and this island has none (set YETO_KEY or a key file)")
-    if not challenge.get("auth") and key is not None:
-        raise AuthError("the syncer runs without a key (insecure) but this island has one; refusing to talk "
-                        "to an unauthenticated syncer")
-    mode = challenge.get("frames")
-    if key is not None and mode not in secure.MODES:
-        raise AuthError(f"the syncer offers frame protection {printable(mode, 40)!r}, not one of {secure.MODES}: "
-                        "refusing a link whose frames are not authenticated")
-    nonce = auth.new_nonce()
-    mac = auth.client_mac(key, server_nonce, nonce, island_id, incarnation, digest).hex() if key else ""
-    hello = {"island_id": island_id, "incarnation": incarnation, "nonce": nonce.hex(),
-             "manifest_digest": digest.hex(), "mac": mac, "insecure": key is None, **extra}
-    with _RESUME_LOCK:
-        previous = _RESUME.get(resume_slot) if key is not None and resume_slot is not None else None
-    if previous is not None:
-        hello["resume"] = secure.resumption_proof(previous, server_nonce, nonce, island_id).hex()
-    conn.send(msg_type, hello)
-    if key is not None:   # every later frame is authenticated (and in "aead" mode encrypted) both ways
-        c2s, s2c = secure.derive_keys(key, server_nonce, nonce, mode, secure.transcript(challenge, hello))
-        conn.protect(c2s, s2c, mode == "aead", clear_error_first=True)
-    try:
-        t, meta, _ = conn.recv(timeout=timeout)
-    except FrameAuthError as e:   # the first protected frame: the keys differ (wrong key, tampered handshake)
-        raise AuthError(f"the syncer's WELCOME failed authentication (wrong key, or a handshake altered on the "
-                        f"way): {e}") from None
-    if t != MsgType.WELCOME:
-        raise ProtocolError(f"expected WELCOME from the syncer, got {t.name}")
-    if key is not None:
-        want = auth.server_mac(key, server_nonce, nonce, island_id, incarnation, digest)
-        try:
-            got = bytes.fromhex(meta.get("server_mac", ""))
-        except ValueError:
-            got = b""
-        auth.verify(want, got, what="the syncer's WELCOME")
-        if resume_slot is not None and msg_type == MsgType.HELLO:
-            th = secure.transcript(challenge, hello)
-            with _RESUME_LOCK:
-                _RESUME[resume_slot] = secure.derive_resumption(key, server_nonce, nonce, th)
-    return meta
-
-
-def recoverable(e: BaseException) -> bool:
-    """Whether ``e`` means the link to the syncer is gone (reconnecting may help) rather than a refusal: lost
-    or stalled connections, corrupt frames, connection refused while the syncer restarts.  Authentication,
-    manifest and island-count errors, refused pushes and codec errors are final."""
-    if isinstance(e, PeerError) and e.code == "integrity":   # a frame was altered on the path: a new link
-        return True
-    if isinstance(e, (PeerError, AuthError, CodecError)):
-        return False
-    return isinstance(e, (ProtocolError, OSError, EOFError))
-
-
-def probe(address: str, key: Optional[bytes], *, timeout: float = 10.0, insecure: bool = False,
-          island_id: str = "doctor") -> dict:
-    """Authenticated handshake with the syncer without joining its run; returns its status."""
-    if key is None:
-        auth.check_insecure(address, insecure)
-    conn = connect(address, timeout=timeout, retries=0)
-    try:
-        meta = _handshake(conn, key, insecure, MsgType.PROBE, island_id, random.getrandbits(63), bytes(32), {},
-                          timeout)
-    finally:
-        conn.close()
-    meta.pop("server_mac", None)
-    return meta
 
 
 class SyncerClient:

@@ -1,0 +1,117 @@
+"""Values the island side of the syncer protocol hands to its caller (see :mod:`.client`).
+
+:class:`Welcome` (the syncer's answer to HELLO), :class:`Base` (a fragment's base, full or as updates),
+:class:`PushReply`, :class:`SyncerRefusal` (a refused push) and :func:`recoverable` (a lost link vs a final
+refusal).  Stdlib + numpy only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import codecs
+from .frames import AuthError, CodecError, PeerError, ProtocolError
+
+__all__ = ["SyncerRefusal", "Welcome", "Base", "PushReply", "recoverable", "DELTA_CODECS"]
+
+
+class SyncerRefusal(PeerError):
+    """The syncer refused a push (the connection stays usable)."""
+
+    def __init__(self, code: str, message: str, fragment=None, base_version=None):
+        super().__init__(code, message)
+        self.fragment = fragment
+        self.base_version = base_version
+
+
+@dataclass
+class Welcome:
+    island_id: str
+    layout: list
+    numels: list
+    fragments: int
+    versions: Optional[list]
+    needs_init: list
+    base_wire: str
+    heartbeat_s: float
+    lease_s: float
+    islands: int
+    quorum: int
+    total_rounds: Optional[int]
+    final: bool
+
+
+DELTA_CODECS = ("int8", "int4")
+_COMPOSE_PIECE = 1 << 18
+
+
+@dataclass
+class Base:
+    fragment: int
+    version: int
+    dtype: str
+    values: Optional[np.ndarray]
+    final: bool = False
+    deltas: tuple = ()              # ((codec, block, encoded body), ...) when values is None
+    start: Optional[int] = None     # the base version the first delta applies to
+    size: int = 0                   # values of the fragment (when values is None)
+    held: bool = False              # start from the weights the island holds (they equal the base of `start`)
+
+    @property
+    def relative(self) -> bool:
+        return self.values is None
+
+    def delta_range(self, i: int, start: int, count: int) -> np.ndarray:
+        codec, block, body = self.deltas[i]
+        return codecs.decode_range(codec, body, self.numel, start, count, block)
+
+    @property
+    def numel(self) -> int:
+        if self.values is not None:
+            return int(self.values.size)
+        return int(self.size)
+
+    def then(self, nxt: "Base") -> "Base":
+        """This base followed by ``nxt``: a full base replaces it; an update must start at this version and is
+        added (a full base + updates becomes the full newer base, float32 additions in order, exactly as the
+        syncer computed it; updates to updates are chained)."""
+        if not nxt.relative or nxt.held:
+            return nxt
+        if nxt.start != self.version:
+            raise ProtocolError(f"base update of fragment {nxt.fragment} applies to v{nxt.start}, but the base "
+                                f"held is v{self.version}")
+        if self.relative:
+            return Base(self.fragment, nxt.version, nxt.dtype, None, nxt.final, self.deltas + nxt.deltas, self.start,
+                        self.size, self.held)
+        vals = self.values if self.values.flags.writeable else self.values.copy()
+        n = vals.size
+        for i in range(len(nxt.deltas)):
+            for a in range(0, n, _COMPOSE_PIECE):
+                k = min(_COMPOSE_PIECE, n - a)
+                vals[a:a + k] += nxt.delta_range(i, a, k)
+        if not np.isfinite(vals).all():
+            raise ProtocolError(f"base update of fragment {nxt.fragment} to v{nxt.version} makes it non-finite")
+        return Base(self.fragment, nxt.version, "f32", vals, nxt.final)
+
+
+@dataclass
+class PushReply:
+    fragment: int
+    base_version: int
+    status: str
+    lag: int = 0
+    version: Optional[int] = None
+    message: str = ""
+
+
+def recoverable(e: BaseException) -> bool:
+    """Whether ``e`` means the link to the syncer is gone (reconnecting may help) rather than a refusal: lost
+    or stalled connections, corrupt frames, connection refused while the syncer restarts.  Authentication,
+    manifest and island-count errors, refused pushes and codec errors are final."""
+    if isinstance(e, PeerError) and e.code == "integrity":   # a frame was altered on the path: a new link
+        return True
+    if isinstance(e, (PeerError, AuthError, CodecError)):
+        return False
+    return isinstance(e, (ProtocolError, OSError, EOFError))
