@@ -266,7 +266,7 @@ def handshake(addr, key: bytes, island: str, record: list = None):
     # every later frame is authenticated with keys bound to this handshake (wire/secure.py)
     th = secure.transcript(ch, hello)
     c2s, s2c = secure.derive_keys(key, sn, cn, ch["frames"], th)
-    conn.protect(c2s, s2c, ch["frames"] == "aead")
+    conn.protect(c2s, s2c, ch["frames"] == "aead", clear_error_first=True)   # (a refusal comes clear)
     _SESSIONS[island] = secure.derive_resumption(key, sn, cn, th)
     t, welcome, _ = conn.recv()
     if record is not None:

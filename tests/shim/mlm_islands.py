@@ -55,7 +55,8 @@ def run_pair(tmp, first, second, vocab=100, iters=2, extra=None, env=None, timeo
     port = P.free_port()
     key = P.key_file(pathlib.Path(tmp))
     go = os.path.join(tmp, "second-may-connect")
-    syncer = P.start_syncer(pathlib.Path(tmp), port, islands=2, fragments=2, key=key)
+    syncer = P.start_syncer(pathlib.Path(tmp), port, islands=2, fragments=2, key=key,
+                             extra=("--init-lowest-id",))
     (ida, la), (idb, lb) = first, second
     a = island(tmp, ida, la, port, key, mlm_args(vocab, iters, extra.get(ida, ())), env.get(ida))
     b = island(tmp, idb, lb, port, key, [*mlm_args(vocab, iters, extra.get(idb, ())), "--wait-for-file", go],

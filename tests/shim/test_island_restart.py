@@ -12,6 +12,7 @@ correct."""
 import importlib.util
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -46,9 +47,10 @@ def run(tmp, restart):
     key = P.key_file(tmp)
     syncer = P.start_syncer(tmp, port, islands=2, fragments=2, key=key)
     ca, cb = str(tmp / "ckpt_a"), str(tmp / "ckpt_b")
-    # a initializes the run in every run (a fixed roster takes the INIT of its lowest id once both joined), so
-    # both runs start from the same weights
     a = torchrun(tmp, "a", args(1, ca), env(port, key, "a", tmp))
+    deadline = time.time() + 300    # a initializes the run (the same initial weights in every run), then b joins
+    while "joined the syncer" not in a.text() and a.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
     b = torchrun(tmp, "b", args(2, cb, ["--exit-interval", str(STOP)] if restart else []), env(port, key, "b", tmp))
     procs = [syncer, a, b]
     try:

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.mark.parametrize("order", [["c", "b", "a"], ["a", "c", "b"], ["b", "a", "c"]])
 def test_fixed_roster_base_is_the_lowest_id_whatever_the_connection_order(order):
-    server, addr = make_server(islands=3, fragments=2)
+    server, addr = make_server(islands=3, fragments=2, init_lowest_id=True)
     with running(server):
         cs = [client(addr, n) for n in order]
         ws = []

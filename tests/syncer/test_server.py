@@ -27,8 +27,7 @@ def test_diloco_matches_numpy_reference_over_many_rounds(tmp_path):
     with running(server):
         values = init_values()
         cs, ws, layout, bases = join_all(addr, ["a", "b", "c"], values)
-        # a fixed roster: the lowest id ("a") is asked for INIT once the roster is complete, after the WELCOMEs
-        assert ws[0].needs_init == [] and ws[1].needs_init == [] and ws[2].needs_init == []
+        assert ws[0].needs_init == [0, 1, 2] and ws[1].needs_init == [] and ws[2].needs_init == []
         refs = [RefFragment(fragment_flat(values, layout, f)) for f in range(3)]
         for c_bases in bases:  # every island starts from the same weights
             for f in range(3):

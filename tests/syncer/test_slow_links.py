@@ -37,8 +37,9 @@ def _raw_island(addr, island):
     return conn
 
 
+# (quorum 1: an elastic roster, so island a initializes the run before b joins)
 def test_syncer_keeps_an_island_that_stops_reading_for_1_5s(caplog):
-    server, addr = make_server(islands=2, fragments=1, io_timeout_s=10.0, rounds={"lease_s": 40.0})
+    server, addr = make_server(islands=2, fragments=1, io_timeout_s=10.0, rounds={"lease_s": 40.0, "quorum": 1})
     with running(server), caplog.at_level(logging.INFO, logger="yeto"):
         a = _init(addr)
         b = _raw_island(addr, "b")   # the syncer now streams the 32 MiB base to b, which reads nothing
@@ -57,7 +58,7 @@ def test_syncer_keeps_an_island_that_stops_reading_for_1_5s(caplog):
 
 
 def test_syncer_drops_an_island_that_stops_reading_longer_than_io_timeout(caplog):
-    server, addr = make_server(islands=2, fragments=1, io_timeout_s=2.0, rounds={"lease_s": 40.0})
+    server, addr = make_server(islands=2, fragments=1, io_timeout_s=2.0, rounds={"lease_s": 40.0, "quorum": 1})
     with running(server), caplog.at_level(logging.INFO, logger="yeto"):
         a = _init(addr)
         t0 = time.monotonic()

@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-timeout", type=_pos_float, default=None, help="seconds the initializing island may "
                    "go without completing a fragment's INIT before its claim is dropped and another island is "
                    "asked (default: --lease plus --io-timeout)")
+    g.add_argument("--init-lowest-id", action="store_true", help="take the initial base from the lowest island "
+                   "id once all --islands joined (the start no longer depends on who connects first; islands wait "
+                   "for each other at start)")
     g.add_argument("--final-ack-timeout", type=_pos_float, default=60.0, help="seconds to wait for the islands' "
                    "acknowledgements of the final model")
     g = p.add_argument_group("checkpoints")
@@ -186,7 +189,7 @@ def config_from_args(a: argparse.Namespace):
                         merge_threads=a.merge_threads, io_timeout_s=a.io_timeout,
                         final_ack_timeout_s=a.final_ack_timeout, max_handshakes=a.max_handshakes,
                         max_handshakes_per_host=a.max_handshakes_per_host, max_model_bytes=a.max_model_bytes,
-                        island_buffer_bytes=a.island_buffer_bytes, init_timeout_s=a.init_timeout,
+                        island_buffer_bytes=a.island_buffer_bytes, init_timeout_s=a.init_timeout, init_lowest_id=a.init_lowest_id,
                         max_push_norm_ratio=a.max_push_norm_ratio)
 
 

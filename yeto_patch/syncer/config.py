@@ -40,4 +40,5 @@ class ServerConfig:
     max_model_bytes: int = 0   # float32 size of the largest model a first manifest may fix (0: limits.py default)
     island_buffer_bytes: int = 0   # unfinished chunked messages one island may hold (0: one push + 2 MiB)
     init_timeout_s: Optional[float] = None   # INIT progress bound of the initializing island (None: lease + io)
+    init_lowest_id: bool = False   # --init-lowest-id: INIT from the lowest id once all --islands joined
     max_push_norm_ratio: float = 10.0   # refuse pushes above this x the recent median push norm (0: off)

@@ -318,16 +318,16 @@ class SyncerServer:
 
     def pick_initializer(self, joining: Optional[_Session]) -> list:
         """Choose the island whose INIT becomes the run's initial base (under coord.lock, before INIT is complete).
-        An elastic roster (--quorum below --islands) takes the first island that joins. A fixed roster waits until
-        all --islands islands are connected and takes the lowest island id, so the initial base (and with it a
-        tau = 0 run, bit for bit) does not depend on which island connects first. Returns the fragments `joining`
+        By default the first island that joins. With --init-lowest-id the syncer waits until all --islands islands
+        are connected and takes the lowest island id, so the initial base (and with it a tau = 0 run, bit for bit)
+        does not depend on which island connects first (islands then wait for each other at start). Returns the fragments `joining`
         must INIT (its WELCOME carries them); another chosen island gets an INIT request."""
         if self.initializer is not None and not self.initializer.closed:
             return []
         self.initializer = None
         live = [x for x in self.sessions.values() if not x.closed]
         fit = [x for x in live if x.island not in self.init_watch.failed] or live   # (not one that stalled INIT)
-        if self.cfg.rounds.k < self.cfg.islands:
+        if not self.cfg.init_lowest_id:
             chosen = joining if joining is not None and joining in fit else (fit[0] if fit else None)
         else:
             chosen = min(fit, key=lambda x: x.island) if len(live) >= self.cfg.islands else None
@@ -338,7 +338,7 @@ class SyncerServer:
         if chosen is joining:
             return self.coord.missing_init()
         log.info("island %s initializes the run (%s)", chosen.island, "the first to join" if
-                 self.cfg.rounds.k < self.cfg.islands else "the lowest id of the complete roster")
+                 not self.cfg.init_lowest_id else "the lowest id of the complete roster")
         chosen.post(MsgType.INIT, {"request": self.coord.missing_init()})
         return []
 
