@@ -61,7 +61,7 @@ def test_write_read_plus_c_changes_masters_exactly_keeps_adam_state(mcore_pool, 
 
 
 def test_blend_write(mcore_pool):
-    res = mcore_pool.run(f"{W}:write_plus_constant", LAYOUTS["tp2dp2_bf16_distopt"], 0.5, 2, 1 << 14, 0.25,
+    res = mcore_pool.run(f"{W}:write_plus_constant", LAYOUTS["tp2dp2_bf16_distopt"], 0.03125, 2, 1 << 14, 0.25,
                          timeout=240)
     assert all(r["same_states"] for r in res)
     assert res[0]["eval2"] < res[0]["eval1"]

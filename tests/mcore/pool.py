@@ -85,8 +85,26 @@ def _cleanup_megatron():
         nmc.destroy_num_microbatches_calculator()
     except Exception:
         pass
+    _destroy_side_groups()
     import gc
     gc.collect()
+
+
+def _destroy_side_groups():
+    """Destroy every process group but the default one: megatron's destroy_model_parallel() and a task's own
+    IslandComm only drop their references, so without this each task's gloo groups (threads, sockets) stay alive
+    in torch's registry and a long-lived worker gathers thousands of them. Every rank does this between tasks, so
+    no peer still uses a group being closed."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+        if not dist.is_initialized():
+            return
+        for pg in list(c10d._world.pg_map):
+            if pg is not c10d.GroupMember.WORLD:
+                dist.destroy_process_group(pg)
+    except Exception as e:  # never fail a task's clean-up; the next task starts with the groups it makes
+        print(f"pool: could not destroy process groups: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def _worker_main(rank: int, world: int, port: int, conn, pg_timeout_s: float, env: dict):
