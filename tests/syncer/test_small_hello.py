@@ -244,3 +244,13 @@ def test_probe_sends_no_manifest(syncer):
     server, addr, counts = syncer
     assert probe(addr, KEY)["probe"]
     assert counts["parsed"] == 0 and counts["read"] < 64 << 10
+
+
+def test_a_manifest_above_64_kib_is_read_once_the_hello_passed(syncer):
+    server, addr, counts = syncer
+    big = [(f"decoder.layers.{i}.weight", (4,), "float32") for i in range(30000)]   # ~1.2 MiB of JSON
+    c = client(addr, "a", manifest=big)
+    c.connect()
+    assert counts["parsed"] == 1 and counts["read"] > 1 << 20
+    assert server.status()["manifest_digest"] == auth.manifest_digest(big).hex()
+    c.close()
