@@ -59,7 +59,7 @@ sys.path.insert(0, ROOT)
 from yeto_patch.syncer.checkpoint import read_checkpoint  # noqa: E402
 from yeto_patch.wire import auth, codecs, secure  # noqa: E402
 from yeto_patch.wire.client import SyncerClient  # noqa: E402
-from yeto_patch.wire.frames import HEADER, HEADER_SIZE, MAGIC, MAX_PAYLOAD, MsgType  # noqa: E402
+from yeto_patch.wire.frames import HEADER, HEADER_SIZE, MAGIC, MAX_PAYLOAD, MsgType, ProtocolError  # noqa: E402
 from yeto_patch.wire.message import pack_meta, unpack  # noqa: E402
 from yeto_patch.wire.transport import connect  # noqa: E402
 
@@ -184,11 +184,24 @@ def chunk(msg_id: int, inner: int, total: int, offset: int, data: bytes, reserve
 
 
 def hello_meta(key: bytes, server_nonce: bytes, island: str, incarnation: int = INCARNATION,
-               manifest=MANIFEST_JSON, digest: bytes = DIGEST) -> dict:
+               digest: bytes = DIGEST) -> dict:
     nonce = auth.new_nonce()
     return {"island_id": island, "incarnation": incarnation, "nonce": nonce.hex(), "manifest_digest": digest.hex(),
             "mac": auth.client_mac(key, server_nonce, nonce, island, incarnation, digest).hex(),
-            "insecure": False, "manifest": manifest}
+            "insecure": False, "protocol": 2}
+
+
+def hello_and_manifest(key: bytes, ch: dict, island: str, manifest=MANIFEST_JSON, digest: bytes = DIGEST,
+                       hello: dict = None) -> bytes:
+    """A HELLO for challenge ``ch`` and, right after it, the MANIFEST sealed with the keys it agrees (the syncer
+    reads the MANIFEST only once the HELLO passed, after its HELLO_OK)."""
+    sn = bytes.fromhex(ch["nonce"])
+    hello = hello or hello_meta(key, sn, island, digest=digest)
+    c2s, _ = secure.derive_keys(key, sn, bytes.fromhex(hello["nonce"]), ch["frames"], secure.transcript(ch, hello))
+    body = pack_meta({"manifest": manifest})
+    header = HEADER.pack(MAGIC, 1, MsgType.MANIFEST, secure.FLAG_AUTH, len(body), 0)
+    out, tag = secure.Sealer(c2s, False).seal(header, [body], clear=0)
+    return message(MsgType.HELLO, hello) + header + b"".join(bytes(x) for x in out) + tag
 
 
 def split_frames(buf: bytes) -> list:
@@ -268,6 +281,10 @@ def handshake(addr, key: bytes, island: str, record: list = None):
     c2s, s2c = secure.derive_keys(key, sn, cn, ch["frames"], th)
     conn.protect(c2s, s2c, ch["frames"] == "aead", clear_error_first=True)   # (a refusal comes clear)
     _SESSIONS[island] = secure.derive_resumption(key, sn, cn, th)
+    t, _, _ = conn.recv()
+    if t != MsgType.HELLO_OK:
+        raise ProtocolError(f"expected HELLO_OK, got {t.name}")
+    conn.send(MsgType.MANIFEST, {"manifest": MANIFEST_JSON})
     t, welcome, _ = conn.recv()
     if record is not None:
         record.append((raw, welcome))
@@ -312,7 +329,7 @@ class Cases:
     def oversize(self) -> Case:
         r = self.rng
         t = self.pick([MsgType.HELLO, MsgType.PROBE, MsgType.CHUNK, MsgType.PUSH, MsgType.INIT, MsgType.ERROR,
-                       MsgType.HEARTBEAT])
+                       MsgType.HEARTBEAT, MsgType.MANIFEST])
         lim = MAX_PAYLOAD[t]
         if t in (MsgType.PUSH, MsgType.INIT) and r.random() < 0.5:  # within the type's maximum, but unchunked
             n = r.randrange(MAX_PAYLOAD[MsgType.CHUNK] + 1, lim)
@@ -403,7 +420,8 @@ class Cases:
             ("manifest_digest", "00" * 31, "auth"), ("incarnation", -1, "auth"), ("incarnation", 1 << 64, "auth"),
             ("incarnation", "1", "auth"), ("incarnation", 1.5, "auth"), ("incarnation", [1], "auth"),
             ("mac", "", "auth"), ("mac", "00" * 32, "auth"), ("mac", os.urandom(32).hex(), "auth"),
-            ("island_id", "ev\u00e9\u2603", "auth"), ("insecure", True, "keyless"),
+            ("island_id", "ev\u00e9\u2603", "auth"), ("insecure", True, "keyless"), ("protocol", None, "protocol"),
+            ("protocol", 1, "protocol"), ("manifest", MANIFEST_JSON, "protocol"),
         ]
         field, value, code = self.pick(variants)
         if code == "keyless":
@@ -437,11 +455,9 @@ class Cases:
             if kind == 2:  # wrong key
                 return message(self.pick([MsgType.HELLO, MsgType.PROBE]), hello_meta(os.urandom(32), nonce, island))
             if kind == 3:  # right key, one island too many
-                return message(MsgType.HELLO, hello_meta(key, nonce, island))
+                return hello_and_manifest(key, ch, island)
             if kind == 4:  # right key, the manifest changed after it was signed
-                m = hello_meta(key, nonce, island)
-                m["manifest"] = [[n, [d + 1 for d in s], t] for n, s, t in MANIFEST_JSON]
-                return message(MsgType.HELLO, m)
+                return hello_and_manifest(key, ch, island, [[n, [d + 1 for d in s], t] for n, s, t in MANIFEST_JSON])
             # right key and a consistent digest, but not the run's manifest (or not a manifest at all)
             other = [list(e) for e in MANIFEST_JSON]
             j = r.randrange(len(other))
@@ -453,12 +469,10 @@ class Cases:
                 other = self.pick([None, "x", {"a": 1}, [["w", [1], "float32"], ["w", [1], "float32"]],
                                    [["w", [-1], "float32"]], [["w", [True], "float32"]], [["w", [1 << 70], "f"]],
                                    [["", [1], "float32"]], [["w", [1], 7]], [[1, [1], "f"]], []])
-                return message(MsgType.HELLO, hello_meta(key, nonce, island, manifest=other,
-                                                         digest=os.urandom(32)))
-            return message(MsgType.HELLO, hello_meta(key, nonce, island, manifest=other,
-                                                     digest=auth.manifest_digest(other)))
+                return hello_and_manifest(key, ch, island, other, digest=os.urandom(32))
+            return hello_and_manifest(key, ch, island, other, digest=auth.manifest_digest(other))
         expect = {2: "auth", 3: "too-many-islands", 4: "auth"}.get(kind, "manifest")
-        return Case("auth", build, expect=expect)
+        return Case("auth", build, expect=expect, frames=1 if kind == 2 else 2)
 
     def pre_auth(self, n: int) -> list:
         weights = {"header": 3, "oversize": 2, "truncated": 2, "digest": 2, "chunk": 4, "meta": 2, "hello": 3,
@@ -793,10 +807,11 @@ def fuzz(args, syncer: Syncer, key: bytes, ctx: dict, tally: Tally, violations: 
 
     def mem_worker(i):
         if time.monotonic() < stop_at:
-            # gigabytes announced for a message no unauthenticated peer may send, followed by 48 MiB; or the
-            # largest HELLO there may be, all but its last byte
+            # gigabytes announced for a message no unauthenticated peer may send, followed by 48 MiB; a MANIFEST
+            # before any HELLO passed (64 KiB at most then); or the largest HELLO there may be, all but its last byte
             inner, total, nbytes = [(MsgType.INIT, 1 << 34, 48 << 20), (MsgType.PUSH, 1 << 34, 48 << 20),
-                                    (MsgType.HELLO, MAX_PAYLOAD[MsgType.HELLO], MAX_PAYLOAD[MsgType.HELLO] - 1)][i % 3]
+                                    (MsgType.HELLO, MAX_PAYLOAD[MsgType.HELLO], MAX_PAYLOAD[MsgType.HELLO] - 1),
+                                    (MsgType.MANIFEST, MAX_PAYLOAD[MsgType.MANIFEST], 8 << 20)][i % 4]
             r = memory_case(addr, inner, total, nbytes, close_within)
             tally.record("memory", r, frames=max(1, r["frames"]))
 

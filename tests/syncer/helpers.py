@@ -147,22 +147,49 @@ class SealedFrames:
         return self._frame(msg_type, [pack_meta(meta, len(body)) + body], 0)
 
 
-def raw_join(addr, island: str, manifest, key: bytes = KEY, incarnation: int = 1):
-    """An island's handshake by hand (no SyncerClient): returns (connection protected as agreed, SealedFrames
-    for raw frames on its socket). Send raw frames or use the connection, not both (one sequence)."""
+def raw_hello(addr, island: str, digest: bytes, key: bytes = KEY, incarnation: int = 1, mac_key=None):
+    """Connect and send a HELLO by hand (its MAC made with ``mac_key``, default ``key``), then protect the
+    connection with ``key`` as the challenge agreed; returns (connection, island -> syncer frame key, encrypt)."""
     from yeto_patch.wire import auth, secure
     from yeto_patch.wire.frames import MsgType
     from yeto_patch.wire.transport import connect
     conn = connect(addr, timeout=10, retries=2)
     _, ch, _ = conn.recv()
-    nonce, digest = auth.new_nonce(), auth.manifest_digest(manifest)
-    sn = bytes.fromhex(ch["nonce"])
-    hello = {"island_id": island, "incarnation": incarnation, "nonce": nonce.hex(), "manifest_digest": digest.hex(),
-             "insecure": False, "manifest": [[n, list(s), d] for n, s, d in manifest]}
-    hello["mac"] = auth.client_mac(key, sn, nonce, island, incarnation, digest).hex()
+    nonce = auth.new_nonce()
+    hello = hello_meta(ch, island, incarnation, nonce, digest, mac_key or key)
     conn.send(MsgType.HELLO, hello)
-    c2s, s2c = secure.derive_keys(key, sn, nonce, ch["frames"], secure.transcript(ch, hello))
+    c2s, s2c = secure.derive_keys(key, bytes.fromhex(ch["nonce"]), nonce, ch["frames"], secure.transcript(ch, hello))
     conn.protect(c2s, s2c, ch["frames"] == "aead", clear_error_first=True)
+    return conn, c2s, ch["frames"] == "aead"
+
+
+def raw_join(addr, island: str, manifest, key: bytes = KEY, incarnation: int = 1):
+    """An island's handshake by hand (no SyncerClient): returns (connection protected as agreed, SealedFrames
+    for raw frames on its socket, which sealed the MANIFEST). Send raw frames on the socket after it, not with the
+    connection (its sequence did not count the MANIFEST); receive with the connection."""
+    from yeto_patch.wire import auth
+    from yeto_patch.wire.frames import MsgType
+    conn, c2s, encrypt = raw_hello(addr, island, auth.manifest_digest(manifest), key, incarnation)
+    t, _, _ = conn.recv()
+    assert t == MsgType.HELLO_OK
+    frames = SealedFrames(c2s, encrypt)
+    conn.sock.sendall(frames.message(MsgType.MANIFEST, manifest_meta(manifest)))   # frame 0 of the sequence
     t, _, _ = conn.recv()
     assert t == MsgType.WELCOME
-    return conn, SealedFrames(c2s, ch["frames"] == "aead")
+    return conn, frames
+
+
+def hello_meta(challenge: dict, island: str, incarnation: int, nonce: bytes, digest: bytes, key=KEY) -> dict:
+    """A HELLO meta (protocol 2: no manifest) for ``challenge``, its MAC made with ``key`` (None: insecure)."""
+    from yeto_patch.wire import auth
+    hello = {"island_id": island, "incarnation": incarnation, "nonce": nonce.hex(), "manifest_digest": digest.hex(),
+             "insecure": key is None, "protocol": 2, "mac": ""}
+    if key is not None:
+        hello["mac"] = auth.client_mac(key, bytes.fromhex(challenge["nonce"]), nonce, island, incarnation,
+                                       digest).hex()
+    return hello
+
+
+def manifest_meta(manifest, **extra) -> dict:
+    """The MANIFEST meta an island sends after HELLO_OK."""
+    return {"manifest": [[n, list(s), d] for n, s, d in manifest], **extra}

@@ -18,7 +18,8 @@ from yeto_patch.wire.frames import MsgType, PeerError, ProtocolError
 from yeto_patch.wire.message import pack_meta
 from yeto_patch.wire.transport import connect
 
-from .helpers import KEY, MANIFEST, client, init_values, make_server, running, state_of
+from .helpers import (KEY, MANIFEST, SealedFrames, client, init_values, make_server, manifest_meta, raw_hello, running,
+                      state_of)
 
 pytestmark = pytest.mark.timeout(60)
 DIGEST = auth.manifest_digest(MANIFEST)
@@ -135,8 +136,15 @@ def test_manifest_mismatch_is_refused_naming_the_entry(run):
     assert e.value.code == "manifest" and "entry 2" in e.value.message and "[33, 16]" in e.value.message
     # signed with the key, but not a manifest the syncer can even digest: a refusal, not an internal error
     for bad, what in (([["w", [1 << 64], "float32"]], "shape"), ("x", "entry 0"), ([], "empty")):
-        e = handshake_error(addr, dict(recorded, manifest=bad, manifest_digest=os.urandom(32).hex()), key=KEY)
-        assert e.code == "manifest" and what in e.message
+        conn, _, _ = raw_hello(addr, "b", os.urandom(32), incarnation=recorded["incarnation"])
+        try:
+            assert conn.recv(timeout=5)[0] == MsgType.HELLO_OK
+            conn.send(MsgType.MANIFEST, {"manifest": bad})
+            with pytest.raises(PeerError) as e:
+                conn.recv(timeout=5)
+        finally:
+            conn.close()
+        assert e.value.code == "manifest" and what in e.value.message
     assert state_of(server) == before
 
 
@@ -224,17 +232,9 @@ def chunk_frame(inner, total, data, msg_id=1):
                        xxhash.xxh3_64_intdigest(payload)) + payload
 
 
-def sealed_chunk_frame(key, inner, total, data, msg_id=1):
-    """The first frame an island sends after WELCOME, authenticated as the handshake agreed (wire/secure.py)."""
-    from yeto_patch.wire import secure
-    payload = struct.pack("<QHHQQ", msg_id, inner, 0, total, 0) + data
-    header = struct.pack("<4sHHIQQ", b"YETO", 1, MsgType.CHUNK, secure.FLAG_AUTH, len(payload), 0)
-    _, tag = secure.Sealer(key, False).seal(header, [payload[:28], payload[28:]], clear=1)
-    return header + payload + tag
-
-
 def manual_join(addr, recorded):
-    """Island b's handshake by hand; returns (connection, island -> syncer frame key)."""
+    """Island b's handshake by hand, up to its MANIFEST; returns (connection, SealedFrames for its next raw frames,
+    which follow the MANIFEST in its sequence)."""
     from yeto_patch.wire import secure
     conn = connect(addr, timeout=5, retries=0)
     _, ch, _ = conn.recv(timeout=5)
@@ -250,7 +250,10 @@ def manual_join(addr, recorded):
     c2s, s2c = secure.derive_keys(KEY, sn, nonce, ch["frames"], th)
     client_mod._RESUME[(addr, "b")] = secure.derive_resumption(KEY, sn, nonce, th)
     conn.protect(c2s, s2c, ch["frames"] == "aead")
-    return conn, c2s
+    assert conn.recv(timeout=5)[0] == MsgType.HELLO_OK
+    frames = SealedFrames(c2s, ch["frames"] == "aead")
+    conn.sock.sendall(frames.message(MsgType.MANIFEST, manifest_meta(MANIFEST)))
+    return conn, frames
 
 
 def test_messages_larger_than_an_island_may_send_are_refused_from_their_header(run, caplog):
@@ -258,7 +261,9 @@ def test_messages_larger_than_an_island_may_send_are_refused_from_their_header(r
     before = state_of(server)
     caplog.set_level(logging.WARNING, "yeto")
     # before the handshake only a HELLO or PROBE may come, and no larger than a HELLO
-    for inner, total in ((MsgType.INIT, 1 << 30), (MsgType.PUSH, 1 << 34), (MsgType.HELLO, (16 << 20) + 1)):
+    # (64 KiB): nor a MANIFEST of more, which only a peer whose HELLO passed may send
+    for inner, total in ((MsgType.INIT, 1 << 30), (MsgType.PUSH, 1 << 34), (MsgType.HELLO, (64 << 10) + 1),
+                         (MsgType.MANIFEST, (64 << 10) + 1)):
         with raw_socket(addr) as s:
             s.sendall(chunk_frame(inner, total, b"\0" * 1024))
             assert closed_by_syncer(s) < 3
@@ -266,9 +271,9 @@ def test_messages_larger_than_an_island_may_send_are_refused_from_their_header(r
     # after it, a PUSH or INIT is at most a whole fragment in its largest encoding (plus 1 MiB)
     limit = codecs.encoded_nbytes("int8", max(b.welcome.numels), 1) + (1 << 20)
     for total in (limit, limit + 1):
-        conn, c2s = manual_join(addr, recorded)  # as island b again (its new connection replaces the old)
+        conn, sealed = manual_join(addr, recorded)  # as island b again (its new connection replaces the old)
         assert conn.recv(timeout=5)[0] == MsgType.WELCOME
-        conn.sock.sendall(sealed_chunk_frame(c2s, MsgType.PUSH, total, b"\0" * 1024))
+        conn.sock.sendall(sealed.chunk(1, MsgType.PUSH, total, 0, b"\0" * 1024))
         if total == limit:  # taken: the syncer waits for the rest of the message
             with pytest.raises(socket.timeout):
                 closed_by_syncer(conn.sock, timeout=0.5)

@@ -13,7 +13,8 @@ from yeto_patch.wire.client import SyncerRefusal, probe
 from yeto_patch.wire.frames import MsgType, PeerError
 from yeto_patch.wire.transport import connect
 
-from .helpers import KEY, MANIFEST, client, finish_all, fragment_flat, init_values, join_all, make_server, running
+from .helpers import (KEY, MANIFEST, client, finish_all, fragment_flat, hello_meta, init_values, join_all, make_server,
+                      manifest_meta, raw_hello, running)
 from .reference import RefFragment
 
 pytestmark = pytest.mark.timeout(60)
@@ -172,26 +173,21 @@ def test_wrong_key_replayed_handshake_and_wrong_manifest_refused():
         conn.recv(timeout=5)
         from yeto_patch.wire import auth
         t, meta, _ = connect(addr, timeout=5, retries=0).recv(timeout=5)  # someone else's challenge
-        nonce = auth.new_nonce()
         dig = auth.manifest_digest(MANIFEST)
-        hello = {"island_id": "b", "incarnation": 7, "nonce": nonce.hex(), "manifest_digest": dig.hex(),
-                 "manifest": [[n, list(s), d] for n, s, d in MANIFEST],
-                 "mac": auth.client_mac(KEY, bytes.fromhex(meta["nonce"]), nonce, "b", 7, dig).hex()}
-        conn.send(MsgType.HELLO, hello)
+        conn.send(MsgType.HELLO, hello_meta(meta, "b", 7, auth.new_nonce(), dig))
         with pytest.raises(PeerError) as e:
             conn.recv(timeout=5)
         assert e.value.code == "auth"
         conn.close()
         # a manifest altered after MACing is refused as well (its digest is what the MAC covers)
-        conn = connect(addr, timeout=5, retries=0)
-        t, meta, _ = conn.recv(timeout=5)
-        altered = [[n, list(s), d] for n, s, d in MANIFEST]
-        altered[0][1] = [65, 16]
-        hello2 = dict(hello, nonce=nonce.hex(), manifest=altered,
-                      mac=auth.client_mac(KEY, bytes.fromhex(meta["nonce"]), nonce, "b", 7, dig).hex())
-        conn.send(MsgType.HELLO, hello2)
-        with pytest.raises(PeerError, match="authenticated manifest digest"):
+        conn, _, _ = raw_hello(addr, "b", dig, incarnation=7)
+        assert conn.recv(timeout=5)[0] == MsgType.HELLO_OK
+        altered = manifest_meta(MANIFEST)
+        altered["manifest"][0][1] = [65, 16]
+        conn.send(MsgType.MANIFEST, altered)
+        with pytest.raises(PeerError, match="authenticated manifest digest") as e:
             conn.recv(timeout=5)
+        assert e.value.code == "auth"
         conn.close()
         # different manifest: refused naming the first differing entry
         other = list(MANIFEST)
@@ -341,7 +337,7 @@ def test_hostile_peers_do_not_disturb_the_run():
         silent = socket.create_connection((host, int(port)))  # connects and never speaks
         big = socket.create_connection((host, int(port)))
         from yeto_patch.wire.frames import encode_header
-        big.sendall(encode_header(MsgType.HELLO, 16 << 20, 0))  # announces a large HELLO, sends nothing more
+        big.sendall(encode_header(MsgType.HELLO, 64 << 10, 0))  # announces the largest HELLO, sends nothing more
         cs, ws, layout, _ = join_all(addr, ["solo"])
         c = cs[0]
         n = ws[0].numels[0]
@@ -371,7 +367,7 @@ def test_island_verifies_the_syncer():
     def impostor(keyed):
         s, _ = srv.accept()
         c = Connection(s, timeout=5)
-        c.send(MsgType.CHALLENGE, {"nonce": auth.new_nonce().hex(), "protocol": 1, "auth": keyed,
+        c.send(MsgType.CHALLENGE, {"nonce": auth.new_nonce().hex(), "protocol": 2, "auth": keyed,
                                    "frames": "mac" if keyed else "none"})
         try:
             c.recv(timeout=5)
@@ -383,7 +379,7 @@ def test_island_verifies_the_syncer():
         c.close()
 
     from yeto_patch.wire.frames import AuthError
-    for keyed, match in ((True, "WELCOME"), (False, "without a key")):
+    for keyed, match in ((True, "HELLO_OK failed authentication"), (False, "without a key")):
         th = threading.Thread(target=impostor, args=(keyed,), daemon=True)
         th.start()
         with pytest.raises(AuthError, match=match):

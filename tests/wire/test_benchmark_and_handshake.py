@@ -36,7 +36,7 @@ def _server(ls, key, box, nonce=None):
     conn = transport.Connection(ls.accept()[0], timeout=5)
     try:
         sn = nonce or auth.new_nonce()
-        conn.send(MsgType.CHALLENGE, {"nonce": sn.hex(), "protocol": 1})
+        conn.send(MsgType.CHALLENGE, {"nonce": sn.hex(), "protocol": 2})
         _, hello, _ = conn.recv()
         args = (sn, bytes.fromhex(hello["nonce"]), hello["island"], hello["incarnation"],
                 bytes.fromhex(hello["manifest_digest"]))

@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "at once; more are closed at once (bounds what strangers can make the syncer hold)")
     g.add_argument("--max-handshakes-per-host", type=_pos_int, default=16, help="the same limit per peer address")
     g.add_argument("--max-model-bytes", type=_nonneg_int, default=0, help="largest float32 model size (bytes) a "
-                   "first manifest may fix; larger ones are refused at HELLO (default: 0, a quarter of the "
+                   "first manifest may fix; larger ones are refused at its MANIFEST (default: 0, a quarter of the "
                    "physical memory)")
     g.add_argument("--island-buffer-bytes", type=_nonneg_int, default=0, help="bytes of unfinished chunked "
                    "messages one island connection may hold; all islands together hold at most --islands times "

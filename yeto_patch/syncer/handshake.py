@@ -1,4 +1,6 @@
-"""The syncer's side of the handshake: CHALLENGE, HELLO (or PROBE) checked, the island joined, WELCOME.
+"""The syncer's side of the handshake: CHALLENGE, HELLO (or PROBE) checked (its MAC), HELLO_OK, the MANIFEST
+read (protected) and checked, the island joined, WELCOME. Nothing larger than a HELLO (64 KiB) is read from a peer
+that has not proved its key.
 
 ``accept_handshake(server, session)`` runs on the connection's reader thread before anything else; it returns
 True when the island joined the run (the session then reads messages), False when the connection is to be
@@ -14,7 +16,7 @@ import time
 import weakref
 
 from ..wire import auth, secure
-from ..wire.frames import AuthError, MsgType, PeerError, ProtocolError, WireTimeout
+from ..wire.frames import MAX_PAYLOAD, AuthError, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
 from ..wire.text import EscapeArgs, check_island_id, printable
 from .layout import first_difference, normalize_manifest
 from .limits import default_max_model_bytes, model_size_error
@@ -87,9 +89,19 @@ def _refuse(s, code: str, message: str, stranger=None) -> None:
         pass
 
 
+PROTOCOL = 2   # handshake protocol (CHALLENGE "protocol", HELLO "protocol"); see wire/handshake.py
+
+
 def _parse_hello(t, meta) -> tuple:
     """(island, incarnation, client nonce, manifest digest, mac) of a HELLO/PROBE; ValueError/KeyError/
     TypeError when malformed."""
+    if meta.get("protocol") != PROTOCOL:
+        raise ValueError(f"the island speaks handshake protocol {printable(meta.get('protocol', 1), 20)} (protocol 1 "
+                         f"sent the manifest inside HELLO), this syncer speaks {PROTOCOL}: the manifest now "
+                         "follows the HELLO in its own MANIFEST frame; run the same yeto-patch version on the "
+                         "syncer and the islands")
+    if "manifest" in meta or "held" in meta:
+        raise ValueError("a HELLO carries no manifest (it follows in the MANIFEST frame)")
     island = meta["island_id"]
     incarnation = meta["incarnation"]
     client_nonce = bytes.fromhex(meta["nonce"])
@@ -112,7 +124,7 @@ def accept_handshake(server, s) -> bool:
         strangers(server).warning("handshake with %s failed: %s", s.conn.peer, e)
         if isinstance(e, ProtocolError) and not isinstance(e, WireTimeout):
             try:   # a framing error: tell the peer why before closing (best effort)
-                s.conn.send_error("protocol", str(e)[:1000])
+                s.conn.send_error("integrity" if isinstance(e, FrameAuthError) else "protocol", str(e)[:1000])
             except (ProtocolError, OSError):
                 pass
         return False
@@ -132,7 +144,7 @@ def _handshake(server, s) -> bool:
     cfg = server.cfg
     server_nonce = auth.new_nonce()
     mode = "aead" if _keyed(cfg) and getattr(cfg, "encrypt", False) else "mac" if _keyed(cfg) else "none"
-    challenge = {"nonce": server_nonce.hex(), "protocol": 1, "auth": _keyed(cfg), "frames": mode}
+    challenge = {"nonce": server_nonce.hex(), "protocol": PROTOCOL, "auth": _keyed(cfg), "frames": mode}
     s.conn.send(MsgType.CHALLENGE, challenge)
     # the whole HELLO within the handshake timeout: a peer trickling bytes cannot hold the connection
     t, meta, _ = s.conn.recv(timeout=cfg.handshake_timeout_s, within=cfg.handshake_timeout_s)
@@ -147,41 +159,62 @@ def _handshake(server, s) -> bool:
     s.island = island
     key = _key_for(cfg, island)
     try:
-        if key is not None:
-            auth.verify(auth.client_mac(key, server_nonce, client_nonce, island, incarnation, digest), mac,
-                        what=f"{t.name} from island {island!r}")
-        elif _keyed(cfg):
-            raise AuthError(f"no key for island {island!r}: it has no key file in --island-keys and the syncer has "
-                            "no shared key")
-        elif not meta.get("insecure"):
-            raise AuthError("this syncer runs without a key (insecure, loopback only); the island must be "
-                            "configured insecure too")
+        _check_mac(cfg, key, t, meta, (server_nonce, client_nonce, island, incarnation, digest), mac)
     except AuthError as e:
         _refuse(s, "auth", str(e), stranger=server)
         return False
     smac = auth.server_mac(key, server_nonce, client_nonce, island, incarnation, digest).hex() \
         if key is not None else ""
     sess = _Keys(key, mode, server_nonce, client_nonce, challenge, meta)
+    _protect(s, sess)   # from here on every frame both ways is authenticated (aead: and encrypted)
     if t == MsgType.PROBE:
-        _protect(s, sess)
         s.conn.send(MsgType.WELCOME, {"probe": True, "server_mac": smac, **server.status()})
         return False
+    s.conn.send(MsgType.HELLO_OK, {})
+    manifest = _read_manifest(server, s, digest)
+    if manifest is None:
+        return False
+    return _join(server, s, island, incarnation, manifest, digest, smac, sess)
+
+
+def _check_mac(cfg, key, t, meta, fields: tuple, mac: bytes) -> None:
+    """Raise AuthError unless the HELLO/PROBE proves ``key`` (``fields``: what its MAC covers) or, without any
+    key, says it is insecure too."""
+    if key is not None:
+        auth.verify(auth.client_mac(key, *fields), mac, what=f"{t.name} from island {fields[2]!r}")
+    elif _keyed(cfg):
+        raise AuthError(f"no key for island {fields[2]!r}: it has no key file in --island-keys and the syncer has "
+                        "no shared key")
+    elif not meta.get("insecure"):
+        raise AuthError("this syncer runs without a key (insecure, loopback only); the island must be "
+                        "configured insecure too")
+
+
+def _read_manifest(server, s, digest: bytes):
+    """The island's MANIFEST after its HELLO was accepted: frame authentication is checked before its JSON is
+    parsed (wire/transport.py), the manifest against the digest the HELLO's MAC covered. None when refused."""
+    cfg = server.cfg
+    s.conn.set_limits({MsgType.MANIFEST: MAX_PAYLOAD[MsgType.MANIFEST]}, MAX_PAYLOAD[MsgType.MANIFEST])
+    t, meta, _ = s.conn.recv(timeout=cfg.handshake_timeout_s, within=cfg.handshake_timeout_s)
+    if t != MsgType.MANIFEST:
+        _refuse(s, "protocol", f"expected MANIFEST after HELLO_OK, got {t.name}")
+        return None
     try:
         manifest = normalize_manifest(meta.get("manifest"))
     except (ValueError, TypeError) as e:
         _refuse(s, "manifest", f"bad manifest: {e}")
-        return False
+        return None
     held = meta.get("held")
     if held is not None:
         if not (isinstance(held, list) and len(held) == len(manifest) and all(
                 isinstance(h, str) and len(h) == 16 and all(c in "0123456789abcdef" for c in h) for h in held)):
-            _refuse(s, "protocol", "malformed HELLO: 'held' must hold one 16-hex-digit digest per tensor")
-            return False
+            _refuse(s, "protocol", "malformed MANIFEST: 'held' must hold one 16-hex-digit digest per tensor")
+            return None
         s.declared = held
     if auth.manifest_digest(manifest) != digest:
         _refuse(s, "auth", "the manifest does not match the authenticated manifest digest")
-        return False
-    return _join(server, s, island, incarnation, manifest, digest, smac, sess)
+        return None
+    return manifest
 
 
 class _Keys:
@@ -229,7 +262,7 @@ def _taken(server, s, island: str, sess: _Keys) -> bool:
 
 
 def _protect(s, sess: _Keys) -> None:
-    if sess.frames is not None:   # from WELCOME on, every frame both ways is authenticated (aead: and encrypted)
+    if sess.frames is not None:   # from HELLO_OK on, every frame both ways is authenticated (aead: and encrypted)
         s.conn.protect(sess.frames[1], sess.frames[0], sess.mode == "aead")
 
 
@@ -281,7 +314,6 @@ def _join(server, s, island, incarnation, manifest, digest, smac, sess) -> bool:
                 s.post_base(f, "check" if s.declared and not server.final_done else "f32", final=server.final_done)
         if sess.resumption is not None:
             _secrets(server)[island] = sess.resumption   # the next connection of this id proves this session
-    _protect(s, sess)
     s.conn.send(MsgType.WELCOME, welcome)  # outside the central lock: a slow reader blocks only itself
     if old is not None and old is not s:
         log.info("island %s reconnected (incarnation %s); closing its previous connection", island, incarnation)

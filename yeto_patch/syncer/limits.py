@@ -2,7 +2,7 @@
 
 * model size: the first manifest fixes the run; one whose float32 size is above ``max_model_bytes`` (default:
   a quarter of the machine's physical memory, since the syncer keeps about four float32 copies: base, momentum,
-  an accumulator and an INIT body or shadow) is refused at HELLO, before anything is allocated for it;
+  an accumulator and an INIT body or shadow) is refused at its MANIFEST, before anything is allocated for it;
 * reassembly: bytes of unfinished chunked messages one island connection may hold (``island_buffer_bytes``,
   default: one fragment in its largest push encoding plus 2 MiB for small messages), checked on each message's
   first chunk; joined connections are bounded by ``--islands`` (a connection whose island's lease ran out is

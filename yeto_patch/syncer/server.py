@@ -43,10 +43,11 @@ __all__ = ["ServerConfig", "SyncerServer", "aligned_meta"]
 
 log = logging.getLogger("yeto.syncer")
 MAX_PUSHES_IN_FLIGHT = 2  # per connection, handed to the fold pool and not yet accepted/refused
-#: What an unauthenticated peer may send: one HELLO (or PROBE); anything else is refused from its header, so a
-#: hostile length or chunk total cannot make the syncer reserve memory before the MAC is checked.
 EVICT_AFTER_S = 5.0   # a handshake still unauthenticated this long may give way to a new one when all slots are taken
-HANDSHAKE_MAX = {t: 64 << 10 for t in MsgType if t not in (MsgType.CHUNK, MsgType.HELLO)}
+#: What an unauthenticated peer may send: one HELLO (or PROBE) of at most 64 KiB; anything larger is refused from
+#: its header, so a hostile length or chunk total cannot make the syncer read or reserve more before the MAC is
+#: checked. The MANIFEST limit is raised to its protocol maximum once the HELLO passed (syncer/handshake.py).
+HANDSHAKE_MAX = {t: 64 << 10 for t in MsgType if t != MsgType.CHUNK}
 
 
 def _host_of(sock) -> str:
@@ -206,7 +207,7 @@ class SyncerServer:
         unauthenticated connections per address (a squatter only hurts itself there) and --max-handshakes in
         all; when all are taken, the oldest handshake of the address holding the most gives way if that address
         holds more than the newcomer's would, else the oldest one still unauthenticated after
-        EVICT_AFTER_S (an honest handshake is one round trip and a HELLO), so squatters from many addresses
+        EVICT_AFTER_S (an honest handshake is two round trips and a manifest), so squatters from many addresses
         cannot keep honest islands out (docs/protocol.md, Limits)."""
         waiting = [x for x in list(self.all_sessions) if not x.joined and not x.closed]
         mine = sum(1 for x in waiting if x.host == host)

@@ -43,7 +43,7 @@ API::
     Base: fragment, version, dtype ("f32" | "bf16" | "int8" | "int4" on the wire), values (flat float32 numpy
         array) or, for a base update (--base-wire int8/int4), values None and `deltas`: encoded changes to apply
         in order to the island's base of version `start` (base.delta_range(i, start, count) decodes a piece),
-        with `held` True when that base is the weights the island already holds (declared in its HELLO);
+        with `held` True when that base is the weights the island already holds (declared in its MANIFEST);
         base_a.then(base_b) composes a base with the updates that follow it (exactly as the syncer did), final
     PushReply: fragment, base_version, status ("accepted" | "carried" | "closed"), lag, version, message
 
@@ -230,7 +230,7 @@ class SyncerClient:
             if meta.get("delta_from") is not None:
                 self._base_update(t, meta, body, frag, version, dtype, numel)
                 return
-            if dtype == "held":   # the base is what this island declared it holds (digests in its HELLO)
+            if dtype == "held":   # the base is what this island declared it holds (digests in its MANIFEST)
                 if self.held is None or t != MsgType.BASE or meta.get("final") or len(memoryview(body)) \
                         or frag in self._held:
                     raise ProtocolError(f"unexpected 'held' base for fragment {frag} (this island declared no "

@@ -78,6 +78,8 @@ class MsgType(enum.IntEnum):
     CHALLENGE = 10
     HELLO = 11
     WELCOME = 12
+    MANIFEST = 13   # island -> syncer, after HELLO_OK: the parameter manifest (and 'held'), protected with a key
+    HELLO_OK = 14   # syncer -> island: the HELLO passed its checks (MAC); send the MANIFEST
     INIT = 20
     BASE = 21
     PUSH = 22
@@ -98,7 +100,11 @@ MAX_PAYLOAD: dict[MsgType, int] = {
     MsgType.CHUNK: 64 * _MIB,
     MsgType.ERROR: 64 * _KIB,
     MsgType.CHALLENGE: 64 * _KIB,
-    MsgType.HELLO: 16 * _MIB,
+    # HELLO and PROBE are small (ids, nonce, digests, MAC): a stranger cannot make the syncer read and parse
+    # more than 64 KiB before it checked the MAC; the manifest (a 120B MoE's is ~13 MiB) follows in MANIFEST
+    MsgType.HELLO: 64 * _KIB,
+    MsgType.MANIFEST: 16 * _MIB,
+    MsgType.HELLO_OK: 64 * _KIB,
     MsgType.WELCOME: 16 * _MIB,
     MsgType.INIT: _TENSOR_MAX,
     MsgType.BASE: _TENSOR_MAX,
