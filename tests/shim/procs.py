@@ -39,12 +39,16 @@ def base_env(**extra) -> dict:
     return env
 
 
+TAG = "YETO_TEST_PROC_TAG"   # marks every process a Proc started, however deep (no YETO_* setting reads it)
+
+
 class Proc:
     def __init__(self, name, args, env, log_path, cwd=ROOT):
         self.name, self.log_path = name, log_path
         self.log = open(log_path, "w")
-        self.p = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=cwd,
-                                  start_new_session=True)
+        self.tag = f"{os.getpid()}-{id(self)}-{time.monotonic_ns()}"
+        self.p = subprocess.Popen(args, env={**env, TAG: self.tag}, stdout=self.log, stderr=subprocess.STDOUT,
+                                  cwd=cwd, start_new_session=True)
 
     def poll(self):
         return self.p.poll()
@@ -68,7 +72,7 @@ class Proc:
                 self.p.wait(10)
             except subprocess.TimeoutExpired:
                 pass
-        for k in kids + [self.p]:
+        for k in kids + [self.p] + self._orphans():
             try:
                 k.kill()
             except (psutil.Error, ProcessLookupError, OSError):
@@ -76,6 +80,20 @@ class Proc:
         self.p.wait(10)
         if not self.log.closed:
             self.log.close()
+
+
+    def _orphans(self) -> list:
+        """Processes this Proc started whose parent died first (e.g. a checkpoint writer of a SIGKILLed rank):
+        re-parented to init, so not among the children; found by the tag they inherited."""
+        import psutil
+        found = []
+        for q in psutil.process_iter():
+            try:
+                if q.pid != os.getpid() and q.environ().get(TAG) == self.tag:
+                    found.append(q)
+            except (psutil.Error, OSError):
+                pass
+        return found
 
 
 def start_syncer(tmp_path, port, islands=2, fragments=2, key=None, extra=(), quorum=None, name="syncer"):
