@@ -85,9 +85,6 @@ def test_two_bridge_pretrain_islands_of_different_layouts_end_with_the_same_mode
     assert versions == {0: 3, 1: 2}, versions
 
 
-@pytest.mark.skip(reason="restart test written but not yet run to completion: on the shared 2-core machine "
-                         "(load 60-120) the first launch did not reach its checkpoint within 15 min; run it once "
-                         "and remove this mark")
 @pytest.mark.timeout(1500)
 def test_bridge_island_stopped_and_resumed_from_its_checkpoint_rejoins(tmp_path):
     """The island leaves Bridge's loop at iteration 2 through Bridge's own exit interval (it saves, with the sync

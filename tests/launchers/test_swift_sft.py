@@ -103,9 +103,6 @@ def _wait_for(proc, text, timeout):
     return text in proc.text()
 
 
-@pytest.mark.skip(reason="restart test written but not yet run to completion: on the shared 2-core machine "
-                         "(load 60-120) the first launch did not reach its checkpoint within 15 min; run it once "
-                         "and remove this mark")
 @pytest.mark.timeout(1500)
 def test_megatron_sft_island_stopped_and_resumed_from_its_checkpoint_rejoins(tmp_path):
     """The island is stopped after ms-swift saved checkpoint-2 (and its sync state beside it), then launched again
@@ -116,7 +113,10 @@ def test_megatron_sft_island_stopped_and_resumed_from_its_checkpoint_rejoins(tmp
     key = P.key_file(tmp_path)
     syncer = P.start_syncer(tmp_path, port, islands=1, fragments=2, key=key)
     out = tmp_path / "sft"
-    args = L.swift_sft_args(tiny, out, tp=1, iters=ITERS, extra=["--save_steps", "2"])
+    # bf16 (masters separate from the model's weights): resuming an fp32 run fails inside megatron-core 0.19.2's
+    # distributed-optimizer load (an in-place copy into a leaf parameter that requires grad; docs/launchers.md)
+    args = L.swift_sft_args(tiny, out, tp=1, iters=ITERS,
+                            extra=["--save_steps", "2", "--torch_dtype", "bfloat16", "--bf16", "true"])
     yeto = L.yeto_env(port, key, "a", tmp_path, YETO_DILOCO_SYNC_EVERY=2, YETO_DILOCO_TOTAL_STEPS=CUT,
                       YETO_DILOCO_OVERLAP_STEPS=0)
     a = L.start_swift(tmp_path, "a", args, yeto=yeto)

@@ -36,6 +36,8 @@ import numpy as np
 import torch
 
 from yeto_patch.island.collective import IslandComm, IslandError
+from yeto_patch.island.master_layout import (EntryLayout, Item, ShardLayout, _build_items, _cover,  # noqa: F401
+                                             _rounds)
 from yeto_patch.island.names import LocalParam, Manifest
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -128,103 +130,6 @@ def find_masters(optimizer) -> Dict[int, MasterRef]:
         else:
             raise IslandError(f"unsupported optimizer {cls}: cannot find its FP32 masters")
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------
-# layout: shards, owners, holders
-# ---------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class ShardLayout:
-    owners: List[Tuple[int, int, int]]   # (x, y, rank): read owner of local flat [x, y), disjoint, covering
-    holders: Tuple[int, ...]             # every rank with a copy of the shard
-
-
-@dataclasses.dataclass
-class EntryLayout:
-    padded_shape: Tuple[int, ...]
-    full_numel: int                      # kept elements (real vocabulary rows)
-    nshards: int
-    partition_dim: int
-    stride: int
-    shards: List[ShardLayout]
-
-    @property
-    def geometry(self):
-        """(outer, s, T, seg): full flat = [outer, s, T, seg]; shard r's local flat = [outer, s, seg]."""
-        P, d, T, s = self.padded_shape, self.partition_dim, self.nshards, self.stride
-        if d < 0:
-            n = int(np.prod(P)) if P else 1
-            return 1, 1, 1, n
-        outer = int(np.prod(P[:d])) if d > 0 else 1
-        inner = int(np.prod(P[d + 1:])) if d + 1 < len(P) else 1
-        return outer, s, T, (P[d] // T // s) * inner
-
-    @property
-    def local_numel(self) -> int:
-        outer, s, _T, seg = self.geometry
-        return outer * s * seg
-
-
-@dataclasses.dataclass
-class Item:
-    """A piece of one entry's full tensor moved in one round: full flat [offset, offset+count)."""
-    entry: int
-    offset: int
-    count: int
-    rows: Optional[Tuple[int, int]]      # (o0, o1) outer rows interleaving all shards, or None
-    shard: int                           # for non-row items: the shard and its local offset
-    local_offset: int
-    virtual: bool = False                # beyond this island's padded rows: read as zeros, never installed
-
-    def parts(self, lay: EntryLayout):
-        """[(shard r, local start a, local end b)]: the local ranges of each shard this item covers."""
-        if self.virtual:
-            return []
-        if self.rows is None:
-            return [(self.shard, self.local_offset, self.local_offset + self.count)]
-        outer, s, T, seg = lay.geometry
-        o0, o1 = self.rows
-        return [(r, o0 * s * seg, o1 * s * seg) for r in range(T)]
-
-
-def _build_items(e: int, lay: EntryLayout, chunk: int) -> List[Item]:
-    outer, s, T, seg = lay.geometry
-    row = s * T * seg
-    held = outer * row
-    # the run's vocabulary rows beyond this island's padded rows (names.py vocab_rows): virtual here
-    tail = [Item(e, off, min(chunk, lay.full_numel - off), None, 0, 0, virtual=True)
-            for off in range(held, lay.full_numel, chunk)]
-    items = []
-    truncated = lay.full_numel < held
-    if not truncated and row <= chunk:
-        k = max(1, chunk // row)
-        for o0 in range(0, outer, k):
-            o1 = min(outer, o0 + k)
-            items.append(Item(e, o0 * row, (o1 - o0) * row, (o0, o1), 0, 0))
-        return items + tail
-    for kseg in range(outer * s * T):
-        f = kseg * seg
-        if f >= lay.full_numel:
-            break
-        r, q = kseg % T, kseg // T
-        length = min(seg, lay.full_numel - f)
-        for off in range(0, length, chunk):
-            n = min(chunk, length - off)
-            items.append(Item(e, f + off, n, None, r, q * seg + off))
-    return items + tail
-
-
-def _rounds(items: List[Item], chunk: int) -> List[List[Item]]:
-    rounds, cur, n = [], [], 0
-    for it in items:
-        if cur and n + it.count > chunk:
-            rounds.append(cur)
-            cur, n = [], 0
-        cur.append(it)
-        n += it.count
-    if cur:
-        rounds.append(cur)
-    return rounds
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -378,17 +283,21 @@ class MasterView:
     def snapshot_anchor(self, indices: Optional[Sequence[int]] = None) -> None:
         """Anchor := current FP32 master, for the elements this rank owns (no communication)."""
         idx = range(len(self.manifest)) if indices is None else indices
-        hull: Dict[Tuple[int, int], List[int]] = {}
+        self._allocate_anchors(idx)
         for e, r, x, y in self._owned(idx):
+            self._anchor_slice(e, r, x, y).copy_(self._master_slice(e, r, x, y))
+
+    def _allocate_anchors(self, indices) -> None:
+        """An anchor buffer per owned shard range of ``indices`` (the hull of what this rank owns; an existing
+        one of the same range is kept, its values unchanged)."""
+        hull: Dict[Tuple[int, int], List[int]] = {}
+        for e, r, x, y in self._owned(indices):
             h = hull.setdefault((e, r), [x, y])
             h[0], h[1] = min(h[0], x), max(h[1], y)
         for (e, r), (x0, y0) in hull.items():
             a = self.anchors.get((e, r))
             if a is None or a[0] != x0 or a[1] != y0:
-                a = (x0, y0, torch.empty(y0 - x0, dtype=torch.float32))
-                self.anchors[(e, r)] = a
-        for e, r, x, y in self._owned(idx):
-            self._anchor_slice(e, r, x, y).copy_(self._master_slice(e, r, x, y))
+                self.anchors[(e, r)] = (x0, y0, torch.empty(y0 - x0, dtype=torch.float32))
 
     set_anchor_from_current = snapshot_anchor
 
@@ -491,6 +400,29 @@ class MasterView:
         relative: rank 0's values are changes to the owners' anchors: value = anchor + change (the anchors of
         every element written must exist).
         Ranks other than 0 may pass None for everything; what they pass is checked against rank 0's plan."""
+        plan = self._write_plan(indices, source, mode, alpha, set_anchor, anchor, relative)
+        relative = bool(plan.get("relative"))
+        if relative:   # value = anchor + change: every owner needs the anchor of what it owns (agreed first)
+            err = None
+            try:
+                for e, r, x, y in self._owned(plan["entries"]):
+                    self._anchor_slice(e, r, x, y)
+            except IslandError as ex:
+                err = ex
+            self.comm.agree(err, "write: anchors for a relative write")
+        if isinstance(source, dict):
+            arrays = source
+            source = lambda e, off, n: np.asarray(arrays[e], dtype=np.float32).reshape(-1)[off: off + n]  # noqa: E731
+        self._quiesce_param_gather()
+        if plan["set_anchor"] and not relative:
+            self._allocate_anchors(plan["entries"])
+        pending_err = None
+        for rnd in self._items(plan):
+            pending_err = self._write_round(rnd, source, plan, pending_err)
+        self.comm.agree(pending_err, "write: install")
+
+    def _write_plan(self, indices, source, mode, alpha, set_anchor, anchor, relative) -> dict:
+        """write's arguments checked (rank 0's defaults filled in) and agreed island-wide as a plan."""
         if self.rank == 0:
             mode = mode or "replace"
             set_anchor = bool(set_anchor)
@@ -505,122 +437,122 @@ class MasterView:
                 raise IslandError(f"write: blend needs 0 <= alpha <= 1, got {alpha!r}")
         if self.rank == 0 and source is None:
             raise IslandError("write: rank 0 needs a source")
-        plan = self._plan("write", indices, mode=mode, alpha=None if alpha is None else float(alpha),
+        return self._plan("write", indices, mode=mode, alpha=None if alpha is None else float(alpha),
                           set_anchor=set_anchor, anchor=anchor, relative=relative)
+
+    def _write_round(self, rnd: List[Item], source, plan: dict, pending_err):
+        """One round of write: scatter to the owners, blend, broadcast to the holders, agree, install. Returns
+        the error to report at the next agreement (None: none)."""
         mode, alpha, set_anchor = plan["mode"], plan["alpha"], plan["set_anchor"]
         relative = bool(plan.get("relative"))
-        if relative:   # value = anchor + change: every owner needs the anchor of what it owns (agreed first)
-            err = None
-            try:
-                for e, r, x, y in self._owned(plan["entries"]):
-                    self._anchor_slice(e, r, x, y)
-            except IslandError as ex:
-                err = ex
-            self.comm.agree(err, "write: anchors for a relative write")
         keep_value = set_anchor and mode == "blend" and plan["anchor"] == "value"
-        raw = {}      # (round position) -> rank 0's value, kept by the owner for anchor="value"
-        if isinstance(source, dict):
-            arrays = source
-            source = lambda e, off, n: np.asarray(arrays[e], dtype=np.float32).reshape(-1)[off: off + n]  # noqa: E731
-        self._quiesce_param_gather()
-        if set_anchor and not relative:
-            hull = {}
-            for e, r, x, y in self._owned(plan["entries"]):
-                h = hull.setdefault((e, r), [x, y])
-                h[0], h[1] = min(h[0], x), max(h[1], y)
-            for (e, r), (x0, y0) in hull.items():
-                a = self.anchors.get((e, r))
-                if a is None or a[0] != x0 or a[1] != y0:
-                    self.anchors[(e, r)] = (x0, y0, torch.empty(y0 - x0, dtype=torch.float32))
-        pending_err = None
-        for rnd in self._items(plan):
-            self.stats["rounds"] += 1
-            works, nbytes = [], 0
-            vals = []     # (item, r, x, y, owner, tensor) in plan order, on ranks that hold or own it
-            for it in rnd:
-                if it.virtual:   # rows this island does not hold: nothing to install
-                    continue
-                lay = self.layout[it.entry]
-                outer, s, T, seg = lay.geometry
-                interleave = it.rows is not None and T > 1
-                chunk = bufs = None
-                if self.rank == 0:
-                    try:
-                        if pending_err is not None:
-                            raise pending_err
-                        arr = np.ascontiguousarray(np.asarray(source(it.entry, it.offset, it.count),
-                                                              dtype=np.float32).reshape(-1))
-                        if arr.size != it.count:
-                            raise IslandError(f"write: source gave {arr.size} values for "
-                                              f"'{self.manifest.entries[it.entry].name}' at offset {it.offset}, "
-                                              f"expected {it.count}")
-                        if not np.isfinite(arr).all():
-                            raise IslandError(f"write: non-finite values for '{self.manifest.entries[it.entry].name}'"
-                                              f" at offset {it.offset}")
-                        chunk = torch.from_numpy(arr)
-                    except Exception as ex:  # noqa: BLE001
-                        pending_err = pending_err or ex
-                        chunk = torch.zeros(it.count, dtype=torch.float32)
-                    nbytes += it.count * _F32
-                    if interleave:
-                        n_o = it.rows[1] - it.rows[0]
-                        view = chunk.view(n_o, s, T, seg)
-                        bufs = [view[:, :, r, :].contiguous().view(-1) for r in range(T)]
-                        nbytes += it.count * _F32
-                for r, x, y, o, a in self._transfers(it):
-                    holders = lay.shards[r].holders
-                    if self.rank == 0:
-                        src = (bufs[r] if interleave else chunk)[x - a: y - a]
-                        if o == 0:
-                            vals.append((it, r, x, y, o, src.clone() if mode == "blend" or relative else src))
-                        else:
-                            works.append(self.comm.isend(src, o))
-                    if self.rank == o and o != 0:
-                        t = torch.empty(y - x, dtype=torch.float32)
-                        nbytes += t.numel() * _F32
-                        works.append(self.comm.irecv(t, 0))
-                        vals.append((it, r, x, y, o, t))
-                    elif self.rank in holders and self.rank != o:
-                        t = torch.empty(y - x, dtype=torch.float32)
-                        nbytes += t.numel() * _F32
-                        vals.append((it, r, x, y, o, t))
-            self._note(nbytes)
-            self.comm.wait_all(works, "write: scatter to owners")
-            # owners blend, then every holder gets the owner's values
-            bworks = []
-            raw.clear()
+        self.stats["rounds"] += 1
+        vals, works, nbytes, pending_err = self._scatter_round(rnd, source, mode == "blend" or relative,
+                                                               pending_err)
+        self._note(nbytes)
+        self.comm.wait_all(works, "write: scatter to owners")
+        # owners blend, then every holder gets the owner's values
+        raw, bworks, nbytes, pending_err = self._blend_and_broadcast(vals, mode, alpha, relative, keep_value,
+                                                                     nbytes, pending_err)
+        self._note(nbytes)
+        self.comm.wait_all(bworks, "write: broadcast to holders")
+        # one agreement per round, before installing: nothing of a failed round is installed
+        self.comm.agree(pending_err, "write: transfer")
+        try:
             for k, (it, r, x, y, o, t) in enumerate(vals):
-                if self.rank == o and relative:
-                    try:
-                        t.add_(self._anchor_slice(it.entry, r, x, y))
-                    except Exception as ex:  # noqa: BLE001
-                        pending_err = pending_err or ex
-                if self.rank == o and mode == "blend":
-                    try:
-                        if keep_value:
-                            raw[k] = t.clone()
-                            nbytes += t.numel() * _F32
-                        cur = self._master_slice(it.entry, r, x, y)
-                        if cur.device.type != "cpu" or cur.dtype != torch.float32:
-                            cur = cur.to(device="cpu", dtype=torch.float32)
-                        t.mul_(1.0 - alpha).add_(cur, alpha=alpha)
-                    except Exception as ex:  # noqa: BLE001
-                        pending_err = pending_err or ex
-                w = self.comm.broadcast(t, o, self.layout[it.entry].shards[r].holders, async_op=True)
-                if w is not None:
-                    bworks.append(w)
-            self._note(nbytes)
-            self.comm.wait_all(bworks, "write: broadcast to holders")
-            # one agreement per round, before installing: nothing of a failed round is installed
-            self.comm.agree(pending_err, "write: transfer")
-            try:
-                for k, (it, r, x, y, o, t) in enumerate(vals):
-                    self._install(it.entry, r, x, y, t, anchor=set_anchor and o == self.rank,
-                                  anchor_values=raw.get(k))
-            except Exception as ex:  # noqa: BLE001 - reported at the next agreement
-                pending_err = ex
-            del vals, works, bworks
-        self.comm.agree(pending_err, "write: install")
+                self._install(it.entry, r, x, y, t, anchor=set_anchor and o == self.rank,
+                              anchor_values=raw.get(k))
+        except Exception as ex:  # noqa: BLE001 - reported at the next agreement
+            pending_err = ex
+        return pending_err
+
+    def _scatter_round(self, rnd: List[Item], source, clone: bool, pending_err):
+        """Rank 0 reads the round's values and sends each owner its part; holders allocate their receive
+        buffers. Returns (vals, works, nbytes, pending_err); vals: (item, r, x, y, owner, tensor) in plan order,
+        on ranks that hold or own it (``clone``: rank 0 keeps a copy of what it owns, to change in place)."""
+        works, vals, nbytes = [], [], 0
+        for it in rnd:
+            if it.virtual:   # rows this island does not hold: nothing to install
+                continue
+            lay = self.layout[it.entry]
+            outer, s, T, seg = lay.geometry
+            interleave = it.rows is not None and T > 1
+            chunk = bufs = None
+            if self.rank == 0:
+                chunk, pending_err = self._source_chunk(it, source, pending_err)
+                nbytes += it.count * _F32
+                if interleave:
+                    n_o = it.rows[1] - it.rows[0]
+                    view = chunk.view(n_o, s, T, seg)
+                    bufs = [view[:, :, r, :].contiguous().view(-1) for r in range(T)]
+                    nbytes += it.count * _F32
+            for r, x, y, o, a in self._transfers(it):
+                holders = lay.shards[r].holders
+                if self.rank == 0:
+                    src = (bufs[r] if interleave else chunk)[x - a: y - a]
+                    if o == 0:
+                        vals.append((it, r, x, y, o, src.clone() if clone else src))
+                    else:
+                        works.append(self.comm.isend(src, o))
+                if self.rank == o and o != 0:
+                    t = torch.empty(y - x, dtype=torch.float32)
+                    nbytes += t.numel() * _F32
+                    works.append(self.comm.irecv(t, 0))
+                    vals.append((it, r, x, y, o, t))
+                elif self.rank in holders and self.rank != o:
+                    t = torch.empty(y - x, dtype=torch.float32)
+                    nbytes += t.numel() * _F32
+                    vals.append((it, r, x, y, o, t))
+        return vals, works, nbytes, pending_err
+
+    def _source_chunk(self, it: Item, source, pending_err):
+        """Rank 0: the item's values from ``source``, checked (count, finite); zeros after an error (the
+        transfers go on, the error is agreed at the end of the round). Returns (tensor, pending_err)."""
+        try:
+            if pending_err is not None:
+                raise pending_err
+            arr = np.ascontiguousarray(np.asarray(source(it.entry, it.offset, it.count),
+                                                  dtype=np.float32).reshape(-1))
+            if arr.size != it.count:
+                raise IslandError(f"write: source gave {arr.size} values for "
+                                  f"'{self.manifest.entries[it.entry].name}' at offset {it.offset}, "
+                                  f"expected {it.count}")
+            if not np.isfinite(arr).all():
+                raise IslandError(f"write: non-finite values for '{self.manifest.entries[it.entry].name}'"
+                                  f" at offset {it.offset}")
+            chunk = torch.from_numpy(arr)
+        except Exception as ex:  # noqa: BLE001
+            pending_err = pending_err or ex
+            chunk = torch.zeros(it.count, dtype=torch.float32)
+        return chunk, pending_err
+
+    def _blend_and_broadcast(self, vals, mode, alpha, relative, keep_value, nbytes, pending_err):
+        """Owners turn rank 0's values into the values to install (anchor + change, blend with the current
+        master) and broadcast them to the shard's holders. Returns (raw, works, nbytes, pending_err); raw:
+        {position in vals: rank 0's value} kept by the owner for anchor="value"."""
+        bworks = []
+        raw = {}
+        for k, (it, r, x, y, o, t) in enumerate(vals):
+            if self.rank == o and relative:
+                try:
+                    t.add_(self._anchor_slice(it.entry, r, x, y))
+                except Exception as ex:  # noqa: BLE001
+                    pending_err = pending_err or ex
+            if self.rank == o and mode == "blend":
+                try:
+                    if keep_value:
+                        raw[k] = t.clone()
+                        nbytes += t.numel() * _F32
+                    cur = self._master_slice(it.entry, r, x, y)
+                    if cur.device.type != "cpu" or cur.dtype != torch.float32:
+                        cur = cur.to(device="cpu", dtype=torch.float32)
+                    t.mul_(1.0 - alpha).add_(cur, alpha=alpha)
+                except Exception as ex:  # noqa: BLE001
+                    pending_err = pending_err or ex
+            w = self.comm.broadcast(t, o, self.layout[it.entry].shards[r].holders, async_op=True)
+            if w is not None:
+                bworks.append(w)
+        return raw, bworks, nbytes, pending_err
 
     def _install(self, e, r, x, y, t, anchor, anchor_values=None):
         lp = self._local.get((e, r))
@@ -651,41 +583,6 @@ class MasterView:
                 h = getattr(bg, "param_gather_handle", None)
                 if h is not None:
                     h.wait()
-
-
-def _cover(name, r, n_local, rows) -> List[Tuple[int, int, int]]:
-    """Pick one read owner per local element: the lowest rank owning it."""
-    owners = []
-    covered = []   # disjoint sorted intervals already assigned
-    for rank, s, e in sorted(rows):
-        if e <= s:
-            continue
-        # subtract covered intervals from [s, e)
-        segs = [(s, e)]
-        for cs, ce in covered:
-            nxt = []
-            for a, b in segs:
-                if ce <= a or cs >= b:
-                    nxt.append((a, b))
-                    continue
-                if a < cs:
-                    nxt.append((a, cs))
-                if ce < b:
-                    nxt.append((ce, b))
-            segs = nxt
-        for a, b in segs:
-            owners.append((a, b, rank))
-            covered.append((a, b))
-    owners.sort()
-    pos = 0
-    for a, b, _ in owners:
-        if a != pos:
-            break
-        pos = b
-    if pos != n_local:
-        raise IslandError(f"'{name}' shard {r}: local elements [{pos}, ...) of {n_local} have no FP32 master on "
-                          f"any rank (is the parameter frozen on some ranks, or outside the optimizer?)")
-    return owners
 
 
 def collect_arrays(view: MasterView, indices: Optional[Sequence[int]] = None, delta: bool = False) -> dict:
