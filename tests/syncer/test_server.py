@@ -424,7 +424,7 @@ def test_a_base_still_streaming_delays_only_its_own_fragment():
         c.close()
 
 
-def test_every_refusal_is_reported_once_in_order():
+def test_every_refusal_is_reported_once():
     server, addr = make_server(islands=1, fragments=2, rounds={"quorum": 1}, merge={"max_base_lag": 0})
     with running(server):
         cs, ws, layout, _ = join_all(addr, ["a"])
@@ -448,7 +448,8 @@ def test_every_refusal_is_reported_once_in_order():
                 c.wait_event(0.2)
             except SyncerRefusal as e:
                 got.append((e.fragment, e.code))
-        assert got == [(0, "stale"), (1, "stale")]
+        # two pushes of a connection are checked at once (the fold pool): their replies may come in either order
+        assert sorted(got) == [(0, "stale"), (1, "stale")]
         c.poll()  # nothing more to report
         c.close()
 
