@@ -4,14 +4,16 @@ AES-256-GCM, ``--encrypt``), against a raw socket sending the same bytes (no fra
 
     python benchmarks/wire_security.py [--mib 256] [--repeat 3]
 
-Each figure is the best of ``--repeat`` transfers of one ``--mib`` MiB message (chunked as the transport does:
-4 MiB chunks), sender and receiver in two threads of this process; the ratio is to the raw socket.
+Each figure is the median of ``--repeat`` transfers of one ``--mib`` MiB message (chunked as the transport does:
+4 MiB chunks), sender and receiver in two threads of this process; each transfer's ratio is to a raw-socket
+transfer measured just before it (the host is noisy: ratios of neighbours, not of separate runs).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -90,16 +92,25 @@ def framed(nbytes: int, mode: str, msg_type: MsgType) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=256)
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=5)
     a = p.parse_args(argv)
     n = a.mib << 20
-    base = max(raw(n) for _ in range(a.repeat))
-    print(f"loopback, {a.mib} MiB messages, best of {a.repeat}; raw socket {base / 1e9:.2f} GB/s")
-    print(f"{'message':8s} {'mode':5s} {'GB/s':>6s} {'x raw':>6s}")
-    for t in (MsgType.INIT, MsgType.BASE, MsgType.PUSH):
-        for mode in ("none", "mac", "aead"):
-            r = max(framed(n, mode, t) for _ in range(a.repeat))
-            print(f"{t.name:8s} {mode:5s} {r / 1e9:6.2f} {r / base:6.2f}")
+    cases = [(t, mode) for t in (MsgType.INIT, MsgType.BASE, MsgType.PUSH) for mode in ("none", "mac", "aead")]
+    raws, rates, ratios = [], {c: [] for c in cases}, {c: [] for c in cases}
+    raw(n)   # warm-up (first allocations, socket buffers)
+    for _ in range(a.repeat):   # interleaved: each repetition measures the raw socket next to every case
+        for c in cases:
+            base = raw(n)
+            r = framed(n, c[1], c[0])
+            raws.append(base)
+            rates[c].append(r)
+            ratios[c].append(r / base)
+    print(f"loopback, {a.mib} MiB messages, {a.repeat} interleaved repetitions; raw socket median "
+          f"{statistics.median(raws) / 1e9:.2f} GB/s (min {min(raws) / 1e9:.2f}, max {max(raws) / 1e9:.2f})")
+    print(f"{'message':8s} {'mode':5s} {'GB/s':>6s} {'x raw':>6s}   (medians; x raw: against the raw transfer "
+          "measured just before)")
+    for c in cases:
+        print(f"{c[0].name:8s} {c[1]:5s} {statistics.median(rates[c]) / 1e9:6.2f} {statistics.median(ratios[c]):6.2f}")
     return 0
 
 
