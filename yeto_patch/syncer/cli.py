@@ -189,7 +189,8 @@ def config_from_args(a: argparse.Namespace):
                         merge_threads=a.merge_threads, io_timeout_s=a.io_timeout,
                         final_ack_timeout_s=a.final_ack_timeout, max_handshakes=a.max_handshakes,
                         max_handshakes_per_host=a.max_handshakes_per_host, max_model_bytes=a.max_model_bytes,
-                        island_buffer_bytes=a.island_buffer_bytes, init_timeout_s=a.init_timeout, init_lowest_id=a.init_lowest_id,
+                        island_buffer_bytes=a.island_buffer_bytes, init_timeout_s=a.init_timeout,
+                        init_lowest_id=a.init_lowest_id,
                         max_push_norm_ratio=a.max_push_norm_ratio)
 
 

@@ -321,8 +321,8 @@ class SyncerServer:
         """Choose the island whose INIT becomes the run's initial base (under coord.lock, before INIT is complete).
         By default the first island that joins. With --init-lowest-id the syncer waits until all --islands islands
         are connected and takes the lowest island id, so the initial base (and with it a tau = 0 run, bit for bit)
-        does not depend on which island connects first (islands then wait for each other at start). Returns the fragments `joining`
-        must INIT (its WELCOME carries them); another chosen island gets an INIT request."""
+        does not depend on which island connects first (islands then wait for each other at start). Returns the
+        fragments `joining` must INIT (its WELCOME carries them); another chosen island gets an INIT request."""
         if self.initializer is not None and not self.initializer.closed:
             return []
         self.initializer = None
@@ -338,8 +338,8 @@ class SyncerServer:
         self.init_watch.assigned()
         if chosen is joining:
             return self.coord.missing_init()
-        log.info("island %s initializes the run (%s)", chosen.island, "the first to join" if
-                 not self.cfg.init_lowest_id else "the lowest id of the complete roster")
+        log.info("island %s initializes the run (%s)", chosen.island,
+                 "the lowest id of the complete roster" if self.cfg.init_lowest_id else "the first to join")
         chosen.post(MsgType.INIT, {"request": self.coord.missing_init()})
         return []
 
