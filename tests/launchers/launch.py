@@ -61,9 +61,9 @@ def launcher_env(yeto: dict, swift_site=True, **extra) -> dict:
     return env
 
 
-def start_swift(tmp_path, name, args, yeto=None, nproc=2) -> P.Proc:
+def start_swift(tmp_path, name, args, yeto=None, nproc=2, **extra_env) -> P.Proc:
     env = launcher_env(yeto, NPROC_PER_NODE=nproc, MASTER_PORT=P.free_port(),
-                       MODELSCOPE_CACHE=str(tmp_path / "ms_cache"))
+                       MODELSCOPE_CACHE=str(tmp_path / "ms_cache"), **extra_env)
     return P.Proc(name, args, env, str(tmp_path / f"{name}.log"), cwd=str(tmp_path))
 
 

@@ -96,6 +96,11 @@ def test_two_megatron_sft_islands_of_different_layouts_end_with_the_same_model(t
     assert versions == {0: 3, 1: 2}, versions     # H=2: fragment 0 merged at steps 1, 3, 4; fragment 1 at 2, 4
 
 
+def _tape(tmp_path) -> list:
+    with open(tmp_path / "tape.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def _wait_for(proc, text, timeout):
     deadline = time.time() + timeout
     while text not in proc.text() and proc.poll() is None and time.time() < deadline:
@@ -119,11 +124,15 @@ def test_megatron_sft_island_stopped_and_resumed_from_its_checkpoint_rejoins(tmp
                             extra=["--save_steps", "2", "--torch_dtype", "bfloat16", "--bf16", "true"])
     yeto = L.yeto_env(port, key, "a", tmp_path, YETO_DILOCO_SYNC_EVERY=2, YETO_DILOCO_TOTAL_STEPS=CUT,
                       YETO_DILOCO_OVERLAP_STEPS=0)
-    a = L.start_swift(tmp_path, "a", args, yeto=yeto)
+    # held (every rank) once 3 iterations are done: after checkpoint-2 and the push of step 3 (tau 0: merged), so
+    # the relaunch from checkpoint-2 repeats step 3's push, which must not be merged twice
+    a = L.start_swift(tmp_path, "a", args, yeto=yeto, LAUNCHER_TEST_HOLD_AT="3")
     procs = [syncer, a]
     try:
-        assert _wait_for(a, "saved the island's sync state for iteration 2", 900), P.logs(procs)
+        assert _wait_for(a, "launcher test hold: 3 iterations done", 900), P.logs(procs)
+        assert "saved the island's sync state for iteration 2" in a.text(), P.logs(procs)
         a.kill()                                                  # stopped after its checkpoint at 2
+        assert {"fragment": 0, "version": 2}.items() <= _tape(tmp_path)[-1].items(), _tape(tmp_path)
         ck2 = checkpoint(out, 2)
         assert os.path.exists(os.path.join(ck2, "yeto_sync", "iter_0000002.bin"))
         b = L.start_swift(tmp_path, "a2", [*args, "--mcore_model", ck2, "--finetune", "false"], yeto=yeto)
@@ -137,8 +146,7 @@ def test_megatron_sft_island_stopped_and_resumed_from_its_checkpoint_rejoins(tmp
     assert "resuming the island's sync state of iteration 2" in log, log[-4000:]
     assert "installed the syncer's final model" in log and f"'iteration': '{CUT}/{CUT}'" in log
     assert os.path.exists(os.path.join(checkpoint(out, CUT), "latest_checkpointed_iteration.txt"))
-    with open(tmp_path / "tape.jsonl") as f:
-        tape = [json.loads(line) for line in f if line.strip()]
+    tape = _tape(tmp_path)
     rounds = [(t["fragment"], t["version"]) for t in tape]
     assert len(rounds) == len(set(rounds)), rounds                 # every round merged once
     assert all([r["island"] for r in t["responders"]] == ["a"] for t in tape), tape

@@ -6,7 +6,8 @@ installs yeto-patch's hooks when YETO_* says so) and set LAUNCHER_CPU=1. Every P
   1. installs the Transformer-Engine import shim for mcore_bridge (tests/launchers/cpu/swift_stubs.py), and
   2. in torchrun-started ranks (LOCAL_RANK set): applies the project's CUDA->CPU patches for megatron-core
      (tests/mcore/mlm_cpu_patches.py, without its Megatron-LM-only T1/T2/T4) and the swift-level CPU fixes
-     (tests/launchers/cpu/swift_cpu_fixes.py).
+     (tests/launchers/cpu/swift_cpu_fixes.py), and the test-only hold of LAUNCHER_TEST_HOLD_AT
+     (tests/launchers/cpu/swift_hold.py).
 Nothing of this reaches ms-swift's command line.
 """
 import os
@@ -22,5 +23,6 @@ if os.environ.get("LAUNCHER_CPU") == "1":
         os.environ.setdefault("MLM_CPU_SKIP", "T1,T2,T4")
         from tests.mcore import mlm_cpu_patches
         mlm_cpu_patches.apply()
-        from tests.launchers.cpu import swift_cpu_fixes
+        from tests.launchers.cpu import swift_cpu_fixes, swift_hold
         swift_cpu_fixes.apply()
+        swift_hold.apply()
