@@ -61,6 +61,45 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         return h if "(default" in h else super()._get_help_string(action)
 
 
+def _shard_spec(s: str):
+    from .shard_launch import TORCHRUN
+    from .shards import parse_shard
+    if s.strip() == TORCHRUN:
+        return TORCHRUN
+    try:
+        return parse_shard(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _addresses(s: str) -> tuple:
+    out = tuple(a for a in s.replace(";", ",").split(",") if a.strip())
+    for a in out:
+        host, sep, port = a.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise argparse.ArgumentTypeError(f"{a!r} is not host:port")
+    return tuple(a.strip() for a in out)
+
+
+def _shard_flags(g) -> None:
+    g.add_argument("--shard", type=_shard_spec, default=None, metavar="I/N|torchrun", help="run shard I of N: "
+                   "this process owns a deterministic, byte-balanced subset of the fragments (the same on every "
+                   "shard for the same manifest and --fragments) and holds state, rounds, checkpoint, metrics and "
+                   "tape for those only. `torchrun`: one torchrun job of N processes, RANK/WORLD_SIZE give I/N, "
+                   "each listens on the --listen port plus LOCAL_RANK and the shards exchange their addresses "
+                   "through torchrun's store. {shard} in --checkpoint, --tape and --log is replaced by I "
+                   "(default: 0/1, one syncer for the whole model)")
+    g.add_argument("--advertise-host", default=None, help="with --shard torchrun: the host name islands reach "
+                   "this shard at (default: the --listen host, or this machine's name when listening on a "
+                   "wildcard address)")
+    g.add_argument("--shard-addresses", type=_addresses, default=None, metavar="HOST:PORT,...", help="every shard's "
+                   "address as islands reach it, in shard order; told to islands in the welcome, so an island "
+                   "given only shard 0's address in YETO_DILOCO_SYNCER finds the others (default: none; islands "
+                   "then list every shard themselves)")
+    g.add_argument("--run-id", default=None, help="a name for the run, stored in every checkpoint; --resume refuses "
+                   "a checkpoint of another run id (default: none, or the resumed checkpoint's)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="yeto-syncer", formatter_class=_Formatter,
@@ -139,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "for each other at start)")
     g.add_argument("--final-ack-timeout", type=_pos_float, default=60.0, help="seconds to wait for the islands' "
                    "acknowledgements of the final model")
+    _shard_flags(p.add_argument_group("shards (docs/operations.md, 'Sharded syncer')"))
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint", default=None, help="checkpoint file, written atomically (default: none, "
                    "no checkpoints)")
@@ -162,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(a: argparse.Namespace):
     from .server import ServerConfig
 
+    if not hasattr(a, "torchrun"):
+        resolve_shard(a)
     island_keys = auth.load_island_keys(a.island_keys) if a.island_keys else None
     key = auth.load_key(a.key_file) if (a.key_file or not a.insecure) else None
     if key is None and not island_keys:
@@ -176,6 +218,7 @@ def config_from_args(a: argparse.Namespace):
         raise ValueError(f"--quorum {a.quorum} is larger than --islands {a.islands}")
     if not 0.0 <= a.late_factor <= 1.0:
         raise ValueError(f"--late-factor must be in [0, 1], got {a.late_factor}")
+    shard = _checked_shard(a)
     ms = MergeSettings(outer=a.outer, lr=a.outer_lr, momentum=a.outer_momentum, delay=a.delay, weights=a.weights,
                        max_base_lag=a.max_base_lag, late_factor=a.late_factor, exact=a.exact)
     ms.optimizer()  # validates
@@ -191,7 +234,23 @@ def config_from_args(a: argparse.Namespace):
                         max_handshakes_per_host=a.max_handshakes_per_host, max_model_bytes=a.max_model_bytes,
                         island_buffer_bytes=a.island_buffer_bytes, init_timeout_s=a.init_timeout,
                         init_lowest_id=a.init_lowest_id,
-                        max_push_norm_ratio=a.max_push_norm_ratio)
+                        max_push_norm_ratio=a.max_push_norm_ratio, shard=shard,
+                        shard_addresses=tuple(a.shard_addresses or ()), run_id=a.run_id)
+
+
+def _checked_shard(a):
+    from .shards import ShardSpec
+    shard = a.shard or ShardSpec()
+    if a.advertise_host and not getattr(a, "torchrun", False):
+        raise ValueError("--advertise-host is for --shard torchrun (plain shards: --shard-addresses)")
+    if shard.count > a.fragments:
+        raise ValueError(f"--shard {shard}: {shard.count} shards need at least {shard.count} fragments "
+                         f"(--fragments {a.fragments})")
+    if a.shard_addresses and len(a.shard_addresses) != shard.count:
+        raise ValueError(f"--shard-addresses lists {len(a.shard_addresses)} addresses for {shard.count} shards")
+    if a.run_id is not None and not (0 < len(a.run_id) <= 128 and a.run_id.isprintable()):
+        raise ValueError("--run-id must be 1-128 printable characters")
+    return shard
 
 
 def _setup_logging(level: str, path: Optional[str]) -> None:
@@ -212,18 +271,52 @@ def _setup_logging(level: str, path: Optional[str]) -> None:
         root.addHandler(fh)
 
 
+def resolve_shard(a: argparse.Namespace) -> None:
+    """In place: --shard torchrun -> this process's I/N, listen and metrics ports offset by LOCAL_RANK; {shard}
+    in the file flags replaced by I (syncer/shard_launch.py)."""
+    from . import shard_launch as SL
+    a.torchrun, local = a.shard == SL.TORCHRUN, 0
+    if a.torchrun:
+        a.shard, local = SL.torchrun_shard()
+        a.listen = SL.with_port_offset(a.listen, local)
+        if a.metrics_port:
+            a.metrics_port += local
+    spec = a.shard
+    if spec is not None:
+        a.checkpoint, a.tape, a.log = (SL.shard_path(x, spec) for x in (a.checkpoint, a.tape, a.log))
+
+
+def exchange_shard_addresses(a: argparse.Namespace) -> None:
+    """--shard torchrun: every shard's address from torchrun's store (shard order); the run id is torchrun's."""
+    from . import shard_launch as SL
+    if not a.torchrun or a.shard_addresses:
+        return
+    port = a.listen.rpartition(":")[2]
+    host = SL.advertised_host(a.listen, a.advertise_host)
+    a.shard_addresses = SL.exchange_addresses(a.shard, f"{host}:{port}")
+    if a.run_id is None:
+        a.run_id = os.environ.get("TORCHELASTIC_RUN_ID") or None
+
+
 def main(argv: Optional[list] = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
+    try:
+        resolve_shard(a)
+    except ValueError as e:
+        print(f"yeto-syncer: error: {e}", file=sys.stderr)
+        return 2
     _setup_logging(a.log_level, a.log)
     log = logging.getLogger("yeto.syncer")
     from .server import SyncerServer
 
     try:
         cfg = config_from_args(a)
+        exchange_shard_addresses(a)
+        cfg.shard_addresses, cfg.run_id = tuple(a.shard_addresses or ()), a.run_id
         server = SyncerServer(cfg)
         host, port = server.start()
-    except (ValueError, AuthError, CheckpointError, OSError) as e:
+    except (ValueError, AuthError, CheckpointError, OSError, RuntimeError) as e:
         print(f"yeto-syncer: error: {e}", file=sys.stderr)
         return 2
     stopped = threading.Event()

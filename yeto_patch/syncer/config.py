@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .settings import MergeSettings, RoundSettings
+from .shards import ShardSpec
 
 __all__ = ["ServerConfig", "BASE_WIRE"]
 
@@ -42,3 +43,6 @@ class ServerConfig:
     init_timeout_s: Optional[float] = None   # INIT progress bound of the initializing island (None: lease + io)
     init_lowest_id: bool = False   # --init-lowest-id: INIT from the lowest id once all --islands joined
     max_push_norm_ratio: float = 10.0   # refuse pushes above this x the recent median push norm (0: off)
+    shard: ShardSpec = ShardSpec()   # --shard I/N: this process holds shard I of N of the fragments
+    shard_addresses: tuple = ()   # --shard-addresses: every shard's host:port in shard order (told to islands)
+    run_id: Optional[str] = None   # --run-id: ties the shards' checkpoints together

@@ -281,8 +281,10 @@ def _join(server, s, island, incarnation, manifest, digest, smac, sess) -> bool:
                 _refuse(s, "manifest", too_big)
                 return False
             coord.set_manifest(manifest, cfg.fragments)
-            log.info("manifest fixed by island %s: %d tensors, %d parameters, digest %s", island,
-                     len(manifest), sum(f.numel for f in coord.frags), digest.hex()[:16])
+            log.info("manifest fixed by island %s: %d tensors, %d parameters, digest %s%s", island,
+                     len(manifest), sum(f.numel for f in coord.frags), digest.hex()[:16],
+                     f"; shard {cfg.shard} owns fragments {coord.owned} ({sum(f.numel for f in coord.mine())} "
+                     f"parameters)" if cfg.shard.sharded else "")
         elif manifest != coord.manifest:
             _refuse(s, "manifest", "this island's parameter manifest differs from the run's: "
                     + first_difference(coord.manifest, manifest))
@@ -308,9 +310,10 @@ def _join(server, s, island, incarnation, manifest, digest, smac, sess) -> bool:
                    "base_wire": cfg.base_wire, "heartbeat_s": server.heartbeat_s,
                    "lease_s": cfg.rounds.lease_s, "islands": cfg.islands, "quorum": cfg.rounds.k,
                    "total_rounds": cfg.rounds.total_rounds, "manifest_digest": digest.hex(),
-                   "final": server.final_started}
+                   "final": server.final_started, "shard": cfg.shard.as_json(), "owned": list(coord.owned),
+                   "shard_addresses": list(cfg.shard_addresses)}
         if coord.initialized:  # queued now (the writer starts after WELCOME went out)
-            for f in range(len(coord.frags)):
+            for f in coord.owned:
                 s.post_base(f, "check" if s.declared and not server.final_done else "f32", final=server.final_done)
         if sess.resumption is not None:
             _secrets(server)[island] = sess.resumption   # the next connection of this id proves this session

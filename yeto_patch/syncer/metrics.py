@@ -30,6 +30,8 @@ class Metrics:
                                         registry=r, buckets=(.01, .1, .5, 1, 5, 10, 30, 60, 300, 1800))
         self.checkpoint_seconds = Gauge("yeto_syncer_checkpoint_seconds", "Duration of the last checkpoint write",
                                         registry=r)
+        self.shard = Gauge("yeto_syncer_shard", "1 for this process's shard index and the shard count "
+                           "(--shard; a whole syncer: 0 of 1)", ["shard", "shards"], registry=r)
         self.server = None
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
@@ -42,6 +41,8 @@ from .members import Member
 from .merge import ChunkRunner
 from .outer import NonFiniteMerge
 from .records import MergeRecord
+from .round_state import _Contrib, _Round, _refusal_code, validate_encoded
+from .shards import ShardSpec, assign
 from .settings import (INT64_MAX, MAX_PUSH_STEPS, MAX_PUSH_TOKENS, WEIGHTINGS, MergeSettings, Push,
                        PushRefused, RoundSettings, bounded_int, shown)
 
@@ -52,50 +53,9 @@ log = logging.getLogger("yeto.syncer")
 _Fragment = Fragment  # (the name this module used before fragments got their own owner)
 
 
-@dataclass
-class _Contrib:
-    push: Push
-    weight_raw: float
-    folded: bool = False
-    lag: int = 0
-    held: bool = False  # body kept (exact mode / carried)
-
-    @property
-    def island(self):
-        return self.push.island
-
-
-@dataclass
-class _Round:
-    base_version: int
-    contribs: dict = field(default_factory=dict)  # island -> _Contrib (fresh answers)
-    acc: Optional[np.ndarray] = None
-    inflight: int = 0
-    closed: bool = False
-    t_first: Optional[float] = None
-    t_quorum: Optional[float] = None
-    next_wait_log: float = 0.0
-    fold_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def answered(self) -> set:
-        """Islands whose push is in the round: folded (or held, in exact mode). A push still being folded is
-        not an answer yet: it may be refused, and must not make the round due meanwhile."""
-        return {i for i, c in self.contribs.items() if c.folded}
-
-
-def _refusal_code(e: CodecError) -> str:
-    return "nonfinite" if getattr(e, "code", "") == "nonfinite" else "bad-push"
-
-
-def validate_encoded(codec: str, body, numel: int, block: int) -> None:
-    """Check an encoded push without decoding it (size, scales in range, finite values), exactly as the
-    decoder will at merge time: a held push that passes here cannot be dropped later."""
-    codecs.check_encoded(codec, memoryview(body).cast("B"), numel, block, threads=1)
-
-
 class Coordinator:
     def __init__(self, merge: MergeSettings, rounds: RoundSettings, runner: Optional[ChunkRunner] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, shard: ShardSpec = ShardSpec()):
         if merge.weights not in WEIGHTINGS:
             raise ValueError(f"unknown weighting {merge.weights!r} (known: {', '.join(WEIGHTINGS)})")
         if merge.max_base_lag < 0:
@@ -111,7 +71,9 @@ class Coordinator:
         self.cond = threading.Condition(self.lock)
         self.manifest: Optional[list] = None
         self.layout: Optional[list] = None
-        self.frags: list[_Fragment] = []
+        self.frags: list[_Fragment] = []   # every fragment of the layout (state only in those this shard owns)
+        self.shard = shard
+        self.owned: list[int] = []        # this shard's fragments (shards.assign), ascending
         self.members: dict[str, Member] = {}
         self.seen: set = set()  # (island, fragment, base_version) accepted
         self.merges_total = 0
@@ -149,17 +111,33 @@ class Coordinator:
             layout = partition(manifest, fragments)
             self.manifest = manifest
             self.layout = layout
-            self.frags = [Fragment(i, n, _Round(0)) for i, n in enumerate(fragment_numels(manifest, layout))]
+            numels = fragment_numels(manifest, layout)
+            owned = assign(numels, self.shard.count)[self.shard.index]
+            self.frags = [Fragment(i, n, _Round(0)) for i, n in enumerate(numels)]
+            self.owned = owned
+
+    def mine(self) -> list[_Fragment]:
+        """The fragments this shard owns (all of them unless sharded)."""
+        return [self.frags[i] for i in self.owned]
+
+    def owner_refusal(self, index: int, what: str) -> Optional[PushRefused]:
+        """A refusal for `what` of a fragment another shard owns (None: this shard owns it)."""
+        if index in self.owned:
+            return None
+        owners = assign([f.numel for f in self.frags], self.shard.count)
+        owner = next(s for s, fr in enumerate(owners) if index in fr)
+        return PushRefused("wrong-shard", f"{what} of fragment {index} sent to syncer shard {self.shard}; "
+                                          f"shard {owner} owns it")
 
     def missing_init(self) -> list[int]:
         with self.lock:
-            return [f.index for f in self.frags if not f.has_base]
+            return [f.index for f in self.mine() if not f.has_base]
 
     def drop_partial_init(self) -> None:
         """The initializing island left before INIT completed: forget what it sent (another island sends it)."""
         with self.lock:
             if not self.initialized:
-                for f in self.frags:
+                for f in self.mine():
                     f.drop_init()
 
     def init_fragment(self, index: int, values: np.ndarray) -> bool:
@@ -170,6 +148,9 @@ class Coordinator:
             if not bounded_int(index, len(self.frags) - 1):
                 raise PushRefused("bad-fragment", f"INIT for fragment {shown(index)}, the layout has "
                                                   f"{len(self.frags)}")
+            wrong = self.owner_refusal(index, "INIT")
+            if wrong is not None:
+                raise wrong
             f = self.frags[index]
             if f.has_base:
                 raise PushRefused("duplicate-init", f"a second INIT of fragment {index}; refused")
@@ -184,8 +165,8 @@ class Coordinator:
             if f.has_base:   # (one initializer, one reader thread: not expected)
                 raise PushRefused("duplicate-init", f"a second INIT of fragment {index}; refused")
             f.install_init(values, shadow=self.down_codec is not None)
-            if all(fr.has_base for fr in self.frags):
-                for fr in self.frags:
+            if all(fr.has_base for fr in self.mine()):
+                for fr in self.mine():
                     self.opt.ensure_state(fr.t)
                 self.initialized = True
                 self._check_total_rounds()
@@ -193,9 +174,11 @@ class Coordinator:
                 return True
             return False
 
-    def versions(self) -> list[int]:
+    def versions(self) -> list[Optional[int]]:
+        """Each fragment's version; None for those another shard owns."""
         with self.lock:
-            return [f.version for f in self.frags]
+            mine = set(self.owned)
+            return [f.version if f.index in mine else None for f in self.frags]
 
     # ------------------------------------------------------------------------------------- membership
     def join(self, island: str, incarnation: str) -> Member:
@@ -245,7 +228,7 @@ class Coordinator:
         """(lock held) Forget ledger entries that carry no state (churned ids must not grow the ledger and the
         checkpoint forever; see limits.stateless_members)."""
         busy = {k[0] for k in self.seen}
-        for f in self.frags:
+        for f in self.mine():
             busy.update(c.island for c in list(f.round.contribs.values()) + list(f.carry))
         for i in stateless_members(self.members, busy, self.clock(), self.rs.lease_s):
             del self.members[i]
@@ -273,12 +256,12 @@ class Coordinator:
 
     def all_closed(self) -> bool:
         with self.lock:
-            return self.initialized and all(f.closed for f in self.frags)
+            return self.initialized and all(f.closed for f in self.mine())
 
     def _check_total_rounds(self) -> None:
         tr = self.rs.total_rounds
         if tr is not None:
-            for f in self.frags:
+            for f in self.mine():
                 if f.version >= tr:
                     f.closed = True
 
@@ -300,6 +283,9 @@ class Coordinator:
         if not bounded_int(p.fragment, len(self.frags) - 1):
             raise PushRefused("bad-fragment", f"push for fragment {shown(p.fragment)}; the layout has "
                                               f"{len(self.frags)} fragments")
+        wrong = self.owner_refusal(p.fragment, "push")
+        if wrong is not None:
+            raise wrong
         f = self.frags[p.fragment]
         if not bounded_int(p.base_version, f.version):
             raise PushRefused("bad-base", f"push of fragment {f.index} relative to base v{shown(p.base_version)}, "
@@ -453,7 +439,7 @@ class Coordinator:
         now = self.clock()
         out = []
         with self.lock:
-            for f in self.frags:
+            for f in self.mine():
                 r = f.round
                 answered = r.answered()
                 if f.closed or r.closed or not answered:
@@ -477,7 +463,7 @@ class Coordinator:
         """Earliest clock time at which a round may become due by grace/timeout (None: only events matter)."""
         with self.lock:
             ts = []
-            for f in self.frags:
+            for f in self.mine():
                 r = f.round
                 if f.closed or r.closed or len(r.answered()) < self.rs.k:
                     continue  # below quorum only events (pushes, lease expiry) can make a round due

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,9 +22,9 @@ import numpy as np
 from ..wire import auth, codecs
 from ..wire.frames import MAX_PAYLOAD, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
 from ..wire.transport import Connection, listen
-from .checkpoint import CheckpointError, CheckpointWriter, read_checkpoint
+from .checkpoint import CheckpointError, CheckpointWriter
 from .config import BASE_WIRE, ServerConfig
-from .guard import NormGuard, too_large, unusable
+from .guard import NormGuard, too_large
 from ..wire.text import printable
 from .limits import InitWatch, island_buffer_bytes
 from .merge import ChunkRunner
@@ -37,7 +36,7 @@ from .rounds import Coordinator
 from .session import BASE_UPDATES, SEND_CHUNK, aligned_meta  # noqa: F401  (SEND_CHUNK: re-exported)
 from .session import Session as _Session
 from .settings import Push, PushRefused, bounded_int, shown
-from .snapshot import capture, restore
+from .snapshot import capture, open_checkpoint
 
 __all__ = ["ServerConfig", "SyncerServer", "aligned_meta"]
 
@@ -67,12 +66,13 @@ class SyncerServer:
             raise ValueError("background checkpoints need a checkpoint path")
         self.cfg = cfg
         self.runner = ChunkRunner(cfg.merge_threads)
-        self.coord = Coordinator(cfg.merge, cfg.rounds, self.runner)
+        self.coord = Coordinator(cfg.merge, cfg.rounds, self.runner, shard=cfg.shard)
         self.coord.guard = NormGuard(cfg.max_push_norm_ratio, self.runner) if cfg.max_push_norm_ratio else None
         if cfg.base_wire in BASE_UPDATES:
             self.coord.down_codec = cfg.base_wire
         self.fold_pool = ThreadPoolExecutor(max(2, min(8, cfg.islands)), thread_name_prefix="yeto-fold")
         self.metrics = Metrics()
+        self.metrics.shard.labels(str(cfg.shard.index), str(cfg.shard.count)).set(1)
         self.tape = Tape(cfg.tape)
         self.writer = CheckpointWriter(cfg.checkpoint, cfg.background_checkpoint) if cfg.checkpoint else None
         self.coord.protect = self.writer.protect if self.writer else None
@@ -96,27 +96,7 @@ class SyncerServer:
         self._shut = False
         self._next_flood_log = 0.0
         self._shutdown_lock = threading.Lock()
-        if cfg.checkpoint:
-            d = os.path.dirname(os.path.abspath(cfg.checkpoint))
-            if not os.path.isdir(d) or not os.access(d, os.W_OK):
-                raise CheckpointError(f"checkpoint directory {d} does not exist or is not writable")
-        if cfg.checkpoint and cfg.resume:
-            meta, arrays = read_checkpoint(cfg.checkpoint)
-            if len(meta["layout"]) != cfg.fragments:
-                raise CheckpointError(f"checkpoint {cfg.checkpoint} has {len(meta['layout'])} fragments; "
-                                      f"--fragments is {cfg.fragments}")
-            restore(self.coord, meta, arrays)
-            for i, fa in enumerate(arrays):
-                for name, a in sorted(fa.items()):
-                    why = unusable(f"fragment {i} {name}", a)
-                    if why:
-                        raise CheckpointError(f"checkpoint {cfg.checkpoint} is not usable: {why}; resume from an "
-                                              "earlier checkpoint")
-            log.info("resumed from %s: %d fragments at versions %s, %d merges so far", cfg.checkpoint,
-                     len(self.coord.frags), self.coord.versions(), self.coord.merges_total)
-        elif cfg.checkpoint and os.path.exists(cfg.checkpoint):
-            raise CheckpointError(f"checkpoint {cfg.checkpoint} already exists: pass --resume to continue that run, "
-                                  "or move it away to start a new one")
+        self.run_id = open_checkpoint(self.coord, cfg)   # (--resume without --run-id: the checkpoint's)
 
     # --------------------------------------------------------------------------------------- lifecycle
     def start(self) -> tuple:
@@ -128,7 +108,8 @@ class SyncerServer:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
-        log.info("syncer listening on %s:%d (%d islands, %d fragments, %s)", self.address[0], self.address[1],
+        log.info("syncer %slistening on %s:%d (%d islands, %d fragments, %s)",
+                 f"shard {self.cfg.shard} " if self.cfg.shard.sharded else "", self.address[0], self.address[1],
                  self.cfg.islands, self.cfg.fragments, self.cfg.merge.resolved())
         return self.address
 
@@ -303,7 +284,7 @@ class SyncerServer:
             old = self.initializer
             if coord.initialized or old is None or old.closed or not self.init_watch.expired():
                 return
-            for f in coord.frags:
+            for f in coord.mine():
                 f.drop_init()
             self.init_watch.failed.add(old.island)
             self.init_watch.clear()
@@ -355,7 +336,7 @@ class SyncerServer:
             return {"initialized": c.initialized, "versions": c.versions() if c.frags else [],
                     "fragments": len(c.frags) or self.cfg.fragments, "islands": self.cfg.islands,
                     "members": c.alive_members(), "merges_total": c.merges_total,
-                    "final": self.final_started,
+                    "final": self.final_started, "shard": self.cfg.shard.as_json(),
                     "manifest_digest": auth.manifest_digest(c.manifest).hex() if c.manifest else None}
 
     # ------------------------------------------------------------------------------------------ reading
@@ -392,7 +373,7 @@ class SyncerServer:
             elif t == MsgType.ACK:
                 v = meta.get("versions")   # kept only when it can be what the final cut sent
                 s.final_acked = v if v is None or (isinstance(v, list) and len(v) <= len(coord.frags) and all(
-                    bounded_int(x) for x in v)) else ["invalid"]
+                    x is None or bounded_int(x) for x in v)) else ["invalid"]
                 with coord.cond:
                     coord.cond.notify_all()
             elif t == MsgType.BYE:
@@ -442,7 +423,7 @@ class SyncerServer:
             if self.writer is not None:  # version 0 on disk before any island trains from it
                 self._checkpoint(final=False)
             for other in list(self.sessions.values()):
-                for f in range(len(coord.frags)):
+                for f in coord.owned:
                     other.post_base(f, "check" if other.declared else "f32")
 
     def _on_push(self, s: _Session, meta: dict, body) -> None:
@@ -584,7 +565,7 @@ class SyncerServer:
 
     def _checkpoint(self, final: bool) -> None:
         self.coord.prune()   # islands whose lease ran out without state do not go to disk
-        snap = capture(self.coord, {"final": final})
+        snap = capture(self.coord, {"final": final, "run_id": self.run_id})
         self.writer.save(snap, background=False if final else None)
         self.metrics.checkpoint_seconds.set(self.writer.last_seconds)
 
@@ -594,18 +575,18 @@ class SyncerServer:
         why = "total rounds reached" if coord.all_closed() else "every island reached its last step"
         log.info("final cut: %s; merging the last round of every fragment", why)
         # wait (bounded) for pushes still being folded
-        for f in range(len(coord.frags)):
+        for f in coord.owned:
             if coord.pending(f):
                 rec = coord.merge(f, force=True)
                 if rec is not None:
                     self._after_merge(rec, broadcast=False)
         with coord.lock:
-            for f in coord.frags:
+            for f in coord.mine():
                 f.closed = True
             self.final_done = True
             targets = [s for s in self.sessions.values() if not s.closed]
             for s in targets:
-                for f in range(len(coord.frags)):
+                for f in coord.owned:
                     s.post_base(f, "f32", final=True)
         versions = coord.versions()
         log.info("final model: versions %s; sent to %d island(s), waiting up to %.0fs for acknowledgements",

@@ -72,7 +72,7 @@ from .handshake import _RESUME, _RESUME_LOCK, _handshake, probe  # noqa: F401 - 
 from .message import encode_meta
 from .text import check_island_id
 from .transport import Connection, connect
-from .values import DELTA_CODECS, Base, PushReply, SyncerRefusal, Welcome, recoverable  # noqa: F401 - re-exported
+from .values import DELTA_CODECS, Base, PushReply, SyncerRefusal, Welcome, recoverable, shard_fields  # noqa: F401 - re-exported
 
 __all__ = ["SyncerClient", "SyncerRefusal", "Welcome", "Base", "PushReply", "probe", "recoverable"]
 
@@ -99,7 +99,7 @@ class SyncerClient:
     def __init__(self, address: str, key: Optional[bytes], island_id: str, manifest, *,
                  incarnation: Optional[int] = None, timeout: float = 60.0, insecure: bool = False,
                  connect_retries: int = 10, backoff: float = 0.5, max_backoff: float = 10.0,
-                 held: Optional[list] = None):
+                 held: Optional[list] = None, bell: Optional[threading.Event] = None):
         if key is None:
             auth.check_insecure(address, insecure)
         self.address = address
@@ -134,6 +134,13 @@ class SyncerClient:
         self._bye_seen = False
         self._final_sent = False
         self._threads: list[threading.Thread] = []
+        self._bell = bell   # set on every arrival too (one waiter for several clients: a sharded syncer)
+
+    def _notify(self) -> None:
+        """(under _cv) Wake whoever waits for this client."""
+        self._cv.notify_all()
+        if self._bell is not None:
+            self._bell.set()
 
     # --------------------------------------------------------------------------------------- connecting
     def connect(self) -> Welcome:
@@ -151,7 +158,8 @@ class SyncerClient:
                         needs_init=list(meta.get("needs_init") or []), base_wire=meta.get("base_wire", "f32"),
                         heartbeat_s=float(meta.get("heartbeat_s", 5.0)), lease_s=float(meta.get("lease_s", 60.0)),
                         islands=meta.get("islands", 1), quorum=meta.get("quorum", 1),
-                        total_rounds=meta.get("total_rounds"), final=bool(meta.get("final")))
+                        total_rounds=meta.get("total_rounds"), final=bool(meta.get("final")),
+                        **shard_fields(meta))
         except BaseException:
             conn.close()
             raise
@@ -187,7 +195,7 @@ class SyncerClient:
         with self._cv:
             if self._error is None:
                 self._error = e
-            self._cv.notify_all()
+            self._notify()
 
     def _reader(self) -> None:
         conn = self.conn
@@ -240,7 +248,7 @@ class SyncerClient:
                     self._bases.pop(frag, None)
                     self._bases[frag] = b
                     self._held[frag] = version
-                    self._cv.notify_all()
+                    self._notify()
                 return
             if dtype == "f32":
                 mv = memoryview(body).cast("B")
@@ -261,7 +269,7 @@ class SyncerClient:
                 self._bases.pop(frag, None)
                 self._bases[frag] = b
                 self._held[frag] = version
-                self._cv.notify_all()
+                self._notify()
         elif t == MsgType.PUSH_REPLY:
             r = PushReply(meta.get("fragment"), meta.get("base_version"), meta.get("status", "?"),
                           int(meta.get("lag", 0) or 0), meta.get("version"), meta.get("message", ""))
@@ -272,17 +280,17 @@ class SyncerClient:
                 elif r.status == "refused":
                     self._refusals.append(SyncerRefusal(meta.get("code", "refused"), r.message, r.fragment,
                                                         r.base_version))
-                self._cv.notify_all()
+                self._notify()
         elif t == MsgType.INIT:
             with self._cv:
                 self._init_requests = [int(f) for f in meta.get("request", [])]
-                self._cv.notify_all()
+                self._notify()
         elif t == MsgType.BYE:
             with self._cv:
                 self._bye_seen = True
                 if not self.final_cut_complete() and self._error is None:
                     self._error = ProtocolError(f"the syncer closed the session: {meta.get('reason', 'goodbye')}")
-                self._cv.notify_all()
+                self._notify()
         # HEARTBEAT and anything else: the reader saw the syncer alive; nothing to do
 
     def _base_update(self, t, meta, body, frag, version, dtype, numel) -> None:
@@ -308,7 +316,7 @@ class SyncerClient:
             cur = self._bases.pop(frag, None)
             self._bases[frag] = b if cur is None else cur.then(b)
             self._held[frag] = version
-            self._cv.notify_all()
+            self._notify()
 
     def _heartbeat(self) -> None:
         period = self.welcome.heartbeat_s if self.welcome else 5.0
@@ -488,7 +496,7 @@ class SyncerClient:
             return bool(self._final)
 
     def final_cut_complete(self) -> bool:
-        return self.welcome is not None and len(self._final) == self.welcome.fragments
+        return self.welcome is not None and len(self._final) == len(self.welcome.owned)
 
     # --------------------------------------------------------------------------------------- final cut
     def finish(self, last_step: Optional[int] = None, timeout: Optional[float] = None) -> dict:
@@ -503,19 +511,19 @@ class SyncerClient:
             conn.send(MsgType.FINAL, {"last_step": int(self.local_step if last_step is None else last_step)})
             self._final_sent = True
         deadline = time.monotonic() + timeout
-        n = self.welcome.fragments
+        n, owned = self.welcome.fragments, self.welcome.owned
         with self._cv:
-            while len(self._final) < n:
+            while len(self._final) < len(owned):
                 if self._error is not None and not (self._bye_seen and self.final_cut_complete()):
                     raise self._error
                 left = deadline - time.monotonic()  # (refused pushes stay queued for check(): the final
                 if left <= 0:                        # model comes regardless)
                     raise WireTimeout(f"waited {timeout}s for the final model: have fragments "
-                                      f"{sorted(self._final)} of {n}")
+                                      f"{sorted(self._final)} of {owned}")
                 self._cv.wait(min(left, 0.5))
             out = dict(self._final)
         try:
-            conn.send(MsgType.ACK, {"versions": [out[f].version for f in range(n)]})
+            conn.send(MsgType.ACK, {"versions": [out[f].version if f in out else None for f in range(n)]})
         except (ProtocolError, OSError):
             if not self._bye_seen:  # the syncer already closed after the final cut: the model is complete
                 raise
@@ -540,7 +548,7 @@ class SyncerClient:
                 pass
         with self._cv:
             self._closed = True
-            self._cv.notify_all()
+            self._notify()
         if conn is not None:
             conn.close()
         for t in self._threads:

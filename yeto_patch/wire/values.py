@@ -14,7 +14,7 @@ import numpy as np
 from . import codecs
 from .frames import AuthError, CodecError, PeerError, ProtocolError
 
-__all__ = ["SyncerRefusal", "Welcome", "Base", "PushReply", "recoverable", "DELTA_CODECS"]
+__all__ = ["SyncerRefusal", "Welcome", "Base", "PushReply", "recoverable", "DELTA_CODECS", "shard_fields"]
 
 
 class SyncerRefusal(PeerError):
@@ -41,6 +41,31 @@ class Welcome:
     quorum: int
     total_rounds: Optional[int]
     final: bool
+    shard: tuple = (0, 1)           # (index, count) of the syncer shard that answered
+    owned: list = None              # the fragments that shard owns (default: every fragment)
+    shard_addresses: tuple = ()     # every shard's address in shard order, when the syncer knows them
+
+    def __post_init__(self):
+        if self.owned is None:
+            self.owned = list(range(int(self.fragments)))
+
+
+def shard_fields(meta: dict) -> dict:
+    """The WELCOME's shard fields, checked (a syncer of an older release sends none: one shard owning all)."""
+    n = meta.get("fragments")
+    shard, owned, addrs = meta.get("shard", [0, 1]), meta.get("owned"), meta.get("shard_addresses") or []
+    ok = (isinstance(n, int) and isinstance(shard, list) and len(shard) == 2
+          and all(isinstance(x, int) and not isinstance(x, bool) for x in shard) and 0 <= shard[0] < shard[1] <= n)
+    if ok and owned is not None:
+        ok = (isinstance(owned, list) and all(isinstance(f, int) and not isinstance(f, bool) for f in owned)
+              and owned == sorted(set(owned)) and all(0 <= f < n for f in owned))
+    if ok:
+        ok = isinstance(addrs, list) and len(addrs) in (0, shard[1]) and all(
+            isinstance(a, str) and 0 < len(a) <= 300 for a in addrs)
+    if not ok:
+        raise ProtocolError(f"malformed WELCOME shard fields: shard={shard!r:.80} owned={owned!r:.80}")
+    return {"shard": tuple(shard), "owned": list(range(n)) if owned is None else owned,
+            "shard_addresses": tuple(addrs)}
 
 
 DELTA_CODECS = ("int8", "int4")
