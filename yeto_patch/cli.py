@@ -202,7 +202,8 @@ def _doctor_hooks(out, import_targets: bool) -> bool:
 
 
 def _handshake(settings, timeout):
-    """Authenticated PROBE handshake with the syncer; lines describing what it answered."""
+    """Authenticated PROBE handshake with the syncer (every shard of a sharded one, in the order listed); lines
+    describing what each answered."""
     try:
         from yeto_patch.wire import client as wire_client
     except ImportError as err:
@@ -214,16 +215,22 @@ def _handshake(settings, timeout):
     key = None
     if not settings.insecure or settings.key_file or settings.key_from_env:
         key = auth.load_key(settings.key_file)
-    t0 = time.time()
-    info = probe(settings.syncer, key=key, island_id=settings.island_id, timeout=timeout,
-                 insecure=settings.insecure)
-    ms = (time.time() - t0) * 1000
-    lines = [f"OK: authenticated with {settings.syncer} in {ms:.0f} ms (probe; no run joined)"]
-    if isinstance(info, dict):
-        for k in sorted(info):
-            lines.append(f"{k}: {info[k]}")
-    elif info is not None:
-        lines.append(str(info))
+    lines = []
+    addresses = settings.syncer.split(",")
+    for i, address in enumerate(addresses):
+        t0 = time.time()
+        info = probe(address, key=key, island_id=settings.island_id, timeout=timeout, insecure=settings.insecure)
+        ms = (time.time() - t0) * 1000
+        lines.append(f"OK: authenticated with {address} in {ms:.0f} ms (probe; no run joined)")
+        if isinstance(info, dict):
+            shard = info.get("shard", [0, 1])
+            if len(addresses) > 1 and list(shard) != [i, len(addresses)]:
+                raise RuntimeError(f"{address} is syncer shard {shard}, but YETO_DILOCO_SYNCER lists it at "
+                                   f"position {i} of {len(addresses)}: list every shard once, in shard order")
+            for k in sorted(info):
+                lines.append(f"{k}: {info[k]}")
+        elif info is not None:
+            lines.append(str(info))
     return lines
 
 

@@ -160,24 +160,33 @@ def _island_id(name, raw, default):
     return v or None
 
 
+MAX_SYNCER_SHARDS = 1024
+
+
 def _address(name, raw, default):
-    """'host:port' or '[v6]:port' -> the same, normalised; blank -> None; ConfigError naming the variable."""
-    if not raw.strip():
-        return None
-    host, port = _parse_address(raw, name)
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _parse_address(raw: str, name: str = "YETO_DILOCO_SYNCER"):
-    """'host:port' or '[v6]:port' -> (host, port); ConfigError naming the variable otherwise."""
+    """'host:port' or '[v6]:port', or a comma-separated list of them (a sharded syncer, in shard order) -> the
+    same, normalised and comma-joined; blank -> None; ConfigError naming the variable."""
     parts = [p for p in re.split(r"[,\s;]+", raw.strip()) if p]
-    if len(parts) > 1:
-        raise ConfigError(f"{name}={raw!r} lists {len(parts)} addresses; sharded syncers are not supported yet: "
-                          f"give exactly one host:port")
-    addr = parts[0]
+    if not parts:
+        return None
+    if len(parts) > MAX_SYNCER_SHARDS:
+        raise ConfigError(f"{name} lists {len(parts)} addresses; at most {MAX_SYNCER_SHARDS} syncer shards")
+    out = []
+    for part in parts:
+        host, port = _parse_address(part, name, raw)
+        out.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    if len(set(out)) != len(out):
+        raise ConfigError(f"{name}={raw!r} lists an address twice: give each syncer shard once, in shard order")
+    return ",".join(out)
+
+
+def _parse_address(addr: str, name: str = "YETO_DILOCO_SYNCER", raw: str = None):
+    """'host:port' or '[v6]:port' -> (host, port); ConfigError naming the variable otherwise."""
+    raw = addr if raw is None else raw
     m = re.match(r"^\[([0-9A-Fa-f:.]+)\]:(\d+)$", addr) or re.match(r"^([A-Za-z0-9._-]+):(\d+)$", addr)
     if not m:
-        raise ConfigError(f"{name}={raw!r} is not an address: use host:port (or [ipv6]:port), e.g. "
+        what = f"{name}={raw!r}" if raw == addr else f"{name}={raw!r}: {addr!r}"
+        raise ConfigError(f"{what} is not an address: use host:port (or [ipv6]:port), e.g. "
                           f"syncer.example.org:7640")
     host, port = m.group(1), int(m.group(2))
     if not 1 <= port <= 65535:
@@ -212,9 +221,10 @@ class Var(NamedTuple):
 
 
 TABLE = (
-    Var("YETO_DILOCO_SYNCER", "syncer", Parser(_address, lambda v: v, "host:port"), None,
-        "syncer address `host:port` (`[v6]:port`); setting it attaches yeto-patch. A list (sharded syncers) is "
-        "refused for now", Optional[str], "(unset)"),
+    Var("YETO_DILOCO_SYNCER", "syncer", Parser(_address, lambda v: v, "host:port[,host:port...]"), None,
+        "syncer address `host:port` (`[v6]:port`); setting it attaches yeto-patch. A sharded syncer: every "
+        "shard's address, comma-separated in shard order (or shard 0's alone when the shards were started with "
+        "`--shard-addresses`)", Optional[str], "(unset)"),
     Var("YETO_DILOCO_AUTO_ATTACH", "auto_attach", boolean(), False,
         "`1`: attach even without a syncer address, so a job that forgot it fails at start instead of training "
         "without DiLoCo", bool, show=_HIDDEN),
@@ -368,16 +378,17 @@ def _resolve(v: dict, env) -> None:
                               "and needs the syncer address host:port (or set YETO_DILOCO_DISABLE=1 to train "
                               "without it)")
     else:
-        host, port = syncer.rsplit(":", 1)
+        host, port = syncer.split(",")[0].rsplit(":", 1)
         v["syncer_host"], v["syncer_port"] = host.strip("[]"), int(port)
     host = v["syncer_host"]
     if host is not None and v["key_file"] is None and not v["key_from_env"]:
         if not v["insecure"]:
             raise ConfigError("YETO_DILOCO_KEY_FILE is not set (nor YETO_KEY): the syncer handshake needs the shared "
                               "key; set YETO_DILOCO_INSECURE=1 only for a loopback syncer in tests")
-        if not _is_loopback(host):
-            raise ConfigError(f"YETO_DILOCO_INSECURE=1 is only accepted with a loopback syncer address, not "
-                              f"{host!r}: set YETO_DILOCO_KEY_FILE (or YETO_KEY)")
+        for h in [a.rsplit(":", 1)[0].strip("[]") for a in syncer.split(",")]:
+            if not _is_loopback(h):
+                raise ConfigError(f"YETO_DILOCO_INSECURE=1 is only accepted with a loopback syncer address, not "
+                                  f"{h!r}: set YETO_DILOCO_KEY_FILE (or YETO_KEY)")
     v["island_id_default"] = v["island_id"] is None
     if v["island_id"] is None:
         v["island_id"] = _default_island_id(env)

@@ -50,11 +50,16 @@ def test_every_value_form():
     assert from_env(env(YETO_DILOCO_SYNCER="[::1]:7640", YETO_DILOCO_KEY_FILE=None,
                         YETO_DILOCO_INSECURE="1")).syncer == "[::1]:7640"
     assert from_env(env(YETO_DILOCO_KEY_FILE=None, YETO_KEY="s3cret")).key_source == "environment YETO_KEY"
+    # a sharded syncer: every shard's address in shard order, normalised and comma-joined
+    assert from_env(env(YETO_DILOCO_SYNCER=" s0:7640, s1:7641 ;[::1]:7642")).syncer == "s0:7640,s1:7641,[::1]:7642"
+    with pytest.raises(ConfigError, match="loopback syncer address, not 's1'"):
+        from_env(env(YETO_DILOCO_SYNCER="127.0.0.1:1,s1:2", YETO_DILOCO_KEY_FILE=None, YETO_DILOCO_INSECURE="1"))
 
 
 @pytest.mark.parametrize("var,value,expect", [
-    ("YETO_DILOCO_SYNCER", "a:1,b:2", "sharded syncers are not supported yet"),
-    ("YETO_DILOCO_SYNCER", "a:1 b:2", "lists 2 addresses"),
+    ("YETO_DILOCO_SYNCER", "a:1,b:2,a:1", "lists an address twice"),
+    ("YETO_DILOCO_SYNCER", "a:1,b", "'b' is not an address"),
+    ("YETO_DILOCO_SYNCER", ",".join(f"h{i}:1" for i in range(1025)), "at most 1024 syncer shards"),
     ("YETO_DILOCO_SYNCER", "syncer", "host:port"),
     ("YETO_DILOCO_SYNCER", "syncer:99999", "out of range"),
     ("YETO_DILOCO_SYNC_EVERY", "banana", "integer"),
@@ -126,11 +131,11 @@ def test_default_island_id_is_stable_and_shared_by_ranks():
 def test_get_reads_once_and_repeats_the_error(monkeypatch):
     config.reset()
     try:
-        monkeypatch.setenv("YETO_DILOCO_SYNCER", "a:1,b:2")
-        with pytest.raises(ConfigError, match="sharded"):
+        monkeypatch.setenv("YETO_DILOCO_SYNCER", "a:1,a:1")
+        with pytest.raises(ConfigError, match="twice"):
             config.get()
         monkeypatch.setenv("YETO_DILOCO_SYNCER", "127.0.0.1:1")
-        with pytest.raises(ConfigError, match="sharded"):
+        with pytest.raises(ConfigError, match="twice"):
             config.get()  # read once: the first outcome sticks
         config.reset()
         monkeypatch.setenv("YETO_DILOCO_INSECURE", "1")

@@ -81,7 +81,7 @@ class Engine:
         self.rank = 0
         self.comm = self.channel = self.manifest = self.view = self.data = None
         self.frags = None             # island.fragments.Fragments, once the syncer's layout is known
-        self.link = None              # rank 0: island.link.SyncerLink
+        self.link = None              # rank 0: island.shard_link.ShardedLink (one SyncerLink per shard)
         self.log = None               # rank 0: the boundary log
         self._warned_tokens = False
         self._resume: Optional[tuple] = None   # (directory, iteration) of the Megatron checkpoint loaded
@@ -224,11 +224,11 @@ class Engine:
 
     def _connect(self, declared):
         """Rank 0: the link to the syncer, connected (waiting for a syncer not up yet, see ``link.py``)."""
-        from yeto_patch.island.link import SyncerLink
         from yeto_patch.island.names import run_vocab_rows
+        from yeto_patch.island.shard_link import ShardedLink
         from yeto_patch.wire.frames import PeerError
-        self.link = SyncerLink(self.settings, self.manifest.wire_manifest(), held=declared, step=lambda: self.step,
-                               record=self.log.write)
+        self.link = ShardedLink(self.settings, self.manifest.wire_manifest(), held=declared, step=lambda: self.step,
+                                record=self.log.write)
         try:
             w = self.link.open()
         except PeerError as e:   # the run pads the vocabulary otherwise: connect again with its rows

@@ -78,8 +78,12 @@ class SyncerLink:
     block, key_file / key_from_env; `step()`: the island's step (for log lines); `record(event, **fields)`:
     the boundary log (or None)."""
 
-    def __init__(self, settings, wire_manifest, *, held=None, step: Callable[[], int] = lambda: 0, record=None):
+    def __init__(self, settings, wire_manifest, *, held=None, step: Callable[[], int] = lambda: 0, record=None,
+                 address: Optional[str] = None, bell=None):
         self.settings = settings
+        self.address = address or settings.syncer   # (one shard's, for a sharded syncer)
+        self.bell = bell                            # set by the client on every arrival (shard_link.py)
+        self.owned: Optional[list] = None           # the fragments this syncer (shard) owns, from its welcome
         self.manifest = wire_manifest
         self.held = held
         self.step = step
@@ -96,8 +100,8 @@ class SyncerLink:
     def _client(self, incarnation, timeout, held):
         from yeto_patch.wire.client import SyncerClient
         s = self.settings
-        return SyncerClient(s.syncer, self.key, s.island_id, self.manifest, incarnation=incarnation,
-                            timeout=timeout, insecure=s.insecure, connect_retries=0, held=held)
+        return SyncerClient(self.address, self.key, s.island_id, self.manifest, incarnation=incarnation,
+                            timeout=timeout, insecure=s.insecure, connect_retries=0, held=held, bell=self.bell)
 
     def _dial(self, incarnation, timeout, held, deadline, what, on_retry=None):
         from yeto_patch.wire.sender import BackgroundSender
@@ -124,11 +128,12 @@ class SyncerLink:
             if not said:   # once: an island started before its syncer says what it waits for
                 said.append(True)
                 log.info("yeto-patch: the syncer at %s does not answer yet (%s: %s); trying again for up to %.0fs "
-                         "(YETO_DILOCO_TIMEOUT)", s.syncer, type(e).__name__, e, left)
+                         "(YETO_DILOCO_TIMEOUT)", self.address, type(e).__name__, e, left)
         w, n = self._dial(None, s.timeout, self.held, time.monotonic() + s.timeout,
-                          f"connect to the syncer at {s.syncer}", on_retry=waiting)
+                          f"connect to the syncer at {self.address}", on_retry=waiting)
         if n > 1:
-            log.info("yeto-patch: connected to the syncer at %s (attempt %d)", s.syncer, n)
+            log.info("yeto-patch: connected to the syncer at %s (attempt %d)", self.address, n)
+        self.owned = list(w.owned)
         return w
 
     def attach(self, fragments) -> None:
@@ -143,7 +148,7 @@ class SyncerLink:
             self.outage = now
         deadline = self.outage + s.timeout
         log.warning("yeto-patch: step %d: lost the syncer at %s (%s: %s); reconnecting for up to %.0fs",
-                    self.step(), s.syncer, type(cause).__name__, cause, deadline - now)
+                    self.step(), self.address, type(cause).__name__, cause, deadline - now)
         old_client, old_sender = self.client, self.sender
         if old_sender is not None:
             old_sender.abort(timeout=2.0)
@@ -153,7 +158,7 @@ class SyncerLink:
             w, attempts = self._dial(old_client.incarnation, min(s.timeout, 60.0), None, deadline, "reconnect")
         except Exception as e:  # noqa: BLE001
             late = time.monotonic() >= deadline
-            raise EngineError(f"yeto-patch: lost the syncer at {s.syncer} at step {self.step()} "
+            raise EngineError(f"yeto-patch: lost the syncer at {self.address} at step {self.step()} "
                               f"({type(cause).__name__}: {cause}) and could not reconnect"
                               f"{' within YETO_DILOCO_TIMEOUT=%.0fs' % s.timeout if late else ''}: "
                               f"{describe(e, 'reconnect')}") from e
@@ -161,21 +166,21 @@ class SyncerLink:
         self._reconcile(w, cause, attempts)
 
     def _check_same_run(self, w) -> None:
-        s, frags = self.settings, self.fragments
-        if [[int(i) for i in frag] for frag in w.layout] != frags.layout or list(w.numels) != frags.numels:
+        frags = self.fragments
+        if ([[int(i) for i in frag] for frag in w.layout] != frags.layout or list(w.numels) != frags.numels
+                or list(w.owned) != self.owned):
             self.client.abort()
-            raise EngineError(f"yeto-patch: the syncer at {s.syncer} came back with a different fragment layout "
-                              f"(another --fragments or another run); this island cannot continue with it")
+            raise EngineError(f"yeto-patch: the syncer at {self.address} came back with a different fragment "
+                              f"layout (another --fragments, --shard or run); this island cannot continue with it")
         if w.versions is None:
             self.client.abort()
-            raise EngineError(f"yeto-patch: the syncer at {s.syncer} came back without this run's state (no "
+            raise EngineError(f"yeto-patch: the syncer at {self.address} came back without this run's state (no "
                               f"checkpoint, or restarted without --resume); restart it with --checkpoint ... "
                               f"--resume")
 
     def _reconcile(self, w, cause, attempts) -> None:
-        s = self.settings
         repush, adopt = [], []
-        for st in self.fragments:
+        for st in (self.fragments[i] for i in self.owned):
             v = int(w.versions[st.index])
             rec = st.pending
             if v < st.anchor_version:
@@ -188,10 +193,10 @@ class SyncerLink:
         if adopt:
             log.warning("yeto-patch: the syncer at %s is behind this island for fragments %s (it resumed from an "
                         "older checkpoint: run it with --checkpoint-every 1 to lose nothing); adopting its bases",
-                        s.syncer, adopt)
+                        self.address, adopt)
         secs = time.monotonic() - self.outage
         log.warning("yeto-patch: step %d: reconnected to the syncer at %s after %.1fs (attempt %d, versions %s); "
-                    "pushing again fragments %s", self.step(), s.syncer, secs, attempts, w.versions, repush)
+                    "pushing again fragments %s", self.step(), self.address, secs, attempts, w.versions, repush)
         if self.record is not None:
             self.record("reconnect", step=self.step(), cause=f"{type(cause).__name__}: {cause}",
                         seconds=round(secs, 3), versions=list(w.versions), repushed=repush, adopted=adopt)
@@ -287,7 +292,7 @@ class SyncerLink:
         now = time.monotonic()
         if now >= deadline:
             raise EngineError(f"yeto-patch: timed out after {s.timeout:.0f}s (YETO_DILOCO_TIMEOUT) waiting "
-                              f"for the final model from the syncer at {s.syncer}")
+                              f"for the final model from the syncer at {self.address}")
         return self.finish(last_step, min(slice_s, deadline - now), drain)
 
     def finish(self, last_step: int, timeout: float, drain: bool):
