@@ -42,9 +42,10 @@ def _env():
 @pytest.mark.skipif(not (_has("yeto_patch.syncer.cli") and _has("yeto_patch.island.engine")),
                     reason="the syncer CLI or the island engine is not in this checkout yet")
 def test_short_demo_trains_a_global_model_identical_on_both_islands(tmp_path):
+    """With a syncer of two shards (--syncer-shards 2; the one-syncer demo runs in tests/demo/test_warmup.py)."""
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "yeto_patch.demo", "--short", "--out", str(out), "--cache-dir",
-           str(tmp_path / "cache"), "--progress-every", "10"]
+           str(tmp_path / "cache"), "--progress-every", "10", "--syncer-shards", "2"]
     t0 = time.time()
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=540)
     assert p.returncode == 0, f"demo failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
@@ -58,6 +59,7 @@ def test_short_demo_trains_a_global_model_identical_on_both_islands(tmp_path):
     assert res["bytes_up"] > res["bytes_pushed"] and res["bytes_down"] > 0  # measured on the demo's link
     assert res["baseline_heldout_loss"] is not None and res["loss_ratio"] < 1.25
     assert (out / "losses.svg").exists()
+    assert (out / "syncer-0.ckpt").exists() and (out / "syncer-1.ckpt").exists()   # one per shard
     for name in ("A-tp2", "B-pp2"):
         recs = [json.loads(x) for x in (out / f"island-{name}.jsonl").read_text().splitlines()]
         assert [r["step"] for r in recs if r["event"] == "train"] == list(range(1, 61))

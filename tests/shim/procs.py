@@ -96,11 +96,14 @@ class Proc:
         return found
 
 
-def start_syncer(tmp_path, port, islands=2, fragments=2, key=None, extra=(), quorum=None, name="syncer"):
-    """A syncer whose rounds wait for every island (quorum = islands) unless told otherwise, as a test needs."""
+def start_syncer(tmp_path, port, islands=2, fragments=2, key=None, extra=(), quorum=None, name="syncer",
+                 files="syncer"):
+    """A syncer whose rounds wait for every island (quorum = islands) unless told otherwise, as a test needs.
+    Its checkpoint is <files>.ckpt and its tape tape.jsonl (<files>.tape.jsonl when `files` is not "syncer")."""
+    tape = "tape.jsonl" if files == "syncer" else f"{files}.tape.jsonl"
     args = [sys.executable, "-m", "yeto_patch.syncer", "--listen", f"127.0.0.1:{port}", "--islands", str(islands),
             "--quorum", str(quorum or islands), "--fragments", str(fragments),
-            "--checkpoint", str(tmp_path / "syncer.ckpt"), "--tape", str(tmp_path / "tape.jsonl"), *extra]
+            "--checkpoint", str(tmp_path / f"{files}.ckpt"), "--tape", str(tmp_path / tape), *extra]
     args += ["--key-file", key] if key else ["--insecure"]
     return Proc(name, args, base_env(), str(tmp_path / f"{name}.log"))
 
@@ -113,7 +116,8 @@ def start_island(tmp_path, name, port, layout_args, steps, env_extra, nproc=2, s
     args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--log-dir", str(out / "ranks"),
             "--redirects", "3", "--tee", "3", script, *layout_args, "--steps", str(steps), "--out", str(out)]
-    env = base_env(YETO_DILOCO_SYNCER=f"127.0.0.1:{port}", YETO_DILOCO_ISLAND_ID=name,
+    syncer = port if isinstance(port, str) else f"127.0.0.1:{port}"   # (a string: the address list of shards)
+    env = base_env(YETO_DILOCO_SYNCER=syncer, YETO_DILOCO_ISLAND_ID=name,
                    YETO_DILOCO_METRICS=str(out / "metrics.jsonl"), YETO_DILOCO_TOTAL_STEPS=steps,
                    **env_extra) if attach else base_env()
     return Proc(name, args, env, str(tmp_path / f"{name}.log"))
@@ -186,16 +190,19 @@ def metrics(out_dir) -> list:
 
 
 def syncer_model(ckpt_path) -> tuple:
-    """({name: float32 array of its full shape}, {fragment: version}) from the syncer's final checkpoint."""
+    """({name: float32 array of its full shape}, {fragment: version}) from the syncer's final checkpoint, or from
+    every shard's (a list of paths: the model assembled from the fragments each holds)."""
     from yeto_patch.syncer.checkpoint import read_checkpoint
-    meta, arrays = read_checkpoint(ckpt_path)
-    manifest = meta["manifest"]
-    out = {}
-    for f, idx in enumerate(meta["layout"]):
-        base, off = arrays[f]["base"], 0
-        for i in idx:
-            name, shape, _ = manifest[i]
-            n = int(np.prod(shape))
-            out[name] = base[off:off + n].reshape(shape)
-            off += n
-    return out, {fm["index"]: fm["version"] for fm in meta["fragments"]}
+    out, versions = {}, {}
+    for path in ([ckpt_path] if isinstance(ckpt_path, str) else ckpt_path):
+        meta, arrays = read_checkpoint(path)
+        manifest = meta["manifest"]
+        for fm, arr in zip(meta["fragments"], arrays):
+            base, off = arr["base"], 0
+            for i in meta["layout"][fm["index"]]:
+                name, shape, _ = manifest[i]
+                n = int(np.prod(shape))
+                out[name] = base[off:off + n].reshape(shape)
+                off += n
+            versions[fm["index"]] = fm["version"]
+    return out, versions

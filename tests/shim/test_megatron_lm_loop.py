@@ -36,13 +36,28 @@ def torchrun(tmp_path, name, args, env):
 
 
 
+def start_syncers(tmp_path, key, shards):
+    """One syncer, or `shards` shards (--shard I/N) that tell islands each other's addresses; (procs, address
+    for the island: shard 0's, checkpoint path(s))."""
+    ports = [P.free_port() for _ in range(shards)]
+    if shards == 1:
+        return [P.start_syncer(tmp_path, ports[0], islands=1, fragments=2, key=key)], ports[0], \
+            str(tmp_path / "syncer.ckpt")
+    listed = ",".join(f"127.0.0.1:{p}" for p in ports)
+    procs = [P.start_syncer(tmp_path, p, islands=1, fragments=2, key=key, name=f"shard{i}", files=f"shard{i}",
+                            extra=["--shard", f"{i}/{shards}", "--shard-addresses", listed])
+             for i, p in enumerate(ports)]
+    return procs, ports[0], [str(tmp_path / f"shard{i}.ckpt") for i in range(shards)]
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("total", [None, ITERS - 2], ids=["final-cut-at-train-iters", "final-cut-before"])
-def test_pretrain_loop_ends_at_the_final_cut_and_its_checkpoint_is_the_global_model(tmp_path, total):
+@pytest.mark.parametrize("total,shards", [(None, 1), (ITERS - 2, 1), (None, 2)],
+                         ids=["final-cut-at-train-iters", "final-cut-before", "two-syncer-shards"])
+def test_pretrain_loop_ends_at_the_final_cut_and_its_checkpoint_is_the_global_model(tmp_path, total, shards):
+    """(two-syncer-shards: the island is given shard 0's address only; the final model comes from both.)"""
     end = total or ITERS
-    port = P.free_port()
     key = P.key_file(tmp_path)
-    syncer = P.start_syncer(tmp_path, port, islands=1, fragments=2, key=key)
+    syncers, port, ckpts = start_syncers(tmp_path, key, shards)
     ckpt = str(tmp_path / "ckpt")
     env = dict(YETO_DILOCO_SYNCER=f"127.0.0.1:{port}", YETO_DILOCO_KEY_FILE=key, YETO_DILOCO_ISLAND_ID="mlm",
                YETO_DILOCO_SYNC_EVERY=2, YETO_DILOCO_PUSH_DTYPE="int8", YETO_DILOCO_TIMEOUT=120,
@@ -50,15 +65,16 @@ def test_pretrain_loop_ends_at_the_final_cut_and_its_checkpoint_is_the_global_mo
                                                                         dict(YETO_DILOCO_TOTAL_STEPS=total)))
     train = torchrun(tmp_path, "pretrain", mlm_args(ckpt, ["--save", ckpt, "--save-interval", "1000",
                                                             "--export-npz", str(tmp_path / "trained")]), env)
-    rcs = P.wait_all([train, syncer], timeout=480)
-    assert rcs == [0, 0], P.logs([train, syncer])
+    rcs = P.wait_all([train, *syncers], timeout=480)
+    assert rcs == [0] * (1 + shards), P.logs([train, *syncers])
     log = train.text()
     assert f"iteration        {end}/       {ITERS}" in log and f"iteration        {end + 1}/" not in log
     assert "installed the syncer's final model" in log
     assert f"saving checkpoint at iteration       {end} " in log
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
         assert f.read().strip() == str(end)            # the checkpoint is numbered by the steps it holds
-    final, versions = P.syncer_model(str(tmp_path / "syncer.ckpt"))
+    final, versions = P.syncer_model(ckpts)
+    assert sorted(versions) == [0, 1] and (shards == 1 or "joined 2 syncer shards" in log)
     recs = P.metrics(str(tmp_path))
     assert recs[-1]["event"] == "final" and recs[-1]["step"] == end
 

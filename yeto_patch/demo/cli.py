@@ -63,7 +63,10 @@ def build_parser():
     g.add_argument("--start-gate", action=argparse.BooleanOptionalAction, default=True,
                    help="hold the islands' first connections until every island connected, so they join the "
                         "syncer together")
-    g.add_argument("--port", type=int, default=0, help="syncer port (default 0: any free one)")
+    g.add_argument("--port", type=int, default=0, help="syncer port (default 0: any free one; shard I of "
+                   "--syncer-shards: port + I)")
+    g.add_argument("--syncer-shards", type=int, default=1, help="run the syncer as this many shards (--shard I/N), "
+                   "each holding a byte-balanced share of the fragments; at most --fragments")
     g = p.add_argument_group("baseline")
     g.add_argument("--no-baseline", action="store_true", help="skip the synchronous data-parallel baseline")
     g.add_argument("--rebaseline", action="store_true", help="retrain the baseline even if cached")
@@ -100,6 +103,8 @@ def parse(argv=None):
         p.error("--sync-warmup starts from the baseline's model: it cannot go with --no-baseline")
     if a.overlap_steps >= a.sync_every:
         p.error("--overlap-steps must be smaller than --sync-every")
+    if not 1 <= a.syncer_shards <= a.fragments:
+        p.error(f"--syncer-shards must be in 1..--fragments ({a.fragments}): every shard owns a fragment")
     return a
 
 

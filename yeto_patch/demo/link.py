@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 
-__all__ = ["MeteredLink"]
+__all__ = ["MeteredLink", "LinkGroup"]
 
 
 class MeteredLink:
@@ -114,3 +114,31 @@ class MeteredLink:
                 s.close()
             except OSError:
                 pass
+
+
+class LinkGroup:
+    """The metered links to every syncer shard (one link for one syncer), read as one."""
+
+    def __init__(self, links):
+        self.links = list(links)
+        self.gate = self.links[0].gate
+
+    @property
+    def addresses(self) -> str:
+        """YETO_DILOCO_SYNCER for the islands: every shard's link, in shard order."""
+        return ",".join(f"127.0.0.1:{lk.port}" for lk in self.links)
+
+    @property
+    def errors(self) -> list:
+        return [e for lk in self.links for e in lk.errors]
+
+    def counters(self) -> dict:
+        cs = [lk.counters() for lk in self.links]
+        out = {k: sum(c[k] for c in cs) for k in ("up", "down", "connections")}
+        out["waiting_at_gate"] = max(c["waiting_at_gate"] for c in cs)
+        out["gate_open"] = all(c["gate_open"] for c in cs)
+        return out
+
+    def close(self) -> None:
+        for lk in self.links:
+            lk.close()

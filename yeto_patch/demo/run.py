@@ -10,7 +10,7 @@ import time
 
 from . import baseline as bl
 from .layout import parse_layouts
-from .link import MeteredLink
+from .link import LinkGroup, MeteredLink
 from .procs import ChildFailed, Supervisor
 from .progress import Progress
 from .report import build_report
@@ -69,12 +69,28 @@ def write_key(dirname):
     return path
 
 
-def syncer_argv(o, python, port, key_file, out):
+def syncer_argv(o, python, port, key_file, out, shard=0, shards=1):
+    """One syncer, or shard `shard` of `shards` (its own checkpoint; every shard appends to the one tape)."""
+    ckpt = "syncer.ckpt" if shards == 1 else f"syncer-{shard}.ckpt"
     return [python, "-m", "yeto_patch.syncer", "--listen", f"127.0.0.1:{port}", "--islands", str(o.islands),
             "--fragments", str(o.fragments), "--key-file", key_file,
-            "--checkpoint", os.path.join(out, "syncer.ckpt"), "--tape", os.path.join(out, "syncer-tape.jsonl"),
+            "--checkpoint", os.path.join(out, ckpt), "--tape", os.path.join(out, "syncer-tape.jsonl"),
             "--outer-lr", str(o.outer_lr), "--outer-momentum", str(o.outer_momentum),
-            "--base-wire", o.base_wire] + list(o.syncer_arg)
+            "--base-wire", o.base_wire, *(["--shard", f"{shard}/{shards}"] if shards > 1 else [])] + list(o.syncer_arg)
+
+
+def start_syncers(sup, o, python, key_file, out):
+    """The syncer (or --syncer-shards shards), each behind a metered link that counts the bytes both ways, gated
+    so that the islands join together; (processes, links as one)."""
+    n = getattr(o, "syncer_shards", 1)
+    procs, links = [], []
+    for i in range(n):
+        p = sup.start("syncer" if n == 1 else f"syncer-{i}",
+                      syncer_argv(o, python, o.port + i if o.port else 0, key_file, out, i, n),
+                      env=_clean_env(extra_pythonpath=REPO), cwd=REPO)
+        procs.append(p)
+        links.append(MeteredLink("127.0.0.1", wait_for_syncer(sup, p), gate=o.islands if o.start_gate else 0))
+    return procs, LinkGroup(links)
 
 
 _LISTENING = re.compile(r"yeto-syncer listening on (\S+):(\d+)")
@@ -94,10 +110,10 @@ def wait_for_syncer(sup, syncer, timeout_s=60):
     raise DemoError(f"the syncer did not report its address within {timeout_s}s; log: {syncer.log_path}")
 
 
-def island_env(o, island_id, port, key_file, out):
+def island_env(o, island_id, syncer, key_file, out):
     env = _clean_env(extra_pythonpath=REPO)
     env.update({
-        "YETO_DILOCO_SYNCER": f"127.0.0.1:{port}",
+        "YETO_DILOCO_SYNCER": syncer,
         "YETO_DILOCO_KEY_FILE": key_file,
         "YETO_DILOCO_ISLAND_ID": island_id,
         "YETO_DILOCO_SYNC_EVERY": str(o.sync_every),
@@ -225,18 +241,11 @@ def run(o):
         with Supervisor(os.path.join(out, "logs")) as sup:
             warm_npz = run_baseline(sup) if warm else None  # the warm-up comes first: the islands start from it
             t_isl = time.time()
-            children, syncer = [], None
-            port = o.port
+            children = []
             key_file = write_key(keydir)
             if not o.without_yeto:
-                syncer = sup.start("syncer", syncer_argv(o, python, port, key_file, out),
-                                   env=_clean_env(extra_pythonpath=REPO), cwd=REPO)
-                children.append(syncer)
-                syncer_port = wait_for_syncer(sup, syncer)
-                # the islands reach the syncer through a metered link (bytes both ways), gated so that they
-                # join together
-                link = MeteredLink("127.0.0.1", syncer_port, gate=o.islands if o.start_gate else 0)
-                port = link.port
+                syncers, link = start_syncers(sup, o, python, key_file, out)
+                children += syncers
             islands = []
             for iid, lay, shard in zip(ids, layouts, range(o.islands)):
                 argv = _launcher(python, lay.nproc) + [TRAIN_SCRIPT] + lay.flags() + mflags + [
@@ -245,7 +254,7 @@ def run(o):
                     "--save-npz", os.path.join(out, f"island-{iid}.npz")]
                 if warm_npz:
                     argv += ["--init-from", warm_npz]
-                env = (island_env(o, iid, port, key_file, out) if not o.without_yeto
+                env = (island_env(o, iid, link.addresses, key_file, out) if not o.without_yeto
                        else _clean_env())
                 islands.append(sup.start(f"island-{iid}", argv, env=env, cwd=REPO))
             children += islands
