@@ -32,9 +32,9 @@ def test_doctor_reports_configuration_versions_and_hooks():
 
 
 def test_doctor_names_a_bad_variable_and_fails():
-    p = doctor("--no-handshake", "--no-import", env_extra={"YETO_DILOCO_SYNCER": "a:1,b:2"})
+    p = doctor("--no-handshake", "--no-import", env_extra={"YETO_DILOCO_SYNCER": "a:1,a:1"})
     assert p.returncode == 1
-    assert "ERROR: YETO_DILOCO_SYNCER='a:1,b:2' lists 2 addresses" in p.stdout
+    assert "ERROR: YETO_DILOCO_SYNCER='a:1,a:1' lists an address twice" in p.stdout
     assert "PROBLEMS FOUND" in p.stdout
 
 
@@ -73,3 +73,27 @@ def test_doctor_handshake_with_a_real_syncer(tmp_path):
         assert "members: []" not in syncer.text()
     finally:
         syncer.kill()
+
+
+def test_doctor_probes_every_shard_of_a_sharded_syncer_in_order(tmp_path):
+    import time
+    from tests.shim import procs as P
+    ports = [P.free_port() for _ in range(2)]
+    key = P.key_file(tmp_path)
+    shards = [P.start_syncer(tmp_path, p, islands=1, fragments=2, key=key, name=f"shard{i}", files=f"shard{i}",
+                             extra=["--shard", f"{i}/2"]) for i, p in enumerate(ports)]
+    try:
+        deadline = time.time() + 120
+        while not all("listening" in s.text() for s in shards) and time.time() < deadline:
+            time.sleep(0.2)
+        listed = [f"127.0.0.1:{p}" for p in ports]
+        p = doctor("--no-import", env_extra={"YETO_DILOCO_SYNCER": ",".join(listed), "YETO_DILOCO_KEY_FILE": key})
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert all(f"OK: authenticated with {a}" in p.stdout for a in listed)
+        assert "shard: [0, 2]" in p.stdout and "shard: [1, 2]" in p.stdout
+        p = doctor("--no-import", env_extra={"YETO_DILOCO_SYNCER": ",".join(listed[::-1]),
+                                             "YETO_DILOCO_KEY_FILE": key})
+        assert p.returncode == 1 and "lists it at position 0 of 2" in p.stdout, p.stdout
+    finally:
+        for s in shards:
+            s.kill()
