@@ -1,7 +1,7 @@
 """Sharded syncer: per-shard memory and aggregate merge throughput for 1, 2 and 4 shards, in one run.
 
     python benchmarks/syncer_shards.py [--quick] [--params P] [--fragments F] [--islands M] [--rounds R]
-                                       [--shards 1,2,4] [--json out.json]
+                                       [--shards 1,2,4] [--threads-per-shard T] [--json out.json]
 
 One model of P float32 parameters in F equal tensors (the layout and shard assignment the syncer computes:
 ``layout.partition`` and ``shards.assign``). For each shard count N, N shard processes run at the same time,
@@ -12,7 +12,9 @@ Each process reports its peak RSS (ru_maxrss) and its merge time; the figures ar
 * per-shard peak RSS (the largest shard's) and its ratio to one syncer's: about 1/N plus the interpreter and the
   pushes in flight (each shard holds state for its fragments only);
 * aggregate merge throughput (parameters merged per second, all shards together, wall time of the slowest) and
-  its ratio to one syncer's: scales with the cores the shards get (on a 2-core machine at most about 2x).
+  its ratio to one syncer's: it scales with the cores the shards get. By default every shard count shares this
+  machine's cores (one syncer already merges on all of them); `--threads-per-shard 1` gives each shard one core,
+  so N shards use N cores (up to the CPU count).
 
 The pushes are encoded once per process before timing (an island's work, not the syncer's).
 """
@@ -72,7 +74,7 @@ def worker(params, fragments, islands, rounds, index, count, threads) -> dict:
 
 def run_shards(a, count) -> dict:
     """`count` shard processes at once; their reports and the wall time of the slowest."""
-    threads = max(1, (os.cpu_count() or 1) // count)
+    threads = a.threads_per_shard or max(1, (os.cpu_count() or 1) // count)
     cmd = [sys.executable, __file__, "--worker", "--params", str(a.params), "--fragments", str(a.fragments),
            "--islands", str(a.islands), "--rounds", str(a.rounds), "--threads", str(threads)]
     procs = [subprocess.Popen([*cmd, "--index", str(i), "--count", str(count)], stdout=subprocess.PIPE, text=True)
@@ -98,6 +100,9 @@ def main() -> int:
     ap.add_argument("--islands", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--shards", default="1,2,4")
+    ap.add_argument("--threads-per-shard", type=int, default=0, help="merge threads of each shard (default 0: the "
+                    "CPU count / shards, so every count shares this machine's cores; 1: one core per shard, to see "
+                    "throughput scale with the cores the shards get)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -112,7 +117,8 @@ def main() -> int:
     counts = [int(x) for x in a.shards.split(",")]
     numels = fragment_numels(manifest(a.params, a.fragments), partition(manifest(a.params, a.fragments), a.fragments))
     print(f"model: {a.params / 1e6:.1f} M float32 parameters in {a.fragments} fragments, {a.islands} islands' int4 "
-          f"pushes, {a.rounds} rounds; {os.cpu_count()} CPUs")
+          f"pushes, {a.rounds} rounds; {os.cpu_count()} CPUs, "
+          f"{a.threads_per_shard or 'CPUs / shards'} merge thread(s) per shard")
     results = []
     for n in counts:
         r = run_shards(a, n)
