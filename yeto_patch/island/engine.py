@@ -458,10 +458,11 @@ class Engine:
                                 "step %d, still in %s", self.step, s.overlap_steps, f, need[f],
                                 self.pipeline.behind(f))
 
-        def ready():
+        def ready():   # (a push still in the background is sent first: a base may not overtake it)
             self._handover()
             self.link.poll()
-            return all(self.frags[f].answered(want[f]) for f in frags)
+            return all(self.frags[f].answered(want[f]) and not (self.pipeline and self.pipeline.in_flight(f))
+                       for f in frags)
         self._await(ready, desc)
         waited = (time.perf_counter() - t0) * 1000
         v = self._install_specs(frags, "answered versions")

@@ -63,10 +63,10 @@ class PushPipeline:
         """Every rank, at fragment `st`'s boundary: snapshot this rank's own shard of its delta and queue the
         gather and encoding; returns at once."""
         self.check()
-        if st.index in self.jobs:   # (other ranks: rank 0 handed it over; its worker here ends right after it)
+        if st.index in self.jobs and self.rank != 0:   # rank 0 handed it over; the worker here ends right after
             self._wait(lambda: self.jobs[st.index].done is not None, f"the previous push of fragment {st.index}")
             self.take_finished()
-        if st.index in self.jobs:
+        if st.index in self.jobs:   # (rank 0 hands every push over before the fragment's next boundary)
             raise EngineError(f"internal: fragment {st.index} has a push in flight already")
         t0 = time.perf_counter()
         snap = self.view.snapshot_delta(st.entries)
