@@ -8,6 +8,10 @@ measures, in the same run:
 - write: rank 0's float32 values installed everywhere (MasterView.write, mode replace),
 - raw gloo broadcast of the same number of bytes from rank 0 to all ranks (chunked like the sync),
 - raw gloo point-to-point gather of the same bytes to rank 0 (each other rank sends its share),
+- snapshot: each rank's own shard of the model's delta copied to host buffers (MasterView.snapshot_delta: what
+  the training thread does at a boundary with tau >= 1, no communication), slowest rank,
+- background gather: that snapshot streamed to rank 0 from a second thread on a gloo group of its own
+  (MasterView.gather: what the push pipeline does beside training),
 and the peak extra resident memory per rank during read and write, next to the chunk size.
 Figures are GB/s of float32 model data (1 GB = 1e9 bytes).
 """
@@ -72,7 +76,9 @@ def bench_worker(cfg_kwargs: dict, chunk_bytes: int, repeat: int) -> dict:
 
     view.read([0], sink if rank == 0 else None)       # warm-up
     view.write([0], source if rank == 0 else None)
-    out = dict(model_bytes=total, read=[], write=[], bcast=[], p2p=[], read_rss=0, write_rss=0)
+    out = dict(model_bytes=total, read=[], write=[], bcast=[], p2p=[], read_rss=0, write_rss=0, snapshot=[],
+               bg_gather=[])
+    bg = IslandComm(timeout_s=600)   # the push pipeline's own group
     g = comm.group
     buf = torch.empty(chunk_bytes // 4, dtype=torch.float32)
     for _ in range(repeat):
@@ -121,6 +127,22 @@ def bench_worker(cfg_kwargs: dict, chunk_bytes: int, repeat: int) -> dict:
                 dist.send(buf[:n], dst=0, group=g)
                 left -= n
         out["p2p"].append(time.perf_counter() - t)
+        # the background push path: snapshot of the own shard, then its gather from another thread and group
+        view.snapshot_anchor()
+        comm.barrier()
+        t = time.perf_counter()
+        snap = view.snapshot_delta(range(len(man)))
+        out["snapshot"].append(time.perf_counter() - t)
+        comm.barrier()
+        got[0] = 0
+        t = time.perf_counter()
+        th = threading.Thread(target=view.gather, args=(range(len(man)), snap, sink if rank == 0 else None, bg))
+        th.start()
+        th.join()
+        out["bg_gather"].append(time.perf_counter() - t)
+        if rank == 0:
+            assert got[0] == total, (got[0], total)
+        del snap
     out["peak_buffer_bytes"] = view.stats["peak_buffer_bytes"]
     out["anchor_bytes"] = view.anchor_bytes()
     out["n_entries"] = len(man)
@@ -151,20 +173,23 @@ def main():
     gb = r0["model_bytes"] / 1e9
     best = lambda k: min(max(r[k][i] for r in res) for i in range(a.repeat))  # noqa: E731 slowest rank, best rep
     rd, wr, bc, pp = best("read"), best("write"), best("bcast"), best("p2p")
+    sn, bgr = best("snapshot"), best("bg_gather")
     layout = f"TP{a.tp} PP{a.pp} DP{4 // (a.tp * a.pp)}"
     print(f"# master_gather: 4-rank CPU island, {layout}, {'fp32' if a.fp32 else 'bf16'} GPTModel "
           f"h={a.hidden} L={a.layers}, {r0['n_entries']} entries, {r0['model_bytes'] / 2**20:.1f} MiB float32, "
           f"chunk {a.chunk_mib:g} MiB, best of {a.repeat} (wall {time.time() - t0:.0f} s)")
-    print(f"| operation | seconds | GB/s float32 | vs raw gloo broadcast | vs raw p2p gather |")
-    print(f"|---|---|---|---|---|")
+    print("| operation | seconds | GB/s float32 | vs raw gloo broadcast | vs raw p2p gather |")
+    print("|---|---|---|---|---|")
     for name, t in (("read (owners -> rank 0)", rd), ("write (rank 0 -> holders)", wr),
-                    ("raw gloo broadcast, same bytes", bc), ("raw gloo p2p gather, same bytes", pp)):
+                    ("raw gloo broadcast, same bytes", bc), ("raw gloo p2p gather, same bytes", pp),
+                    ("snapshot of the own shard (training thread, local)", sn),
+                    ("background gather of the snapshot (own thread and group)", bgr)):
         print(f"| {name} | {t:.3f} | {gb / t:.3f} | {bc / t:.2f}x | {pp / t:.2f}x |")
-    print(f"| peak extra RSS per rank, read (MiB) | " + " / ".join(f"{r['read_rss'] / 2**20:.1f}" for r in res)
+    print("| peak extra RSS per rank, read (MiB) | " + " / ".join(f"{r['read_rss'] / 2**20:.1f}" for r in res)
           + f" | chunk {a.chunk_mib:g} MiB | | |")
-    print(f"| peak extra RSS per rank, write (MiB) | " + " / ".join(f"{r['write_rss'] / 2**20:.1f}" for r in res)
+    print("| peak extra RSS per rank, write (MiB) | " + " / ".join(f"{r['write_rss'] / 2**20:.1f}" for r in res)
           + " | | | |")
-    print(f"| peak sync buffers per rank (MiB) | " + " / ".join(f"{r['peak_buffer_bytes'] / 2**20:.1f}" for r in res)
+    print("| peak sync buffers per rank (MiB) | " + " / ".join(f"{r['peak_buffer_bytes'] / 2**20:.1f}" for r in res)
           + " | | | |")
 
 

@@ -83,6 +83,15 @@ def test_read_delta_is_anchor_minus_current(mcore_pool, layout):
     assert sum(r["anchor_bytes"] for r in res) > 0
 
 
+@pytest.mark.parametrize("layout", ["tp2dp2_bf16_distopt", "dp4_bf16_float16opt"])
+def test_a_snapshot_gathered_later_on_its_own_group_is_the_delta_of_its_boundary(mcore_pool, layout):
+    """The background push's data path: each rank snapshots only what it owns; gathered later, beside a
+    read_delta on the view's group, it gives rank 0 the boundary's delta bit for bit."""
+    res = mcore_pool.run(f"{W}:snapshot_gather", LAYOUTS[layout], timeout=240)
+    assert res[0]["ok"] and not any(r["err"] or r["alive"] for r in res), res
+    assert sum(r["own"] for r in res) == res[0]["total"]     # the snapshots hold the model once, split by owner
+
+
 @pytest.mark.parametrize("kind,expect", [
     ("sink", "injected failure in the rank-0 sink"),
     ("no_anchor", "no anchor for"),

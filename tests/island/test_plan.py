@@ -44,6 +44,16 @@ def test_a_fragment_that_pushes_now_does_not_install_its_newer_base_first():
     assert plan(5, 100, [0], fs, by_syncer=False).install == [[0, 4, 0, False]]
 
 
+def test_a_base_arriving_while_the_push_is_in_the_background_waits_for_the_push():
+    fs = states()
+    fs[1].pending = {"step": 4, "fragment": 1, "base_version": 1, "_in_flight": True}
+    fs[1].arrived = base(1, 2)            # merged without this island while its push is still being gathered
+    fs[2].arrived = base(2, 2)
+    assert plan(5, 100, [], fs, by_syncer=False).install == [[2, 2, 0, False]]
+    fs[1].pending = {"step": 4, "fragment": 1, "base_version": 1}   # handed to the link: as any sent push
+    assert plan(5, 100, [], fs, by_syncer=False).install == [[1, 2, 0, False], [2, 2, 0, False]]
+
+
 def test_an_old_or_equal_base_is_not_installed():
     fs = states(anchor=3)
     fs[1].arrived = base(1, 3)

@@ -290,6 +290,39 @@ def delta_roundtrip(cfg_kwargs, chunk_bytes=1 << 14):
     return dict(ok=ok, sub_ok=sub_ok, anchor_bytes=view.anchor_bytes())
 
 
+def snapshot_gather(cfg_kwargs, chunk_bytes=1 << 14):
+    """A background push's data path: snapshot_delta at a boundary, more training, then gather of the snapshot on
+    a gloo group of its own in a second thread while the main thread runs read_delta on the view's group."""
+    ctx, man, view = _setup(cfg_kwargs, 1, chunk_bytes=chunk_bytes)
+    view.snapshot_anchor()
+    harness.train_steps(ctx, 2)
+    at_boundary = collect_arrays(view, delta=True)
+    snap = view.snapshot_delta(range(len(man)))
+    own = sum(int(b.numel()) for _, _, b in snap.values())
+    harness.train_steps(ctx, 1)                      # the masters move on after the snapshot
+    bg_comm = IslandComm(timeout_s=60)
+    got, err = {}, []
+
+    def sink(e, off, arr):
+        got.setdefault(e, np.empty(man.entries[e].numel, np.float32))[off: off + arr.size] = arr
+
+    def background():
+        try:
+            view.gather(range(len(man)), snap, sink if dist.get_rank() == 0 else None, bg_comm)
+        except BaseException as e:  # noqa: BLE001
+            err.append(repr(e))
+    t = threading.Thread(target=background)
+    t.start()
+    now = collect_arrays(view, delta=True)           # concurrently, on the view's own group
+    t.join(120)
+    ok = None
+    if dist.get_rank() == 0:
+        ok = (not err and sorted(got) == sorted(at_boundary)
+              and all(np.array_equal(got[e].reshape(at_boundary[e].shape), at_boundary[e]) for e in at_boundary)
+              and any(not np.array_equal(now[e], at_boundary[e]) for e in now))
+    return dict(ok=ok, err=err, alive=t.is_alive(), own=own, total=sum(e.numel for e in man.entries))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # failures
 # ---------------------------------------------------------------------------------------------------------

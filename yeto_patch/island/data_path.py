@@ -42,22 +42,27 @@ class DataPath:
     def __init__(self, view, manifest, settings, rank: int):
         self.view, self.manifest, self.settings, self.rank = view, manifest, settings, rank
 
-    def encode_delta(self, st):
-        """Every rank: fragment `st`'s delta to rank 0, encoded there; returns (body, gather_s, encode_s) on rank
-        0 (None elsewhere). With error feedback the fragment's residual is carried (created here)."""
+    def push_encoder(self, st):
+        """Rank 0: the encoder of fragment `st`'s next push (with error feedback the fragment's residual is
+        carried, created here)."""
         from yeto_patch.island.push_encoder import PushEncoder
         s = self.settings
-        if self.rank != 0:
-            self.view.read_delta(st.entries, None)
-            return None
         residual = None
         if s.error_feedback:
             if st.residual is None:
                 st.residual = np.zeros(st.numel, dtype=np.float32)
             residual = st.residual
-        enc = PushEncoder(s.push_dtype, s.block, st.numel, piece_elems=max(s.chunk_bytes // 4, s.block),
-                          residual=residual, what=f"fragment {st.index} delta", entry_starts=st.starts,
-                          entry_names=[self.manifest.entries[e].name for e in st.entries])
+        return PushEncoder(s.push_dtype, s.block, st.numel, piece_elems=max(s.chunk_bytes // 4, s.block),
+                           residual=residual, what=f"fragment {st.index} delta", entry_starts=st.starts,
+                           entry_names=[self.manifest.entries[e].name for e in st.entries])
+
+    def encode_delta(self, st):
+        """Every rank: fragment `st`'s delta to rank 0, encoded there; returns (body, gather_s, encode_s) on rank
+        0 (None elsewhere)."""
+        if self.rank != 0:
+            self.view.read_delta(st.entries, None)
+            return None
+        enc = self.push_encoder(st)
         t0 = time.perf_counter()
         self.view.read_delta(st.entries, lambda e, off, arr: enc.feed(arr))
         body = enc.finish()

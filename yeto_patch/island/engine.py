@@ -14,7 +14,9 @@ Life of an island:
   Fragment f reaches a boundary every H steps, the fragments spread evenly over H (``schedule.py``). At a
   boundary the fragment's delta (anchor minus current FP32 masters) is computed where the data lives, streamed
   to rank 0 in bounded chunks, encoded there (``push_encoder.py``, with error feedback if on) and handed to a
-  background sender: training goes on without waiting for the network.
+  background sender: training goes on without waiting for the network. With tau >= 1 the training thread only
+  snapshots each rank's own shard of the delta; the gather and the encoding run beside the next steps on a gloo
+  group of their own (``push_pipeline.py``), and rank 0 hands the finished push to the sender at a later step.
 - A merged base arriving in the background is installed at the first step boundary after it arrived:
   ``alpha * local + (1 - alpha) * base`` when tau > 0, the base itself when tau = 0; the base becomes the
   fragment's anchor. Rank 0 decides and broadcasts a plan only on steps where something can happen (a fragment
@@ -36,7 +38,8 @@ Megatron checkpoint it loaded (``sync_state.py``; ``save_sync_state`` / ``set_re
 Parts: ``fragments.py`` (one state per fragment), ``plan.py`` (what happens at a step, pure), ``link.py`` (rank 0's
 link to the syncer: connect and reconnect with one back-off policy, refusals, arrived bases), ``channel.py`` (rank
 0's decisions broadcast to the island), ``data_path.py`` (masters <-> encoded pushes and installed bases) and
-``sync_state.py`` (restart state). This module coordinates them.
+``sync_state.py`` (restart state), ``push_pipeline.py`` (pushes off the training thread). This module coordinates
+them.
 
 Errors: anything else that goes wrong on rank 0 (a refused push, a syncer gone for longer than the timeout, a bad
 key) is raised on every rank with rank 0's message; errors inside collectives are agreed island-wide by
@@ -82,6 +85,7 @@ class Engine:
         self.comm = self.channel = self.manifest = self.view = self.data = None
         self.frags = None             # island.fragments.Fragments, once the syncer's layout is known
         self.link = None              # rank 0: island.shard_link.ShardedLink (one SyncerLink per shard)
+        self.pipeline = None          # tau >= 1: island.push_pipeline.PushPipeline (pushes off the training thread)
         self.log = None               # rank 0: the boundary log
         self._warned_tokens = False
         self._resume: Optional[tuple] = None   # (directory, iteration) of the Megatron checkpoint loaded
@@ -130,6 +134,8 @@ class Engine:
 
     def close(self):
         """Stop talking to the syncer (BYE); idempotent. Called at exit and by tests."""
+        if self.pipeline is not None:
+            self.pipeline.close()
         if self.link is not None:
             self.link.close(graceful=self.failed is None)
         if self.log is not None:
@@ -191,6 +197,7 @@ class Engine:
         if welcome["final"]:
             raise EngineError(f"the syncer at {s.syncer} has already ended its run (final cut done); start a new "
                               f"syncer run for this training")
+        self.pipeline = self._push_pipeline()
         state, arrays = self._read_sync_state()
         for f in welcome["needs_init"]:
             self._send_init(int(f))
@@ -239,6 +246,43 @@ class Engine:
         return dict(layout=w.layout, numels=w.numels, fragments=w.fragments, versions=w.versions,
                     needs_init=list(w.needs_init), final=bool(w.final))
 
+    def _push_pipeline(self):
+        """Every rank (collective: a gloo group of its own): with tau >= 1 pushes leave the training thread after a
+        snapshot of the rank's own shard (island/push_pipeline.py); tau = 0 waits for the base anyway."""
+        s = self.settings
+        if s.overlap_steps < 1:
+            return None
+        from yeto_patch.island.collective import IslandComm
+        from yeto_patch.island.push_pipeline import PushPipeline
+        return PushPipeline(self.view, IslandComm(timeout_s=s.timeout + 60.0), self.rank,
+                            self.data.push_encoder if self.rank == 0 else None, s.timeout)
+
+    def _handover(self):
+        """Rank 0: the pushes whose background stage ended go to the link, in boundary order."""
+        if self.pipeline is None:
+            return
+        for job in self.pipeline.take_finished():
+            st, (body, gather_s, encode_s) = job.state, job.done
+            rec = st.start_push(job.step, body, self.settings.push_dtype, gather_s, encode_s, False,
+                                made=(job.base_version, job.steps, job.tokens))
+            rec.update(snapshot_ms=round(job.snapshot_s * 1000, 2), own_bytes=job.nbytes,
+                       boundary_ms=round((job.boundary_s or 0.0) * 1000, 2),
+                       queued_ms=round((job.t_start - job.t_submit) * 1000, 2), handed_at=self.step)
+            self.link.send_push(st)
+
+    def _drain_pushes(self, what):
+        """Every rank: wait for the pushes still in the background; rank 0 hands them to the link."""
+        if self.pipeline is None:
+            return
+        if self.rank != 0:
+            self.pipeline.wait_all(what)
+            self.pipeline.take_finished()
+
+        def drain():
+            self.pipeline.wait_all(what)
+            self._handover()
+        self.channel.rank0(drain, what)
+
     def _adopt_layout(self, w):
         from yeto_patch.island.fragments import Fragments
         self.frags = Fragments(w["layout"], w["numels"], [e.numel for e in self.manifest.entries],
@@ -253,6 +297,8 @@ class Engine:
         if not self.started or self.failed is not None or self.finished or not directory:
             return
         from yeto_patch.island import sync_state
+
+        self._guarded(lambda: self._drain_pushes(f"save the island's sync state for iteration {iteration}"))
 
         def write():
             return sync_state.save(directory, int(iteration), self.settings, self.step, self.manifest.digest(),
@@ -331,6 +377,11 @@ class Engine:
     def _push(self, f, final=False):
         """Every rank: stream fragment f's delta to rank 0, which encodes it and queues the push."""
         s, st = self.settings, self.frags[f]
+        if self.pipeline is not None and not final:   # the snapshot only; the rest runs beside the next steps
+            job = self.pipeline.submit(st, self.step)
+            st.pending = ({"step": self.step, "fragment": f, "base_version": job.base_version, "_in_flight": True}
+                          if self.rank == 0 else {"step": self.step})
+            return
         out = self.data.encode_delta(st)
         if out is None:
             st.pending = {"step": self.step}
@@ -351,11 +402,14 @@ class Engine:
         due = due_fragments(self.step, s.sync_every, len(self.frags))
         if not needs_plan(self.step, self.total, due, bool(self.frags.pending())):
             return   # most steps: nothing can happen, no collective
+        t0 = time.perf_counter()
 
         def decide():
+            self._handover()
             self.link.poll()
             return plan(self.step, self.total, due, self.frags, self.link.final_cut).as_json()
         p = Plan.from_json(self.channel.rank0(decide, f"plan step {self.step}"))
+        plan_s = time.perf_counter() - t0
         for f in p.skip:
             self._skip_boundary(f)
         for f, v, k, held in p.install:
@@ -366,7 +420,12 @@ class Engine:
         for f in p.push:
             if self.frags[f].pending is not None:   # its previous base never came within H steps (tau < H)
                 self._await_answers([f], "the base answering fragment %d's previous push" % f)
+            t_push = time.perf_counter()
             self._push(f)
+            if self.pipeline is not None and self.rank == 0 and self.pipeline.in_flight(f):
+                # the training thread's share of this push: the step's plan and the snapshot (the installs of
+                # other fragments' bases this step are in their own records)
+                self.pipeline.jobs[f].boundary_s = plan_s + time.perf_counter() - t_push
         late = overdue(self.step, tau, self.frags)
         if late:
             self._await_answers(late, None)
@@ -392,10 +451,18 @@ class Engine:
         else:
             want, desc = {}, what or "bases"
         t0 = time.perf_counter()
+        if self.rank == 0 and self.pipeline is not None:
+            for f in frags:
+                if self.pipeline.in_flight(f):
+                    log.warning("yeto-patch: step %d: waiting at the tau bound (tau=%d) for fragment %d's push of "
+                                "step %d, still in %s", self.step, s.overlap_steps, f, need[f],
+                                self.pipeline.behind(f))
 
-        def ready():
+        def ready():   # (a push still in the background is sent first: a base may not overtake it)
+            self._handover()
             self.link.poll()
-            return all(self.frags[f].answered(want[f]) for f in frags)
+            return all(self.frags[f].answered(want[f]) and not (self.pipeline and self.pipeline.in_flight(f))
+                       for f in frags)
         self._await(ready, desc)
         waited = (time.perf_counter() - t0) * 1000
         v = self._install_specs(frags, "answered versions")
@@ -408,6 +475,7 @@ class Engine:
     # ================================================================================ final cut
     def _final_cut(self, by_syncer=False):
         t0 = time.perf_counter()
+        self._drain_pushes("the final cut")
         if by_syncer:
             if self.rank == 0:
                 log.warning("yeto-patch: step %d: the syncer ended the run (its final cut) before this island's "

@@ -49,13 +49,16 @@ class FragmentState:
         self.steps_since = 0
         self.tokens_since = 0
 
-    def start_push(self, step: int, body, codec: str, gather_s: float, encode_s: float, final: bool) -> dict:
+    def start_push(self, step: int, body, codec: str, gather_s: float, encode_s: float, final: bool,
+                   made=None) -> dict:
         """Rank 0: the push of this fragment's delta relative to its anchor (encoded `body`) awaits its answer;
         the record keeps the body until then (after a reconnect it is sent again) and becomes the boundary log's
-        record (keys starting with "_" are not logged)."""
-        self.pending = {"step": step, "fragment": self.index, "base_version": self.anchor_version,
-                        "bytes": int(body.nbytes), "codec": codec, "steps": self.steps_since,
-                        "tokens": self.tokens_since, "gather_ms": round(gather_s * 1000, 2),
+        record (keys starting with "_" are not logged). `made`: (base version, steps, tokens) when the delta was
+        taken earlier than now (a background push: its boundary's anchor and counters)."""
+        base, steps, tokens = made or (self.anchor_version, self.steps_since, self.tokens_since)
+        self.pending = {"step": step, "fragment": self.index, "base_version": base,
+                        "bytes": int(body.nbytes), "codec": codec, "steps": steps,
+                        "tokens": tokens, "gather_ms": round(gather_s * 1000, 2),
                         "encode_ms": round(encode_s * 1000, 2), "wait_ms": 0.0, "installed": False, "final": final,
                         "_send": {}, "_body": body}
         return self.pending

@@ -29,7 +29,6 @@ rank owns). Nothing is allocated on an accelerator. `stats["peak_buffer_bytes"]`
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -38,98 +37,12 @@ import torch
 from yeto_patch.island.collective import IslandComm, IslandError
 from yeto_patch.island.master_layout import (EntryLayout, Item, ShardLayout, _build_items, _cover,  # noqa: F401
                                              _rounds)
+from yeto_patch.island.master_refs import (MasterRef, _flat, _same_storage, find_masters,  # noqa: F401
+                                           leaf_optimizers)
 from yeto_patch.island.names import LocalParam, Manifest
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 _F32 = 4
-
-
-# ---------------------------------------------------------------------------------------------------------
-# where the FP32 masters live
-# ---------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class MasterRef:
-    """The FP32 master of local flat elements [start, end) of one model parameter, on this rank."""
-    start: int
-    end: int
-    master: torch.Tensor                 # 1-D, length end-start (float32, possibly host)
-    extra_fp32: List[torch.Tensor]       # other FP32 copies to keep equal (1-D, same length)
-    extra_lowp: List[torch.Tensor]       # low-precision shard copies not sharing the model param's storage
-    kind: str
-
-
-def leaf_optimizers(optimizer) -> list:
-    subs = getattr(optimizer, "chained_optimizers", None)
-    if subs is None:
-        return [optimizer]
-    out = []
-    for o in subs:
-        out.extend(leaf_optimizers(o))
-    return out
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().view(-1)
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except Exception:
-        return False
-
-
-def find_masters(optimizer) -> Dict[int, MasterRef]:
-    """id(model param) -> MasterRef for every parameter this rank holds a master for."""
-    out: Dict[int, MasterRef] = {}
-    for o in leaf_optimizers(optimizer):
-        cls = type(o).__name__
-        if hasattr(o, "model_param_group_index_map") and hasattr(o, "_get_model_param_range_map"):
-            precision_aware = bool(getattr(o.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
-                                           getattr(o.config, "use_precision_aware_optimizer", False)))
-            inner = o.optimizer
-            is_hdo = type(inner).__name__ == "HybridDeviceOptimizer"
-            for p, (gi, go) in o.model_param_group_index_map.items():
-                rng = o._get_model_param_range_map(p)["param"]
-                start, end = int(rng.start), int(rng.end)
-                opt_param = inner.param_groups[gi]["params"][go]
-                if precision_aware:
-                    if not is_hdo:
-                        raise IslandError(
-                            "DistributedOptimizer with the precision-aware optimizer keeps its FP32 masters inside "
-                            f"{type(inner).__name__}'s state; yeto-patch supports that layout only with "
-                            "HybridDeviceOptimizer (--optimizer-cpu-offload)")
-                    master = inner.param_to_inner_param.get(opt_param, opt_param)
-                    extras = []
-                    for cand in (inner.param_to_fp32_param.get(opt_param),
-                                 inner.gpu_params_map_cpu_copy.get(opt_param),
-                                 inner.state.get(opt_param, {}).get("master_param")):
-                        if torch.is_tensor(cand) and cand is not master and not _same_storage(cand, master) \
-                                and all(not _same_storage(cand, x) for x in extras):
-                            extras.append(_flat(cand))
-                    lowp = [] if _same_storage(opt_param, p) or opt_param is master else [_flat(opt_param)]
-                    out[id(p)] = MasterRef(start, end, _flat(master), extras, lowp, "HybridDeviceOptimizer")
-                else:
-                    if opt_param.numel() != end - start:
-                        raise IslandError(f"internal: DistributedOptimizer shard of {tuple(p.shape)} has "
-                                          f"{opt_param.numel()} elements, range says {end - start}")
-                    out[id(p)] = MasterRef(start, end, _flat(opt_param), [], [], "DistributedOptimizer")
-        elif cls == "Float16OptimizerWithFloat16Params" or hasattr(o, "fp32_from_float16_groups"):
-            for g16, g32 in zip(o.float16_groups, o.fp32_from_float16_groups):
-                for p, m in zip(g16, g32):
-                    out[id(p)] = MasterRef(0, p.numel(), _flat(m), [], [], "Float16Optimizer")
-            for g in o.fp32_from_fp32_groups:
-                for p in g:
-                    out[id(p)] = MasterRef(0, p.numel(), _flat(p), [], [], "Float16Optimizer(fp32 param)")
-        elif cls == "FP32Optimizer" or hasattr(o, "optimizer"):
-            for g in o.optimizer.param_groups:
-                for p in g["params"]:
-                    if p.dtype != torch.float32:
-                        raise IslandError(f"{cls}: parameter of dtype {p.dtype} has no FP32 master")
-                    out[id(p)] = MasterRef(0, p.numel(), _flat(p), [], [], "FP32Optimizer")
-        else:
-            raise IslandError(f"unsupported optimizer {cls}: cannot find its FP32 masters")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -147,7 +60,7 @@ class MasterView:
             raise ValueError(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
         self.chunk_elems = int(chunk_bytes) // _F32
         self.stats = {"peak_buffer_bytes": 0, "rounds": 0}
-        self._seq = 0
+        self._seqs: Dict[int, int] = {}   # id(comm) -> plans made on it
         self.anchors: Dict[Tuple[int, int], Tuple[int, int, torch.Tensor]] = {}
         err = None
         rows = []
@@ -205,9 +118,11 @@ class MasterView:
         return layout
 
     # -- plan -------------------------------------------------------------------------------------------------
-    def _plan(self, op: str, indices, **kw) -> dict:
-        """Rank 0's plan, broadcast as JSON; a rank that asked for something else makes every rank raise."""
-        self._seq += 1
+    def _plan(self, op: str, indices, comm: Optional[IslandComm] = None, **kw) -> dict:
+        """Rank 0's plan, broadcast as JSON on `comm` (default: the view's; each comm counts its own calls); a
+        rank that asked for something else makes every rank raise."""
+        comm = comm or self.comm
+        seq = self._seqs[id(comm)] = self._seqs.get(id(comm), 0) + 1
         plan = None
         if self.rank == 0:
             try:
@@ -217,15 +132,15 @@ class MasterView:
                     raise IslandError(f"{op}: entry indices {bad[:5]} outside the manifest of {len(self.manifest)}")
                 if len(set(idx)) != len(idx):
                     raise IslandError(f"{op}: repeated entry indices")
-                plan = dict(op=op, entries=idx, chunk_elems=self.chunk_elems, seq=self._seq, **kw)
+                plan = dict(op=op, entries=idx, chunk_elems=self.chunk_elems, seq=seq, **kw)
             except Exception as e:  # noqa: BLE001
-                plan = dict(op=op, error=str(e), seq=self._seq)
-        plan = self.comm.broadcast_plan(plan, what=f"{op}: plan")
+                plan = dict(op=op, error=str(e), seq=seq)
+        plan = comm.broadcast_plan(plan, what=f"{op}: plan")
         if "error" in plan:
             raise IslandError(plan["error"] + " [island rank 0]", 0)
         err = None
-        if plan["op"] != op or plan["seq"] != self._seq:
-            err = IslandError(f"rank {self.rank} called {op} (#{self._seq}) while rank 0 called "
+        if plan["op"] != op or plan["seq"] != seq:
+            err = IslandError(f"rank {self.rank} called {op} (#{seq}) while rank 0 called "
                               f"{plan['op']} (#{plan['seq']})")
         elif indices is not None and self.rank != 0 and [int(i) for i in indices] != plan["entries"]:
             err = IslandError(f"rank {self.rank} asked to {op} entries different from rank 0's")
@@ -233,7 +148,7 @@ class MasterView:
             for k, v in kw.items():
                 if self.rank != 0 and v is not None and plan.get(k) != v:
                     err = IslandError(f"rank {self.rank}: {op} argument {k}={v!r} differs from rank 0's {plan.get(k)!r}")
-        self.comm.agree(err, f"{op}: plan check")
+        comm.agree(err, f"{op}: plan check")
         return plan
 
     def _items(self, plan) -> List[List[Item]]:
@@ -313,10 +228,50 @@ class MasterView:
         """Like read, with anchor - current (the pseudo-gradient) computed by each owner."""
         self._read("read_delta", indices, sink, delta=True)
 
-    def _read(self, op, indices, sink, delta):
+    def snapshot_delta(self, indices: Sequence[int]) -> Dict[Tuple[int, int], Tuple[int, int, torch.Tensor]]:
+        """Local, no communication: anchor - current of the elements of `indices` this rank owns, in a host
+        float32 copy per owned shard range ((entry, shard) -> (start, end, values)); exactly what read_delta would
+        send now. ``gather`` streams it to rank 0 later, on any thread and comm."""
+        idx = list(indices)
+        hull: Dict[Tuple[int, int], List[int]] = {}
+        for e, r, x, y in self._owned(idx):
+            h = hull.setdefault((e, r), [x, y])
+            h[0], h[1] = min(h[0], x), max(h[1], y)
+        snap = {k: (x0, y0, torch.empty(y0 - x0, dtype=torch.float32)) for k, (x0, y0) in hull.items()}
+        for e, r, x, y in self._owned(idx):
+            x0, _, buf = snap[(e, r)]
+            buf[x - x0: y - x0].copy_(self._own_values(e, r, x, y, delta=True)[0])
+        return snap
+
+    def gather(self, indices: Sequence[int], snap, sink: Optional[Callable], comm: IslandComm) -> None:
+        """Collective on `comm` (every rank, with its own ``snapshot_delta`` of the same `indices`): rank 0's
+        `sink(entry, offset, array)` gets the snapshot's values in read order, as ``read_delta`` would have."""
+        def values(e, r, x, y):
+            x0, y0, buf = snap.get((e, r), (0, 0, None))
+            if buf is None or not (x0 <= x and y <= y0):
+                raise IslandError(f"internal: rank {self.rank}'s snapshot of '{self.manifest.entries[e].name}' "
+                                  f"shard {r} lacks [{x}, {y})")
+            return buf[x - x0: y - x0]
+        self._read("gather", indices, sink, delta=False, values=values, comm=comm)
+
+    def _own_values(self, e, r, x, y, delta: bool):
+        """(float32 host values of this rank's own [x, y) of shard r: master or anchor - master, extra bytes)."""
+        src, extra = self._master_slice(e, r, x, y), 0
+        if src.device.type != "cpu" or src.dtype != torch.float32:
+            src = src.to(device="cpu", dtype=torch.float32)   # host copy, never device memory
+            extra += src.numel() * _F32
+        if delta:
+            src = self._anchor_slice(e, r, x, y) - src
+            extra += src.numel() * _F32
+        return src, extra
+
+    def _read(self, op, indices, sink, delta, values=None, comm=None):
+        """Stream to rank 0's `sink`: the masters, their deltas (`delta`), or `values(e, r, x, y)` of this rank's
+        own elements (a snapshot: ``gather``); on `comm` (default: the view's)."""
+        comm = comm or self.comm
         if self.rank == 0 and sink is None:
             raise IslandError(f"{op}: rank 0 needs a sink")
-        plan = self._plan(op, indices)
+        plan = self._plan(op, indices, comm=comm)
         err = None
         if delta:
             try:
@@ -324,7 +279,7 @@ class MasterView:
                     self._anchor_slice(e, r, x, y)
             except Exception as ex:  # noqa: BLE001
                 err = ex
-            self.comm.agree(err, f"{op}: anchors")
+            comm.agree(err, f"{op}: anchors")
         pending_err = None
         for rnd in self._items(plan):
             self.stats["rounds"] += 1
@@ -350,13 +305,11 @@ class MasterView:
                         try:
                             if pending_err is not None:
                                 raise pending_err
-                            src = self._master_slice(it.entry, r, x, y)
-                            if src.device.type != "cpu" or src.dtype != torch.float32:
-                                src = src.to(device="cpu", dtype=torch.float32)   # host copy, never device memory
-                                nbytes += src.numel() * _F32
-                            if delta:
-                                src = self._anchor_slice(it.entry, r, x, y) - src
-                                nbytes += src.numel() * _F32
+                            if values is not None:
+                                src = values(it.entry, r, x, y)
+                            else:
+                                src, extra = self._own_values(it.entry, r, x, y, delta)
+                                nbytes += extra
                         except Exception as ex:  # noqa: BLE001 - keep the transfers going, agree below
                             pending_err = pending_err or ex
                             src = torch.zeros(y - x, dtype=torch.float32)
@@ -365,13 +318,13 @@ class MasterView:
                         else:
                             src = src.contiguous()
                             keep.append(src)
-                            works.append(self.comm.isend(src, 0))
+                            works.append(comm.isend(src, 0))
                     elif self.rank == 0:
-                        works.append(self.comm.irecv(dst, o))
+                        works.append(comm.irecv(dst, o))
             self._note(nbytes)
-            self.comm.wait_all(works, f"{op}: gather")
+            comm.wait_all(works, f"{op}: gather")
             # one agreement per round: an owner's error, or rank 0's sink error of the previous round
-            self.comm.agree(pending_err, f"{op}: gather")
+            comm.agree(pending_err, f"{op}: gather")
             if self.rank == 0:
                 try:
                     for it, out, bufs in assembled:
@@ -385,7 +338,7 @@ class MasterView:
                 except Exception as ex:  # noqa: BLE001
                     pending_err = ex
             del assembled, keep, works
-        self.comm.agree(pending_err, f"{op}: sink")
+        comm.agree(pending_err, f"{op}: sink")
 
     # -- write ---------------------------------------------------------------------------------------------
     def write(self, indices: Optional[Sequence[int]] = None, source=None, *, mode: Optional[str] = None,

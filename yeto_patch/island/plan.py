@@ -8,7 +8,8 @@ Rank 0 computes the plan and broadcasts it (as JSON) so that every rank runs the
 - ``plan``: the final cut (the last step, or the syncer ended the run), the fragments due that push, those that
   skip their boundary (merged before this island's restart), and the arrived bases to install first. A fragment
   that pushes now takes a newer base as the push's answer: installing it before the push would throw the local
-  progress away (a fragment the syncer is behind on adopts the syncer's base first).
+  progress away (a fragment the syncer is behind on adopts the syncer's base first); so does a fragment whose
+  push is still in the background (island/push_pipeline.py).
 - ``overdue``: pushes waited on because tau steps passed without their answer.
 """
 from __future__ import annotations
@@ -63,6 +64,8 @@ def plan(step: int, total: int, due: Sequence[int], states, by_syncer: bool) -> 
     skip = [f for f in due if states[f].skip]
     due = [f for f in due if f not in skip]
     pushing = set(range(len(states))) if final else set(due)
+    # a push still in the background (tau >= 1) is not at the syncer yet: a base arriving meanwhile waits for it
+    pushing |= {s.index for s in states if s.pending is not None and s.pending.get("_in_flight")}
     installs = [] if by_syncer else [
         install_spec(s) for s in states
         if s.arrived is not None and (s.adopt or (s.arrived.version > s.anchor_version and s.index not in pushing))]

@@ -59,11 +59,15 @@ def main():
                     help="directory shared by jobs launched together: start training once --barrier-count are ready")
     ap.add_argument("--barrier-count", type=int, default=2)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step (a slow island)")
+    ap.add_argument("--fail-background-push-on-rank", type=int, default=None,
+                    help="TEST: that rank's background gather of a push fails (tests/shim/test_background_push.py)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     from tests.mcore import cpu_patches, harness       # test-only CPU support for megatron-core
     cpu_patches.apply()
     dist.init_process_group("gloo")
+    if a.fail_background_push_on_rank == dist.get_rank():
+        fail_background_gather()
     cfg = harness.RunCfg(tp=a.tp, pp=a.pp, bf16=not a.fp32, dist_opt=not a.no_dist_opt, lr=a.lr, seed=a.seed,
                          data_seed=a.data_seed, layers=a.layers, hidden=a.hidden, ffn=4 * a.hidden,
                          moe_ffn=4 * a.hidden, seq=a.seq, micro=max(a.micro, a.pp))
@@ -94,6 +98,20 @@ def main():
                            layout=dict(tp=a.tp, pp=a.pp, world=dist.get_world_size())), f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def fail_background_gather():
+    """TEST: this rank's snapshots of pushes cannot be read by the background gather (a failed stage there)."""
+    from yeto_patch.island import masters
+    orig = masters.MasterView.gather
+
+    class Unreadable(dict):
+        def get(self, *args):
+            raise RuntimeError(f"injected failure in the background gather on rank {dist.get_rank()}")
+
+    def gather(self, indices, snap, sink, comm):
+        return orig(self, indices, Unreadable(), sink, comm)
+    masters.MasterView.gather = gather
 
 
 if __name__ == "__main__":

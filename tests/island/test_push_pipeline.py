@@ -1,0 +1,119 @@
+"""PushPipeline with a stand-in view (no torch.distributed): submit returns after the snapshot, the gather and the
+encoding run on the worker, finished pushes come out in boundary order with their bodies, a stage that falls
+behind is named with its rate, and a failed stage is raised on rank 0 (other ranks leave it to rank 0, which
+raises it inside the island's plan)."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from yeto_patch.island.errors import EngineError
+from yeto_patch.island.fragments import Fragments
+from yeto_patch.island.push_pipeline import PushPipeline
+
+
+class Buf:
+    def __init__(self, n):
+        self.n = n
+
+    def numel(self):
+        return self.n
+
+
+class View:
+    """snapshot_delta/gather of a stand-in: the gather feeds 4 pieces of ones, each after `release` is set."""
+
+    def __init__(self, fail=None):
+        self.release = threading.Event()
+        self.fail = fail
+        self.snapshots = []
+
+    def snapshot_delta(self, entries):
+        self.snapshots.append(list(entries))
+        return {(e, 0): (0, 10, Buf(10)) for e in entries}
+
+    def gather(self, entries, snap, sink, comm):
+        for _ in range(4):
+            assert self.release.wait(10)
+            if self.fail:
+                raise RuntimeError(self.fail)
+            if sink is not None:
+                sink(entries[0], 0, np.ones(5, np.float32))
+
+
+class Encoder:
+    encode_s = 0.001
+
+    def __init__(self):
+        self.values = []
+
+    def feed(self, arr):
+        self.values.append(arr.copy())
+
+    def finish(self):
+        return np.concatenate(self.values)
+
+
+def frags():
+    fs = Fragments([[0], [1]], [20, 20], [20, 20])
+    for st in fs:
+        st.installed(3)
+        st.count(7)
+    return fs
+
+
+def test_submit_returns_at_once_and_the_push_comes_out_when_its_stage_ends():
+    view, fs = View(), frags()
+    p = PushPipeline(view, None, 0, lambda st: Encoder(), timeout_s=10)
+    t0 = time.perf_counter()
+    job = p.submit(fs[1], step=12)
+    assert time.perf_counter() - t0 < 0.5 and view.snapshots == [[1]]
+    assert (job.base_version, job.steps, job.tokens, job.nbytes) == (3, 1, 7, 40)
+    assert p.in_flight(1) and p.take_finished() == []
+    time.sleep(0.1)
+    assert "background gather/encode: 0 of 20 values" in p.behind(1)
+    view.release.set()
+    p.wait_all("test")
+    (done,) = p.take_finished()
+    body, gather_s, encode_s = done.done
+    assert done is job and body.size == 20 and not p.in_flight(1) and gather_s >= 0
+    p.close()
+
+
+def test_pushes_come_out_in_boundary_order():
+    view, fs = View(), frags()
+    view.release.set()
+    p = PushPipeline(view, None, 0, lambda st: Encoder(), timeout_s=10)
+    p.submit(fs[0], step=4)
+    p.submit(fs[1], step=6)
+    p.wait_all("test")
+    assert [j.state.index for j in p.take_finished()] == [0, 1]
+    p.close()
+
+
+def test_a_failed_stage_is_raised_on_rank_0_and_left_to_rank_0_elsewhere():
+    for rank in (0, 1):
+        view, fs = View(fail="disk on fire"), frags()
+        p = PushPipeline(view, None, rank, (lambda st: Encoder()) if rank == 0 else None, timeout_s=10)
+        p.submit(fs[0], step=4)
+        view.release.set()
+        if rank == 0:
+            with pytest.raises(EngineError, match="background push stage failed: disk on fire"):
+                p.wait_all("test")
+            with pytest.raises(EngineError, match="disk on fire"):
+                p.take_finished()
+        else:
+            p.wait_all("test")            # returns: rank 0 raises it for the island
+            assert p.take_finished() == [] and "disk on fire" in str(p.error)
+        p.close()
+
+
+def test_a_stage_that_never_ends_is_bounded_by_the_timeout():
+    view, fs = View(), frags()
+    p = PushPipeline(view, None, 0, lambda st: Encoder(), timeout_s=0.5)
+    p.submit(fs[0], step=4)
+    with pytest.raises(EngineError, match="did not finish within 0.5s"):
+        p.wait_all("the final cut")
+    view.release.set()
+    p.close()

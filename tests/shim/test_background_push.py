@@ -1,0 +1,66 @@
+"""Pushes off the training thread (tau >= 1) end to end on real megatron-core (CPU, gloo, torchrun): at a boundary
+the training thread only snapshots its own shard of the fragment's delta and goes on; the gather to rank 0 and
+the encoding run in the background on a gloo group of their own. A fragment many times the chunk size blocks the
+boundary for about that snapshot plus a small constant; the run ends with both islands holding the syncer's final
+model; a failure of the background stage on any rank ends every rank of the island with that stage's message."""
+import statistics
+
+import numpy as np
+import pytest
+
+from tests.shim import procs as P
+
+STEPS, H = 24, 4
+ENV = dict(YETO_DILOCO_SYNC_EVERY=H, YETO_DILOCO_PUSH_DTYPE="int8", YETO_DILOCO_OVERLAP_STEPS=2,
+           YETO_DILOCO_CHUNK_BYTES="64K", YETO_DILOCO_TIMEOUT=120, YETO_DILOCO_ERROR_FEEDBACK=1)
+BIG = ["--hidden", "256", "--layers", "2"]   # about 2 M parameters: 4 MB fragments against 64 KB chunks
+
+
+@pytest.mark.timeout(900)
+def test_a_boundary_blocks_for_the_own_shard_snapshot_and_the_run_ends_with_the_final_model(tmp_path):
+    key = P.key_file(tmp_path)
+    port = P.free_port()
+    syncer = P.start_syncer(tmp_path, port, fragments=2, key=key)
+    env = dict(ENV, YETO_DILOCO_KEY_FILE=key)
+    barrier = ["--start-barrier", str(tmp_path / "barrier")]
+    a = P.start_island(tmp_path, "a", port, ["--tp", "2", "--data-seed", "1", *BIG, *barrier], STEPS, env, nproc=2)
+    b = P.start_island(tmp_path, "b", port, ["--data-seed", "2", *BIG, *barrier], STEPS, env, nproc=1)
+    rcs = P.wait_all([a, b, syncer], timeout=800)
+    assert rcs == [0, 0, 0], P.logs([a, b, syncer])
+    model, _ = P.syncer_model(str(tmp_path / "syncer.ckpt"))
+    for name in ("a", "b"):
+        masters = P.island_model(str(tmp_path / name))
+        assert sorted(masters) == sorted(model) and all(np.array_equal(masters[k], v) for k, v in model.items())
+    for name in ("a", "b"):
+        pushes = [r for r in P.metrics(str(tmp_path / name)) if r["event"] == "boundary" and "snapshot_ms" in r]
+        assert len(pushes) >= (STEPS // H) * 2 - 2, pushes        # every boundary but the final cut's went so
+        frag_bytes = max(r["own_bytes"] for r in pushes)
+        assert frag_bytes >= 16 * 64 * 1024, frag_bytes             # own shard many times the chunk
+        blocked = statistics.median(r["boundary_ms"] for r in pushes)
+        snapshot = statistics.median(r["snapshot_ms"] for r in pushes)
+        background = statistics.median(r["gather_ms"] + r["encode_ms"] for r in pushes)
+        # the training thread: the snapshot plus the plan's broadcast (generous for a loaded 2-core machine);
+        # the gather and the encoding ran beside it
+        assert blocked <= 2 * snapshot + 60, (name, blocked, snapshot, background, pushes)
+        assert all(r["handed_at"] >= r["step"] for r in pushes)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_failed_background_stage_ends_every_rank_with_its_message(tmp_path, rank):
+    key = P.key_file(tmp_path)
+    port = P.free_port()
+    syncer = P.start_syncer(tmp_path, port, islands=1, fragments=2, key=key)
+    env = dict(ENV, YETO_DILOCO_KEY_FILE=key)
+    a = P.start_island(tmp_path, "a", port, ["--tp", "2", "--fail-background-push-on-rank", str(rank)], STEPS,
+                       env, nproc=2)
+    try:
+        rcs = P.wait_all([a], timeout=400)
+    finally:
+        syncer.kill()
+    assert rcs[0] not in (0, None), P.logs([a, syncer])
+    msg = f"injected failure in the background gather on rank {rank}"
+    errs = P.rank_stderr(str(tmp_path / "a"))
+    assert sorted(errs) == [0, 1], errs.keys()
+    for r, text in errs.items():   # raised on every rank of the island, naming the stage and the cause
+        assert msg in text and "background push stage failed" in text, (r, text[-3000:])

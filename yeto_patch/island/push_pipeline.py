@@ -1,0 +1,172 @@
+"""Pushes off the training thread (tau >= 1): at a boundary every rank copies its own shard of the fragment's delta
+(anchor - FP32 master) into a host buffer (``MasterView.snapshot_delta``: local, no communication) and training
+goes on; a worker thread per rank then streams those snapshots to rank 0 over the island's own gloo group for
+background work (never a group the training loop uses), where the fragment is encoded (error feedback included).
+Rank 0's training thread hands each finished body to the syncer link at its next step (``take_finished``); the
+link's own sender then sends it in the background as before.
+
+Jobs run in boundary order on every rank (each rank submits the same jobs in the same order: rank 0's plan), so
+the gathers pair up. A failure in a stage on any rank reaches every rank's worker through the gather's agreement
+(or the group's timeout, YETO_DILOCO_TIMEOUT); rank 0 raises it at its next step inside the island's plan, so
+every rank fails with that stage's message. Memory: one own-shard float32 copy per push in flight, plus the
+gather's chunks (``MasterView``'s bound) and, on rank 0, the encoded body.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from yeto_patch.island.errors import EngineError
+
+log = logging.getLogger("yeto_patch")
+
+
+@dataclass
+class PushJob:
+    """One fragment's push between its boundary and its hand-over to the link."""
+    state: object                  # the FragmentState
+    step: int
+    base_version: int
+    steps: int
+    tokens: int
+    snap: dict
+    snapshot_s: float
+    nbytes: int                    # this rank's own-shard bytes
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_start: Optional[float] = None
+    done: Optional[tuple] = None   # rank 0: (body, gather_s, encode_s); other ranks: ()
+    fed: int = 0                   # rank 0: values gathered so far
+    boundary_s: Optional[float] = None   # rank 0: the training thread's time in its boundary (plan + snapshots)
+
+
+class PushPipeline:
+    """The background stage of pushes on one rank. `view`: the island's MasterView; `comm`: a dedicated
+    IslandComm; `encoder(state)`: rank 0's PushEncoder factory for a fragment (None on the other ranks)."""
+
+    def __init__(self, view, comm, rank: int, encoder, timeout_s: float):
+        self.view, self.comm, self.rank, self.encoder, self.timeout_s = view, comm, rank, encoder, timeout_s
+        self.jobs: "collections.OrderedDict[int, PushJob]" = collections.OrderedDict()   # fragment -> job
+        self.error: Optional[BaseException] = None
+        self._said = False
+        self._q: "queue.Queue[Optional[PushJob]]" = queue.Queue()
+        self._cv = threading.Condition()
+        self._t = threading.Thread(target=self._run, name="yeto-push-gather", daemon=True)
+        self._t.start()
+
+    # ------------------------------------------------------------------------------------- training thread
+    def submit(self, st, step: int) -> PushJob:
+        """Every rank, at fragment `st`'s boundary: snapshot this rank's own shard of its delta and queue the
+        gather and encoding; returns at once."""
+        self.check()
+        if st.index in self.jobs and self.rank != 0:   # rank 0 handed it over; the worker here ends right after
+            self._wait(lambda: self.jobs[st.index].done is not None, f"the previous push of fragment {st.index}")
+            self.take_finished()
+        if st.index in self.jobs:   # (rank 0 hands every push over before the fragment's next boundary)
+            raise EngineError(f"internal: fragment {st.index} has a push in flight already")
+        t0 = time.perf_counter()
+        snap = self.view.snapshot_delta(st.entries)
+        job = PushJob(st, step, st.anchor_version, st.steps_since, st.tokens_since, snap,
+                      time.perf_counter() - t0, sum(int(b.numel()) * 4 for _, _, b in snap.values()))
+        with self._cv:
+            self.jobs[st.index] = job
+        self._q.put(job)
+        log.debug("yeto-patch: step %d: snapshot of fragment %d's delta (%.1f MB own shard) in %.1f ms", step,
+                  st.index, job.nbytes / 1e6, job.snapshot_s * 1000)
+        return job
+
+    def in_flight(self, f: int) -> bool:
+        return f in self.jobs
+
+    def take_finished(self) -> list:
+        """Jobs whose background stage ended, in boundary order (rank 0: with their bodies); raises a failure of
+        the background stage (rank 0)."""
+        self.check()
+        out = []
+        with self._cv:
+            for f, job in list(self.jobs.items()):
+                if job.done is None:
+                    break
+                out.append(self.jobs.pop(f))
+        return out
+
+    def behind(self, f: int) -> str:
+        """What fragment f's push is waiting for, with its rate (for the tau-bound log line)."""
+        job = self.jobs.get(f)
+        if job is None:
+            return "nothing (handed to the link)"
+        now = time.perf_counter()
+        if job.t_start is None:
+            ahead = [j.state.index for j in self.jobs.values() if j is not job and j.done is None]
+            return (f"the background gather: queued {now - job.t_submit:.1f}s behind the pushes of fragments "
+                    f"{ahead}")
+        secs = max(now - job.t_start, 1e-9)
+        total = job.state.numel
+        return (f"the background gather/encode: {job.fed} of {total} values after {secs:.1f}s "
+                f"({job.fed * 4 / secs / 1e6:.1f} MB/s)")
+
+    def wait_all(self, what: str) -> None:
+        """Wait (bounded by the timeout) until every queued job finished (take them with take_finished)."""
+        self._wait(lambda: all(j.done is not None for j in self.jobs.values()), what)
+
+    def _wait(self, ready, what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        with self._cv:
+            while not ready() and self.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EngineError(f"yeto-patch: {what}: the background push stage did not finish within "
+                                      f"{self.timeout_s:g}s (YETO_DILOCO_TIMEOUT)")
+                self._cv.wait(min(left, 0.5))
+        self.check()
+
+    def check(self) -> None:
+        """Raise the background stage's failure: on rank 0 only, which raises it inside the island's plan so that
+        every rank fails with it (the same failure reaches rank 0's worker through the gather's agreement or the
+        group's timeout); another rank raising alone would leave the others waiting in a collective."""
+        if self.error is not None and self.rank == 0:
+            raise EngineError(f"yeto-patch: the background push stage failed: {self.error}") from self.error
+        if self.error is not None and not self._said:
+            self._said = True
+            log.warning("yeto-patch: rank %d: the background push stage failed (island rank 0 reports it): %s",
+                        self.rank, self.error)
+
+    def close(self) -> None:
+        self._q.put(None)
+
+    # ------------------------------------------------------------------------------------- worker thread
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None or self.error is not None:
+                return
+            try:
+                job.t_start = time.perf_counter()
+                result = self._gather(job)
+            except BaseException as e:  # noqa: BLE001 - raised on the training thread (check)
+                with self._cv:
+                    self.error = e
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                job.done, job.snap = result, None   # (the snapshot's memory goes now)
+                self._cv.notify_all()
+
+    def _gather(self, job: PushJob) -> tuple:
+        st = job.state
+        if self.rank != 0:
+            self.view.gather(st.entries, job.snap, None, self.comm)
+            return ()
+        enc = self.encoder(st)
+        t0 = time.perf_counter()
+
+        def sink(e, off, arr):
+            enc.feed(arr)
+            job.fed += int(arr.size)
+        self.view.gather(st.entries, job.snap, sink, self.comm)
+        body = enc.finish()
+        return body, time.perf_counter() - t0 - enc.encode_s, enc.encode_s
