@@ -74,6 +74,52 @@ def _f(x, nd=4):
     return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
 
 
+def _byte_rows(result, o, ar_diloco) -> list:
+    """The report's bytes table: (what, bytes, note) rows from the result's byte counts."""
+    r, rows = result, []
+    steps, warm, ar = o.steps, r["warmup_steps"], r["allreduce_bytes"]
+    if not o.without_yeto:
+        rows.append(("islands -> syncer (measured on the link)", fmt_bytes(r["bytes_up"]),
+                     f"of which {r['pushes']} delta pushes {fmt_bytes(r['bytes_pushed'])} ({o.push_dtype})"))
+        rows.append(("syncer -> islands (measured on the link)", fmt_bytes(r["bytes_down"]),
+                     f"bases after {r['merges']} merges ({o.base_wire}), initial + final model (f32)"))
+        rows.append(("total between islands and syncer", fmt_bytes(r["bytes_between"]), ""))
+    if warm and ar:
+        rows.append((f"synchronous warm-up: {warm} steps of all-reduce", fmt_bytes(r["warmup_allreduce_bytes"]),
+                     "counted with the DiLoCo bytes in the ratios below"))
+        if r.get("bytes_ratio_diloco_only") and r.get("upload_ratio_diloco_only"):
+            rows.append((f"DiLoCo only: all-reduce of its {steps - warm} steps", fmt_bytes(ar_diloco),
+                         f"{r['bytes_ratio_diloco_only']:.0f}x the total; "
+                         f"{r['upload_ratio_diloco_only']:.0f}x the pushes"))
+    if ar:
+        rows.append(("per-step FP32 gradient all-reduce, same steps", fmt_bytes(ar),
+                     (f"{r['bytes_ratio']:.0f}x the total; {r['upload_ratio']:.0f}x the pushes"
+                      if r.get("bytes_ratio") and r.get("upload_ratio") else "")))
+    return rows
+
+
+def _loss_series(isl, base, ids) -> list:
+    """The plot's curves: each island's and the baseline's training loss (EMA), held-out losses as markers."""
+    series = []
+    for i in ids:
+        tr = _events(isl[i], "train")
+        series.append({"label": f"island {i} (train, EMA)",
+                       "points": list(zip([r["step"] for r in tr], ema([r["loss"] for r in tr])))})
+    if base:
+        tr = _events(base, "train")
+        series.append({"label": "sync DP baseline (train, EMA)", "color": "#555555",
+                       "points": list(zip([r["step"] for r in tr], ema([r["loss"] for r in tr])))})
+    for i in ids[:1]:
+        ev = _events(isl[i], "eval")
+        series.append({"label": f"island {i} held-out", "markers": True,
+                       "points": [(r["step"], r["heldout_loss"]) for r in ev]})
+    if base:
+        ev = _events(base, "eval")
+        series.append({"label": "baseline held-out", "markers": True, "color": "#000000",
+                       "points": [(r["step"], r["heldout_loss"]) for r in ev]})
+    return series
+
+
 def build_report(result, o):
     out = result["out"]
     ids = result["ids"]
@@ -130,24 +176,7 @@ def build_report(result, o):
         bw = result["baseline"].get("wall_s")
         rows.append(("synchronous data parallel, same tokens", _f(base_final),
                      "cached" if result["baseline"].get("cached") else f"trained in {bw:.0f}s"))
-    brows = []
-    if not o.without_yeto:
-        brows.append(("islands -> syncer (measured on the link)", fmt_bytes(up),
-                      f"of which {n_push} delta pushes {fmt_bytes(pushed)} ({o.push_dtype})"))
-        brows.append(("syncer -> islands (measured on the link)", fmt_bytes(down),
-                      f"bases after {merges} merges ({o.base_wire}), initial + final model (f32)"))
-        brows.append(("total between islands and syncer", fmt_bytes(total), ""))
-    if warm and ar:
-        brows.append((f"synchronous warm-up: {warm} steps of all-reduce", fmt_bytes(ar_warm),
-                      "counted with the DiLoCo bytes in the ratios below"))
-        if result.get("bytes_ratio_diloco_only") and result.get("upload_ratio_diloco_only"):
-            brows.append((f"DiLoCo only: all-reduce of its {steps - warm} steps", fmt_bytes(ar_diloco),
-                          f"{result['bytes_ratio_diloco_only']:.0f}x the total; "
-                          f"{result['upload_ratio_diloco_only']:.0f}x the pushes"))
-    if ar:
-        brows.append(("per-step FP32 gradient all-reduce, same steps", fmt_bytes(ar),
-                      (f"{result['bytes_ratio']:.0f}x the total; {result['upload_ratio']:.0f}x the pushes"
-                       if result.get("bytes_ratio") and result.get("upload_ratio") else "")))
+    brows = _byte_rows(result, o, ar_diloco)
     lines = ["", "=" * 78, f"{'held-out loss (nats/byte)':52s} {'':>10s}", "-" * 78]
     lines += [f"{a:52s} {b:>10s}  {c}" for a, b, c in rows]
     lines += ["-" * 78, "bytes"] + [f"  {a:50s} {b:>10s}  {c}" for a, b, c in brows]
@@ -157,25 +186,7 @@ def build_report(result, o):
     if identical is not None or not o.without_yeto:
         lines.append(f"{'islands hold the same final model':52s} {('yes' if identical else 'NO'):>10s}  {detail}")
     lines.append("=" * 78)
-    # plot
-    series = []
-    for i in ids:
-        tr = _events(isl[i], "train")
-        series.append({"label": f"island {i} (train, EMA)",
-                       "points": list(zip([r["step"] for r in tr], ema([r["loss"] for r in tr])))})
-    if base:
-        tr = _events(base, "train")
-        series.append({"label": "sync DP baseline (train, EMA)", "color": "#555555",
-                       "points": list(zip([r["step"] for r in tr], ema([r["loss"] for r in tr])))})
-    for i in ids[:1]:
-        ev = _events(isl[i], "eval")
-        series.append({"label": f"island {i} held-out", "markers": True,
-                       "points": [(r["step"], r["heldout_loss"]) for r in ev]})
-    if base:
-        ev = _events(base, "eval")
-        series.append({"label": "baseline held-out", "markers": True, "color": "#000000",
-                       "points": [(r["step"], r["heldout_loss"]) for r in ev]})
-    written, note = plot_losses(os.path.join(out, "losses"), series,
+    written, note = plot_losses(os.path.join(out, "losses"), _loss_series(isl, base, ids),
                                 f"{name}: {len(ids)} islands, H={o.sync_every}, {o.push_dtype}")
     lines.append(f"plots: {', '.join(written) or 'none'}" + (f"\n{note}" if note else ""))
     lines.append(f"raw JSONL and logs: {out}")

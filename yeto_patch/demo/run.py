@@ -7,6 +7,7 @@ import shutil
 import sys
 import tempfile
 import time
+import types
 
 from . import baseline as bl
 from .layout import parse_layouts
@@ -141,17 +142,20 @@ def corpus_description(o):
     return byte_corpus.ByteCorpus(o.text, num_shards=o.islands).describe()
 
 
-def run(o):
-    """Run the demo described by options `o`; returns the result dict (also written to out/result.json)."""
-    t_start = time.time()
-    python = o.python or sys.executable
-    out = os.path.abspath(o.out)
+def _fresh_out(path) -> str:
+    """The output folder, emptied of what an earlier demo wrote (never of anything else)."""
+    out = os.path.abspath(path)
     if os.path.exists(out):
-        for name in os.listdir(out):  # only what an earlier demo wrote: never an unrelated folder
+        for name in os.listdir(out):
             if name.startswith(("island-", "baseline", "syncer", "losses.", "result.", "summary.")) or name == "logs":
                 p = os.path.join(out, name)
                 shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
     os.makedirs(out, exist_ok=True)
+    return out
+
+
+def _checked_layouts(o) -> list:
+    """--layouts, checked against the batch, the layers and the heads."""
     layouts = parse_layouts(o.layouts, o.islands)
     if o.batch % o.micro_batch:
         raise DemoError(f"--batch {o.batch} must be a multiple of --micro-batch {o.micro_batch}")
@@ -162,10 +166,72 @@ def run(o):
             raise DemoError(f"layout {lay.name}: --layers {o.layers} is not divisible by pp {lay.pp}")
         if o.heads % lay.tp:
             raise DemoError(f"layout {lay.name}: --heads {o.heads} is not divisible by tp {lay.tp}")
-    ids = []
-    for i, lay in enumerate(layouts):
-        base = f"{chr(ord('A') + i) if i < 26 else i}-{lay.name}"
-        ids.append(base)
+    return layouts
+
+
+def _announce(say, o, ids, corpus, out) -> None:
+    say(f"yeto-patch demo: {o.islands} islands ({', '.join(ids)}) x {o.steps} steps, "
+        f"{'DiLoCo via yeto-patch' if not o.without_yeto else 'WITHOUT yeto-patch (independent islands)'}")
+    say(f"  model: GPT {o.layers} layers, hidden {o.hidden}, seq {o.seq_length}, byte vocabulary, "
+        f"{'fp32' if o.fp32 else 'bf16'}, DistributedOptimizer; {o.batch} sequences/step/island")
+    say(f"  data: {corpus['source']} ({corpus['documents']} documents, split {corpus['split']}; "
+        f"island shards {', '.join(f'{b / 1e6:.1f}' for b in corpus['shard_bytes'])} MB, "
+        f"held-out {corpus['heldout_bytes'] / 1e6:.1f} MB)")
+    if not o.without_yeto:
+        say(f"  DiLoCo: H={o.sync_every}, {o.fragments} fragment(s), push {o.push_dtype}"
+            f"{' + error feedback' if o.error_feedback else ''}, overlap tau={o.overlap_steps}, "
+            f"alpha={o.merge_alpha}, outer Nesterov lr {o.outer_lr} momentum {o.outer_momentum}, "
+            f"bases sent as {o.base_wire}")
+    if getattr(o, "syncer_shards", 1) > 1:
+        say(f"  syncer: {o.syncer_shards} shards (--shard I/N)")
+    say(f"  output: {out}")
+
+
+def _run_baseline(sup, o, c):
+    """Train (or reuse) the synchronous data-parallel baseline; with a warm-up also its snapshot after step
+    K, returned as a path in `out`. `c`: the run's context (result, out, cache key, baseline layout and flags)."""
+    result, out, key, warm, warm_name, say = c.result, c.out, c.key, c.warm, c.warm_name, c.say
+    result["baseline"] = None
+    if o.no_baseline:
+        return None
+    extra = [warm_name] if warm else []
+    path = None if o.rebaseline else bl.cached(c.cache_dir, key, extra)
+    dest = os.path.join(out, "baseline.jsonl")
+    snap = os.path.join(out, f"baseline-{warm_name}") if warm else None
+    if path:
+        shutil.copyfile(path, dest)
+        if snap:
+            shutil.copyfile(os.path.join(os.path.dirname(path), warm_name), snap)
+        result["baseline"] = {"cached": True, "key": key, "wall_s": None}
+        say(f"baseline: reusing the cached synchronous data-parallel run ({path})")
+    else:
+        say(f"baseline: training synchronous data parallel ({c.base_layout.name}, "
+            f"{o.batch * o.islands} sequences/step = the islands' tokens together)"
+            + (f", keeping its state after step {warm} for the warm-up" if warm else "") + " ...")
+        t_b = time.time()
+        argv = _launcher(c.python, c.base_layout.nproc) + [TRAIN_SCRIPT] + c.base_layout.flags() + \
+            c.base_flags + ["--log-jsonl", dest]
+        if snap:  # not part of the cache key: the snapshot does not change the run
+            argv += ["--snapshot-at", str(warm), "--snapshot", snap]
+        b = sup.start("baseline", argv, env=_clean_env(), cwd=REPO)
+        bprog = Progress(out, ["baseline"], o.steps, files={"baseline": dest})
+        sup.wait([b], o.timeout, tick=bprog.tick, tick_every_s=o.progress_every)
+        bprog.done()
+        result["baseline"] = {"cached": False, "key": key, "wall_s": time.time() - t_b}
+        bl.store(c.cache_dir, key, c.ident, dest, {warm_name: snap} if snap else None)
+    if snap:
+        say(f"synchronous warm-up: the islands start from the baseline's state after step {warm} and train "
+            f"steps {warm + 1}..{o.steps}")
+    return snap
+
+
+def run(o):
+    """Run the demo described by options `o`; returns the result dict (also written to out/result.json)."""
+    t_start = time.time()
+    python = o.python or sys.executable
+    out = _fresh_out(o.out)
+    layouts = _checked_layouts(o)
+    ids = [f"{chr(ord('A') + i) if i < 26 else i}-{lay.name}" for i, lay in enumerate(layouts)]
     try:
         corpus = corpus_description(o)
     except (OSError, ValueError) as err:
@@ -181,65 +247,19 @@ def run(o):
                                  _python_version(python))
     cache_dir = o.cache_dir or bl.default_cache_dir()
     say = print
-    say(f"yeto-patch demo: {o.islands} islands ({', '.join(ids)}) x {o.steps} steps, "
-        f"{'DiLoCo via yeto-patch' if not o.without_yeto else 'WITHOUT yeto-patch (independent islands)'}")
-    say(f"  model: GPT {o.layers} layers, hidden {o.hidden}, seq {o.seq_length}, byte vocabulary, "
-        f"{'fp32' if o.fp32 else 'bf16'}, DistributedOptimizer; {o.batch} sequences/step/island")
-    say(f"  data: {corpus['source']} ({corpus['documents']} documents, split {corpus['split']}; "
-        f"island shards {', '.join(f'{b / 1e6:.1f}' for b in corpus['shard_bytes'])} MB, "
-        f"held-out {corpus['heldout_bytes'] / 1e6:.1f} MB)")
-    if not o.without_yeto:
-        say(f"  DiLoCo: H={o.sync_every}, {o.fragments} fragment(s), push {o.push_dtype}"
-            f"{' + error feedback' if o.error_feedback else ''}, overlap tau={o.overlap_steps}, "
-            f"alpha={o.merge_alpha}, outer Nesterov lr {o.outer_lr} momentum {o.outer_momentum}, "
-            f"bases sent as {o.base_wire}")
-    say(f"  output: {out}")
+    _announce(say, o, ids, corpus, out)
     result = {"settings": {k: v for k, v in vars(o).items()}, "ids": ids,
               "layouts": [vars(lay) for lay in layouts], "corpus": corpus, "out": out}
     warm = getattr(o, "sync_warmup", 0)
     warm_name = f"warm-{warm}.npz"
-
-    def run_baseline(sup):
-        """Train (or reuse) the synchronous data-parallel baseline; with a warm-up also its snapshot after step
-        K, returned as a path in `out`."""
-        result["baseline"] = None
-        if o.no_baseline:
-            return None
-        extra = [warm_name] if warm else []
-        path = None if o.rebaseline else bl.cached(cache_dir, key, extra)
-        dest = os.path.join(out, "baseline.jsonl")
-        snap = os.path.join(out, f"baseline-{warm_name}") if warm else None
-        if path:
-            shutil.copyfile(path, dest)
-            if snap:
-                shutil.copyfile(os.path.join(os.path.dirname(path), warm_name), snap)
-            result["baseline"] = {"cached": True, "key": key, "wall_s": None}
-            say(f"baseline: reusing the cached synchronous data-parallel run ({path})")
-        else:
-            say(f"baseline: training synchronous data parallel ({base_layout.name}, "
-                f"{o.batch * o.islands} sequences/step = the islands' tokens together)"
-                + (f", keeping its state after step {warm} for the warm-up" if warm else "") + " ...")
-            t_b = time.time()
-            argv = _launcher(python, base_layout.nproc) + [TRAIN_SCRIPT] + base_layout.flags() + \
-                base_flags + ["--log-jsonl", dest]
-            if snap:  # not part of the cache key: the snapshot does not change the run
-                argv += ["--snapshot-at", str(warm), "--snapshot", snap]
-            b = sup.start("baseline", argv, env=_clean_env(), cwd=REPO)
-            bprog = Progress(out, ["baseline"], o.steps, files={"baseline": dest})
-            sup.wait([b], o.timeout, tick=bprog.tick, tick_every_s=o.progress_every)
-            bprog.done()
-            result["baseline"] = {"cached": False, "key": key, "wall_s": time.time() - t_b}
-            bl.store(cache_dir, key, ident, dest, {warm_name: snap} if snap else None)
-        if snap:
-            say(f"synchronous warm-up: the islands start from the baseline's state after step {warm} and train "
-                f"steps {warm + 1}..{o.steps}")
-        return snap
-
+    ctx = types.SimpleNamespace(result=result, out=out, key=key, ident=ident, cache_dir=cache_dir, warm=warm,
+                                warm_name=warm_name, say=say, python=python, base_layout=base_layout,
+                                base_flags=base_flags)
     keydir = tempfile.mkdtemp(prefix="yeto-demo-")
     link = None
     try:
         with Supervisor(os.path.join(out, "logs")) as sup:
-            warm_npz = run_baseline(sup) if warm else None  # the warm-up comes first: the islands start from it
+            warm_npz = _run_baseline(sup, o, ctx) if warm else None  # a warm-up first: the islands start from it
             t_isl = time.time()
             children = []
             key_file = write_key(keydir)
@@ -269,7 +289,7 @@ def run(o):
                     raise DemoError("; ".join(link.errors))
             say(f"islands finished in {result['islands_wall_s']:.0f}s")
             if not warm:
-                run_baseline(sup)
+                _run_baseline(sup, o, ctx)
     except ChildFailed as err:
         raise DemoError(str(err)) from None
     except TimeoutError as err:

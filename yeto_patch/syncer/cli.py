@@ -100,12 +100,7 @@ def _shard_flags(g) -> None:
                    "a checkpoint of another run id (default: none, or the resumed checkpoint's)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="yeto-syncer", formatter_class=_Formatter,
-        description="DiLoCo syncer: merges the islands' fragment deltas with an outer optimizer and sends "
-                    "back the new bases. Semantics: docs/protocol.md, section 'Syncer protocol'.")
-    g = p.add_argument_group("run")
+def _run_flags(g) -> None:
     g.add_argument("--listen", default="0.0.0.0:7640", help="host:port to listen on")
     g.add_argument("--islands", type=_pos_int, default=1, help="number of islands in the run (the most that may "
                    "be members at once; the default quorum)")
@@ -124,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--total-rounds", type=_pos_int, default=None, help="end the run (final cut) once every "
                    "fragment merged this many rounds (default: none; the run ends when every island reports its last "
                    "step)")
-    g = p.add_argument_group("rounds")
+
+
+def _round_flags(g) -> None:
     g.add_argument("--quorum", type=_pos_int, default=None, help="pushes that let a round merge after the grace "
                    "period or the timeout (default: the value of --islands)")
     g.add_argument("--grace", type=_nonneg_float, default=5.0, help="seconds to wait for the remaining islands "
@@ -143,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-push-norm-ratio", type=_nonneg_float, default=10.0, help="refuse (code outlier) a push "
                    "whose delta norm is above this many times the median of the fragment's recent accepted push "
                    "norms (before 3 were accepted: of the base norm); 0 disables the guard")
-    g = p.add_argument_group("outer optimizer")
+
+
+def _outer_flags(g) -> None:
     g.add_argument("--outer", choices=OUTER_KINDS, default="nesterov", help="outer optimizer")
     g.add_argument("--outer-lr", type=_pos_float, default=None, help="outer learning rate (default: 0.7; 1.0 for "
                    "avg)")
@@ -152,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--delay", type=_pos_int, default=1, help="delayed-nesterov: apply momentum every N rounds")
     g.add_argument("--merge-threads", type=_pos_int, default=None, help="threads for decoding and merging"
                    "; results are bit-identical for any count (default: the CPU count, at most 32)")
-    g = p.add_argument_group("transfer")
+
+
+def _transfer_flags(g) -> None:
     g.add_argument("--base-wire", choices=("f32", "bf16", "int8", "int4"), default="f32", help="how merged bases "
                    "go out after each merge: f32, bf16, or int8/int4: the block-quantized change from the base the "
                    "island holds, with the quantization error carried into the next update (islands hold exactly "
@@ -178,8 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "for each other at start)")
     g.add_argument("--final-ack-timeout", type=_pos_float, default=60.0, help="seconds to wait for the islands' "
                    "acknowledgements of the final model")
-    _shard_flags(p.add_argument_group("shards (docs/operations.md, 'Sharded syncer')"))
-    g = p.add_argument_group("checkpoints")
+
+
+def _checkpoint_flags(g) -> None:
     g.add_argument("--checkpoint", default=None, help="checkpoint file, written atomically (default: none, "
                    "no checkpoints)")
     g.add_argument("--checkpoint-every", type=_nonneg_int, default=0, help="write a checkpoint every N merges "
@@ -187,15 +189,32 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--background-checkpoint", action="store_true", help="write periodic checkpoints on a "
                    "background thread from a snapshot (merging goes on; one write at a time)")
     g.add_argument("--resume", action="store_true", help="continue the run stored in --checkpoint")
-    g = p.add_argument_group("observability")
+
+
+def _observability_flags(g) -> None:
     g.add_argument("--metrics-port", type=_nonneg_int, default=None, help="serve Prometheus metrics on this "
                    "port, 0 for any free port (default: none, no metrics server)")
     g.add_argument("--metrics-addr", default="0.0.0.0", help="address for the metrics server")
     g.add_argument("--log", default=None, help="also append the log to this file (default: none, "
                    "stderr only)")
-    g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"), help="verbosity of the log")
+    g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="verbosity of the log")
     g.add_argument("--tape", default=None, help="append one JSON record per merge to this JSONL file "
                    "(default: none)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="yeto-syncer", formatter_class=_Formatter,
+        description="DiLoCo syncer: merges the islands' fragment deltas with an outer optimizer and sends "
+                    "back the new bases. Semantics: docs/protocol.md, section 'Syncer protocol'.")
+    _run_flags(p.add_argument_group("run"))
+    _round_flags(p.add_argument_group("rounds"))
+    _outer_flags(p.add_argument_group("outer optimizer"))
+    _transfer_flags(p.add_argument_group("transfer"))
+    _shard_flags(p.add_argument_group("shards (docs/operations.md, 'Sharded syncer')"))
+    _checkpoint_flags(p.add_argument_group("checkpoints"))
+    _observability_flags(p.add_argument_group("observability"))
     return p
 
 
