@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import types
 from typing import Callable
 
 from yeto_patch.island.errors import EngineError
@@ -88,7 +89,7 @@ class ShardedLink:
         if n > 1:
             log.info("yeto-patch: joined %d syncer shards: %s", n, "; ".join(
                 f"{a} owns fragments {w.owned}" for a, w in zip(addresses, welcomes)))
-        return _Merged(layout=first.layout, numels=first.numels, fragments=first.fragments, versions=versions,
+        return types.SimpleNamespace(layout=first.layout, numels=first.numels, fragments=first.fragments, versions=versions,
                        needs_init=sorted(f for w in welcomes for f in w.needs_init),
                        final=any(w.final for w in welcomes))
 
@@ -154,9 +155,3 @@ class ShardedLink:
         for link in self.links:
             link.shutdown_quietly()
 
-
-class _Merged:
-    """What the engine reads of the syncer's welcome (every shard's, combined)."""
-
-    def __init__(self, **fields):
-        self.__dict__.update(fields)

@@ -74,6 +74,7 @@ class Coordinator:
         self.frags: list[_Fragment] = []   # every fragment of the layout (state only in those this shard owns)
         self.shard = shard
         self.owned: list[int] = []        # this shard's fragments (shards.assign), ascending
+        self._owners: list[list[int]] = []   # every shard's fragments (for refusals naming the owner)
         self.members: dict[str, Member] = {}
         self.seen: set = set()  # (island, fragment, base_version) accepted
         self.merges_total = 0
@@ -112,9 +113,9 @@ class Coordinator:
             self.manifest = manifest
             self.layout = layout
             numels = fragment_numels(manifest, layout)
-            owned = assign(numels, self.shard.count)[self.shard.index]
+            self._owners = assign(numels, self.shard.count)
             self.frags = [Fragment(i, n, _Round(0)) for i, n in enumerate(numels)]
-            self.owned = owned
+            self.owned = self._owners[self.shard.index]
 
     def mine(self) -> list[_Fragment]:
         """The fragments this shard owns (all of them unless sharded)."""
@@ -124,8 +125,7 @@ class Coordinator:
         """A refusal for `what` of a fragment another shard owns (None: this shard owns it)."""
         if index in self.owned:
             return None
-        owners = assign([f.numel for f in self.frags], self.shard.count)
-        owner = next(s for s, fr in enumerate(owners) if index in fr)
+        owner = next(s for s, fr in enumerate(self._owners) if index in fr)
         return PushRefused("wrong-shard", f"{what} of fragment {index} sent to syncer shard {self.shard}; "
                                           f"shard {owner} owns it")
 
