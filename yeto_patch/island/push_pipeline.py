@@ -5,22 +5,18 @@ background work (never a group the training loop uses), where the fragment is en
 Rank 0's training thread hands each finished body to the syncer link at its next step (``take_finished``); the
 link's own sender then sends it in the background as before.
 
-Jobs run in boundary order on every rank (each rank submits the same jobs in the same order: rank 0's plan), so
-the gathers pair up. A failure in a stage on any rank reaches every rank's worker through the gather's agreement
-(or the group's timeout, YETO_DILOCO_TIMEOUT); rank 0 raises it at its next step inside the island's plan, so
-every rank fails with that stage's message. Memory: one own-shard float32 copy per push in flight, plus the
+Jobs run in boundary order on every rank, and a failure on any rank fails every rank with this stage's message
+(``background.py``: the worker, the ordering and the failure rules). Memory: one own-shard float32 copy per push in flight, plus the
 gather's chunks (``MasterView``'s bound) and, on rank 0, the encoded body.
 """
 from __future__ import annotations
 
-import collections
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from yeto_patch.island.background import BackgroundLane
 from yeto_patch.island.errors import EngineError
 
 log = logging.getLogger("yeto_patch")
@@ -39,24 +35,21 @@ class PushJob:
     nbytes: int                    # this rank's own-shard bytes
     t_submit: float = field(default_factory=time.perf_counter)
     t_start: Optional[float] = None
+    work_s: Optional[float] = None
     done: Optional[tuple] = None   # rank 0: (body, gather_s, encode_s); other ranks: ()
     fed: int = 0                   # rank 0: values gathered so far
     boundary_s: Optional[float] = None   # rank 0: the training thread's time in its boundary (plan + snapshots)
 
 
-class PushPipeline:
+class PushPipeline(BackgroundLane):
     """The background stage of pushes on one rank. `view`: the island's MasterView; `comm`: a dedicated
     IslandComm; `encoder(state)`: rank 0's PushEncoder factory for a fragment (None on the other ranks)."""
 
+    stage = "push"
+
     def __init__(self, view, comm, rank: int, encoder, timeout_s: float):
-        self.view, self.comm, self.rank, self.encoder, self.timeout_s = view, comm, rank, encoder, timeout_s
-        self.jobs: "collections.OrderedDict[int, PushJob]" = collections.OrderedDict()   # fragment -> job
-        self.error: Optional[BaseException] = None
-        self._said = False
-        self._q: "queue.Queue[Optional[PushJob]]" = queue.Queue()
-        self._cv = threading.Condition()
-        self._t = threading.Thread(target=self._run, name="yeto-push-gather", daemon=True)
-        self._t.start()
+        self.view, self.encoder = view, encoder
+        super().__init__(comm, rank, timeout_s, "yeto-push-gather")
 
     # ------------------------------------------------------------------------------------- training thread
     def submit(self, st, step: int) -> PushJob:
@@ -72,27 +65,10 @@ class PushPipeline:
         snap = self.view.snapshot_delta(st.entries)
         job = PushJob(st, step, st.anchor_version, st.steps_since, st.tokens_since, snap,
                       time.perf_counter() - t0, sum(int(b.numel()) * 4 for _, _, b in snap.values()))
-        with self._cv:
-            self.jobs[st.index] = job
-        self._q.put(job)
+        self._enqueue(st.index, job)
         log.debug("yeto-patch: step %d: snapshot of fragment %d's delta (%.1f MB own shard) in %.1f ms", step,
                   st.index, job.nbytes / 1e6, job.snapshot_s * 1000)
         return job
-
-    def in_flight(self, f: int) -> bool:
-        return f in self.jobs
-
-    def take_finished(self) -> list:
-        """Jobs whose background stage ended, in boundary order (rank 0: with their bodies); raises a failure of
-        the background stage (rank 0)."""
-        self.check()
-        out = []
-        with self._cv:
-            for f, job in list(self.jobs.items()):
-                if job.done is None:
-                    break
-                out.append(self.jobs.pop(f))
-        return out
 
     def behind(self, f: int) -> str:
         """What fragment f's push is waiting for, with its rate (for the tau-bound log line)."""
@@ -109,54 +85,11 @@ class PushPipeline:
         return (f"the background gather/encode: {job.fed} of {total} values after {secs:.1f}s "
                 f"({job.fed * 4 / secs / 1e6:.1f} MB/s)")
 
-    def wait_all(self, what: str) -> None:
-        """Wait (bounded by the timeout) until every queued job finished (take them with take_finished)."""
-        self._wait(lambda: all(j.done is not None for j in self.jobs.values()), what)
-
-    def _wait(self, ready, what: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        with self._cv:
-            while not ready() and self.error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise EngineError(f"yeto-patch: {what}: the background push stage did not finish within "
-                                      f"{self.timeout_s:g}s (YETO_DILOCO_TIMEOUT)")
-                self._cv.wait(min(left, 0.5))
-        self.check()
-
-    def check(self) -> None:
-        """Raise the background stage's failure: on rank 0 only, which raises it inside the island's plan so that
-        every rank fails with it (the same failure reaches rank 0's worker through the gather's agreement or the
-        group's timeout); another rank raising alone would leave the others waiting in a collective."""
-        if self.error is not None and self.rank == 0:
-            raise EngineError(f"yeto-patch: the background push stage failed: {self.error}") from self.error
-        if self.error is not None and not self._said:
-            self._said = True
-            log.warning("yeto-patch: rank %d: the background push stage failed (island rank 0 reports it): %s",
-                        self.rank, self.error)
-
-    def close(self) -> None:
-        self._q.put(None)
-
     # ------------------------------------------------------------------------------------- worker thread
-    def _run(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None or self.error is not None:
-                return
-            try:
-                job.t_start = time.perf_counter()
-                result = self._gather(job)
-            except BaseException as e:  # noqa: BLE001 - raised on the training thread (check)
-                with self._cv:
-                    self.error = e
-                    self._cv.notify_all()
-                return
-            with self._cv:
-                job.done, job.snap = result, None   # (the snapshot's memory goes now)
-                self._cv.notify_all()
+    def _finish(self, job, result) -> None:
+        job.done, job.snap = result, None   # (the snapshot's memory goes now)
 
-    def _gather(self, job: PushJob) -> tuple:
+    def _work(self, job: PushJob) -> tuple:
         st = job.state
         if self.rank != 0:
             self.view.gather(st.entries, job.snap, None, self.comm)
