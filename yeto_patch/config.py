@@ -258,8 +258,9 @@ TABLE = (
         bool),
     Var("YETO_DILOCO_OVERLAP_STEPS", "overlap_steps", integer(0, 10**9, "tau, steps a merged base may trail its "
         "push"), 0, "tau: steps a fragment's merged base may trail its push before the island waits; `0` = "
-        "synchronous DiLoCo; must be < H; `>= 1`: pushes are gathered and encoded beside training (memory: "
-        "one own-shard copy per push in flight)", int),
+        "synchronous DiLoCo; must be < H; `>= 1`: pushes are gathered and encoded beside training and bases "
+        "staged beside it (memory per rank: one own-shard copy per push in flight, one copy of its held part "
+        "per staged base)", int),
     Var("YETO_DILOCO_MERGE_ALPHA", "merge_alpha", number(0.0, 1.0, "weight of the local model when a base is "
         "installed under overlap"), 0.5, "alpha for installs under overlap: installed = alpha * local + "
         "(1 - alpha) * base", float),

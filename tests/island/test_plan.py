@@ -119,3 +119,39 @@ def test_a_run_of_steps_pushes_each_fragment_once_per_H():
             p = plan(step, 32, due, fs, by_syncer=False)
             pushes += [(step, f) for f in p.push]
     assert sorted(f for _, f in pushes) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 3   # step 32: the final cut
+
+
+def test_with_a_stager_an_arrived_base_is_staged_then_installed_once_rank_0s_part_is_ready():
+    fs = states()
+    fs[2].arrived = base(2, 2)
+    p = plan(5, 100, [], fs, by_syncer=False, stage=True)
+    assert p.stage == [[2, 2, 0]] and p.install == [] and p.staged == []
+    assert Plan.from_json(p.as_json()) == p
+    fs[2].arrived, fs[2].staging = None, [2, 0]          # what the engine does with that plan
+    assert plan(6, 100, [], fs, by_syncer=False, stage=True).staged == []            # still in the background
+    fs[2].arrived = base(2, 3)                           # a newer base waits: nothing else enters a staged fragment
+    p = plan(7, 100, [], fs, by_syncer=False, staged={2}, stage=True)
+    assert p.staged == [2] and p.stage == [] and p.install == []
+
+
+def test_a_staged_base_of_a_fragment_pushing_now_waits_and_answers_that_push():
+    fs = states()
+    fs[0].staging = [2, 0]
+    p = plan(5, 100, [0], fs, by_syncer=False, staged={0}, stage=True)
+    assert p.push == [0] and p.staged == []
+    fs[0].pending = {"step": 5, "fragment": 0, "base_version": 1}
+    assert fs[0].answered(1) and not fs[0].answered(2)
+    assert plan(6, 100, [], fs, by_syncer=False, staged={0}, stage=True).staged == [0]
+
+
+def test_adoptions_own_weights_and_the_final_cut_install_synchronously_even_with_a_stager():
+    fs = states()
+    fs[0].arrived, fs[0].adopt = base(0, 0), True               # the syncer is behind a restarted island
+    fs[1].arrived = Base(1, 2, "held", None, False, (), 2, 2, held=True)     # the island's own weights
+    p = plan(5, 100, [], fs, by_syncer=False, stage=True)
+    assert p.stage == [] and [i[0] for i in p.install] == [0, 1]
+    fs = states()
+    fs[2].arrived, fs[2].adopt = base(2, 2), True
+    fs[1].staging = [2, 0]
+    p = plan(100, 100, [], fs, by_syncer=False, staged={1}, stage=True)    # the final cut: nothing staged now
+    assert p.final and p.stage == [] and p.staged == [] and p.install == [[2, 2, 0, False]]

@@ -497,3 +497,106 @@ def relative_write(cfg_kwargs, alpha=0.5):
         replace_anchor=all(not np.any(delta2[e]) for e in anchor),
         blend_err=max(float(np.max(np.abs(after3[e] - (alpha * a2[e] + (1 - alpha) * a3[e])))) for e in anchor),
         blend_anchor=all(np.array_equal(delta3[e], a3[e] - after3[e]) for e in anchor))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# staged installs (island/master_stage.py) against write, bit for bit
+# ---------------------------------------------------------------------------------------------------------
+def _island_state(view):
+    """Clones of everything an install touches on this rank: model params, FP32 masters (and their extra
+    copies), anchors (test-only: reads the view's tables)."""
+    out = {}
+    for k, lp in view._local.items():
+        out[("param",) + k] = lp.param.data.clone()
+    for k, m in view._master.items():
+        if m is not None:
+            out[("master",) + k] = m.master.clone()
+            for i, c in enumerate(list(m.extra_fp32) + list(m.extra_lowp)):
+                out[("extra", i) + k] = c.clone()
+    for k, (_, _, a) in view.anchors.items():
+        out[("anchor",) + k] = a.clone()
+    return out
+
+
+def _restore_state(view, state):
+    for k, lp in view._local.items():
+        lp.param.data.copy_(state[("param",) + k])
+    for k, m in view._master.items():
+        if m is not None:
+            m.master.copy_(state[("master",) + k])
+            for i, c in enumerate(list(m.extra_fp32) + list(m.extra_lowp)):
+                c.copy_(state[("extra", i) + k])
+    for k, (_, _, a) in view.anchors.items():
+        a.copy_(state[("anchor",) + k])
+
+
+def staged_vs_write(cfg_kwargs, mode, updates=0, alpha=0.5, chunk_bytes=1 << 14):
+    """The same base installed by write (today's synchronous path) and by stage on a background group + the
+    local install_staged: per rank, every master, anchor and param compared bit for bit. A param that differs
+    is allowed only where the rank holds no FP32 master of it (blend on a DistributedOptimizer's replica),
+    and then by no more than the rounding of the master into the low-precision copy it blends from:
+    |a - b| <= alpha * 2^-7 |m| + 2^-6 max(|a|, |b|) (bf16's 8-bit significand; worst_ratio <= 1)."""
+    ctx, man, view = _setup(cfg_kwargs, 1, chunk_bytes=chunk_bytes)
+    rank0 = dist.get_rank() == 0
+    view.snapshot_anchor()
+    harness.train_steps(ctx, 2)
+    full = collect_arrays(view)
+    rng = np.random.default_rng(11)
+    n = max(1, updates)
+    srcs = [{e: ((a + rng.standard_normal(a.shape) * 0.02) if not updates else
+                 rng.standard_normal(a.shape) * 0.01).astype(np.float32).reshape(-1) for e, a in full.items()}
+            for _ in range(n)] if rank0 else [None] * n
+    before = _island_state(view)
+    rel = {"relative": True} if updates else {}
+    for s in srcs[:-1]:
+        view.write(None, s, mode="blend", alpha=1.0, set_anchor=True, anchor="value", **rel)
+    if mode == "replace":
+        view.write(None, srcs[-1], mode="replace", set_anchor=True, **rel)
+    else:
+        view.write(None, srcs[-1], mode="blend", alpha=alpha, set_anchor=True, anchor="value", **rel)
+    gathered = bool(cfg_kwargs.get("overlap_param_gather"))   # Megatron gathers params before the next forward
+
+    def megatron_param_gather():
+        if gathered:
+            for c in ctx["model"]:
+                c.start_param_sync(force_sync=True)
+    megatron_param_gather()
+    by_write = _island_state(view)
+    _restore_state(view, before)
+    bg = IslandComm(timeout_s=60)
+    bg.subgroups(view.holder_sets())
+    staged, err = [], []
+
+    def background():
+        try:
+            sources = [(lambda e, off, k, s=s: s[e][off: off + k]) for s in srcs] if rank0 else None
+            staged.extend(view.stage(None, sources, bg, relative=bool(updates) if rank0 else None))
+        except BaseException as e:  # noqa: BLE001
+            err.append(repr(e))
+    t = threading.Thread(target=background)
+    t.start()
+    t.join(120)
+    untouched = all(torch.equal(v, before[k]) for k, v in _island_state(view).items())   # staging changes nothing
+    view.install_staged(staged, mode, alpha if mode == "blend" else None)
+    megatron_param_gather()
+    by_stage = _island_state(view)
+    exact, near, worst = [], [], 0
+    for k, a in by_write.items():
+        b = by_stage[k]
+        if torch.equal(a, b):
+            continue
+        if k[0] == "param" and a.dtype in (torch.bfloat16, torch.float16) and mode == "blend":
+            m, fa, fb = before[k].float().reshape(-1), a.float().reshape(-1), b.float().reshape(-1)
+            bound = alpha * 2.0 ** -7 * m.abs() + 2.0 ** -6 * torch.maximum(fa.abs(), fb.abs()) + 1e-30
+            ref = view._master.get(k[1:])
+            if ref is not None:   # where the rank has the master: exact
+                bound[ref.start: ref.end] = 0.0
+            ratio = (fa - fb).abs() / bound
+            ratio[(fa == fb)] = 0.0
+            worst = max(worst, float(ratio.max()))
+            near.append(str(k))
+        else:
+            exact.append(str(k))
+    return dict(err=err, alive=t.is_alive(), untouched=untouched, differ=exact, near=near, worst_ratio=worst,
+                staged_bytes=view.staged_bytes(staged),
+                held_bytes=sum(int(lp.param.numel()) * 4 for lp in view._local.values()))

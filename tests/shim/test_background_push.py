@@ -2,7 +2,8 @@
 the training thread only snapshots its own shard of the fragment's delta and goes on; the gather to rank 0 and
 the encoding run in the background on a gloo group of their own. A fragment many times the chunk size blocks the
 boundary for about that snapshot plus a small constant; the run ends with both islands holding the syncer's final
-model; a failure of the background stage on any rank ends every rank of the island with that stage's message."""
+model; merged bases are staged to every holder in the background and installed locally; a failure of a background
+stage (push or base) on any rank ends every rank of the island with that stage's message."""
 import statistics
 
 import numpy as np
@@ -21,7 +22,7 @@ def test_a_boundary_blocks_for_the_own_shard_snapshot_and_the_run_ends_with_the_
     key = P.key_file(tmp_path)
     port = P.free_port()
     syncer = P.start_syncer(tmp_path, port, fragments=2, key=key)
-    env = dict(ENV, YETO_DILOCO_KEY_FILE=key)
+    env = dict(ENV, YETO_DILOCO_KEY_FILE=key, YETO_DILOCO_OVERLAP_STEPS=H - 1)   # time to stage the answers
     barrier = ["--start-barrier", str(tmp_path / "barrier")]
     a = P.start_island(tmp_path, "a", port, ["--tp", "2", "--data-seed", "1", *BIG, *barrier], STEPS, env, nproc=2)
     b = P.start_island(tmp_path, "b", port, ["--data-seed", "2", *BIG, *barrier], STEPS, env, nproc=1)
@@ -43,24 +44,35 @@ def test_a_boundary_blocks_for_the_own_shard_snapshot_and_the_run_ends_with_the_
         # the gather and the encoding ran beside it
         assert blocked <= 2 * snapshot + 60, (name, blocked, snapshot, background, pushes)
         assert all(r["handed_at"] >= r["step"] for r in pushes)
+        # the merged bases were staged in the background; the training thread's install is local: about a few
+        # passes over what the rank holds (its TP shard here), like the snapshot, plus the install's agreement
+        staged = [r for r in P.metrics(str(tmp_path / name)) if "stage_ms" in r]
+        assert len(staged) >= (STEPS // H) * 2 - 4, staged
+        local = [r["install_ms"] - r["staged_wait_ms"] for r in staged]
+        assert statistics.median(local) <= 4 * snapshot + 60, (name, local, snapshot)
+        # island a (the slower one: its answers arrive while it trains) had bases staged before their install step
+        # came; island b waits at the tau bound for a's pushes, so it stages the answer when it arrives
+        ahead = [r for r in staged if r["staged_wait_ms"] < 5]
+        assert name == "b" or ahead, [(r["step"], r["staged_wait_ms"], r["stage_ms"]) for r in staged]
+        assert all(r["staged_bytes"] >= r.get("own_bytes", 0) > 0 for r in staged), staged
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("rank", [0, 1])
-def test_a_failed_background_stage_ends_every_rank_with_its_message(tmp_path, rank):
+@pytest.mark.parametrize("stage,rank", [("push", 0), ("push", 1), ("base", 1)])
+def test_a_failed_background_stage_ends_every_rank_with_its_message(tmp_path, stage, rank):
     key = P.key_file(tmp_path)
     port = P.free_port()
     syncer = P.start_syncer(tmp_path, port, islands=1, fragments=2, key=key)
     env = dict(ENV, YETO_DILOCO_KEY_FILE=key)
-    a = P.start_island(tmp_path, "a", port, ["--tp", "2", "--fail-background-push-on-rank", str(rank)], STEPS,
+    a = P.start_island(tmp_path, "a", port, ["--tp", "2", f"--fail-background-{stage}-on-rank", str(rank)], STEPS,
                        env, nproc=2)
     try:
         rcs = P.wait_all([a], timeout=400)
     finally:
         syncer.kill()
     assert rcs[0] not in (0, None), P.logs([a, syncer])
-    msg = f"injected failure in the background gather on rank {rank}"
+    msg = f"injected failure in the background {'gather' if stage == 'push' else 'base stage'} on rank {rank}"
     errs = P.rank_stderr(str(tmp_path / "a"))
     assert sorted(errs) == [0, 1], errs.keys()
     for r, text in errs.items():   # raised on every rank of the island, naming the stage and the cause
-        assert msg in text and "background push stage failed" in text, (r, text[-3000:])
+        assert msg in text and f"background {stage} stage failed" in text, (r, text[-3000:])

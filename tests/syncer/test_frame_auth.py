@@ -111,7 +111,7 @@ def test_tampered_frames_from_the_island_are_detected_by_the_syncer(caplog, kind
         assert all(not m.finished for m in server.coord.members.values())
         c.abort()
         c2 = client(relay.address, "a", incarnation=c.incarnation)   # the reconnect (its link is not tampered)
-        w2 = c2.connect()
+        c2.connect()
         c2.wait_ready(20)
         r = c2.push(0, base_version=0, local_step=1, steps=1, tokens=1, codec="f32", body=delta, wait=True)
         assert r.status == "accepted"

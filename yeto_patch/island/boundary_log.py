@@ -41,12 +41,13 @@ class BoundaryLog:
             self._f.write(line + "\n")
 
     def installed(self, step: int, fragment: int, version: int, mode: str, why: str, ms: float, updates: int,
-                  rec: Optional[dict]) -> None:
+                  rec: Optional[dict], **extra) -> None:
         """A base was installed: completes the boundary record of the push it answered (`rec`, the fragment's
-        pending push) or records an install that answered none (not at start)."""
+        pending push) or records an install that answered none (not at start). `extra`: a staged install's
+        figures (stage_ms: the background staging; staged_wait_ms: the training thread's wait for it)."""
         if rec is not None:
             rec.update(version=int(version), installed=True, mode=mode, install_ms=round(ms, 2),
-                       pull_lag=step - rec["step"], updates=updates)
+                       pull_lag=step - rec["step"], updates=updates, **extra)
             rec["send_ms"] = rec.pop("_send", {}).get("ms")
             rec.pop("_body", None)
             self.write("boundary", **rec)
@@ -55,7 +56,7 @@ class BoundaryLog:
                      rec.get("wait_ms", 0.0))
         elif why != "start":
             self.write("install", step=step, fragment=fragment, version=int(version), mode=mode,
-                       install_ms=round(ms, 2), reason=why, updates=updates)
+                       install_ms=round(ms, 2), reason=why, updates=updates, **extra)
 
     def close(self) -> None:
         with self._lock:

@@ -4,7 +4,8 @@
   bounded chunks and encode it there (``push_encoder.py``, with error feedback if on): ``encode_delta``;
 - INIT: stream the fragment's masters to the syncer from rank 0 without holding the fragment (``send_init``);
 - install: write a base (or the quantized updates of the anchor, --base-wire int8/int4) into masters, model
-  parameters and anchors (``install``);
+  parameters and anchors (``install``: at start, the final cut and restarts); bases merged during training are
+  staged in the background (``base_stager.py``, ``base_sources``) and installed locally (``install_staged``);
 - the start digests of every tensor (the syncer skips initial bases this island already holds).
 
 Every function runs on every rank (the view's reads and writes are collectives); only rank 0 sees values.
@@ -89,20 +90,7 @@ class DataPath:
         matched): they become the anchor first. mode: replace, blend (masters := alpha * local + (1 - alpha) *
         base, anchor := base) or keep (a restart where the syncer is still at this anchor: local masters stay)."""
         idx = st.entries
-        sources = [None] * max(1, updates)
-        if base is not None:
-            offs = st.offsets
-            if base.relative:
-                def update(i):
-                    return lambda e, off, n: base.delta_range(i, offs[e] + off, n)
-                sources = [update(i) for i in range(updates)]
-            else:
-                values = base.values
-
-                def full(e, off, n):
-                    a = offs[e] + off
-                    return values[a:a + n]
-                sources = [full]
+        sources = self.base_sources(st, base, updates) if base is not None else [None] * max(1, updates)
         if held:
             self.view.snapshot_anchor(idx)
             sources = sources if updates else []
@@ -115,6 +103,28 @@ class DataPath:
             else:
                 alpha = 1.0 if mode == "keep" else self.settings.merge_alpha
                 self.view.write(idx, sources[-1], mode="blend", alpha=alpha, set_anchor=True, anchor="value", **rel)
+
+    @staticmethod
+    def base_sources(st, base, updates: int) -> list:
+        """Rank 0: ``source(index, offset, count)`` callables of `base` for fragment `st`: one per base update
+        (`updates` of them), or the one absolute base."""
+        offs = st.offsets
+        if base.relative:
+            def update(i):
+                return lambda e, off, n: base.delta_range(i, offs[e] + off, n)
+            return [update(i) for i in range(updates)]
+        values = base.values
+
+        def full(e, off, n):
+            a = offs[e] + off
+            return values[a:a + n]
+        return [full]
+
+    def install_staged(self, staged, mode: str) -> None:
+        """Every rank, local: install a base staged in the background (``base_stager.py``); mode replace, or blend
+        (masters := alpha * local + (1 - alpha) * base, anchor := base)."""
+        alpha = self.settings.merge_alpha if mode == "blend" else None
+        self.view.install_staged(staged, mode, alpha)
 
     def start_digests(self) -> Optional[list]:
         """Every rank: one read of the model; rank 0 gets the xxh3_64 digest of each tensor's float32 values."""

@@ -17,9 +17,10 @@ Life of an island:
   background sender: training goes on without waiting for the network. With tau >= 1 the training thread only
   snapshots each rank's own shard of the delta; the gather and the encoding run beside the next steps on a gloo
   group of their own (``push_pipeline.py``), and rank 0 hands the finished push to the sender at a later step.
-- A merged base arriving in the background is installed at the first step boundary after it arrived:
-  ``alpha * local + (1 - alpha) * base`` when tau > 0, the base itself when tau = 0; the base becomes the
-  fragment's anchor. Rank 0 decides and broadcasts a plan only on steps where something can happen (a fragment
+- A merged base arriving in the background is staged at the first step boundary after it arrived: every rank's
+  worker takes part in scattering it to the ranks that hold it, beside training (``base_stager.py``); at the
+  next boundary after that each rank installs its part locally: ``alpha * local + (1 - alpha) * base`` when
+  tau > 0, the base itself when tau = 0; the base becomes the fragment's anchor (``engine_installs.py``). Rank 0 decides and broadcasts a plan only on steps where something can happen (a fragment
   is due, a push awaits its base, or it is the last step), so most steps cost no collective at all; a base
   nobody on this island asked for (merged by a quorum without it) waits for the next such step. If tau steps
   pass after a push without its base, the island waits for it (bounded by YETO_DILOCO_TIMEOUT, with a log line
@@ -38,8 +39,8 @@ Megatron checkpoint it loaded (``sync_state.py``; ``save_sync_state`` / ``set_re
 Parts: ``fragments.py`` (one state per fragment), ``plan.py`` (what happens at a step, pure), ``link.py`` (rank 0's
 link to the syncer: connect and reconnect with one back-off policy, refusals, arrived bases), ``channel.py`` (rank
 0's decisions broadcast to the island), ``data_path.py`` (masters <-> encoded pushes and installed bases) and
-``sync_state.py`` (restart state), ``push_pipeline.py`` (pushes off the training thread). This module coordinates
-them.
+``sync_state.py`` (restart state), ``push_pipeline.py`` (pushes off the training thread), ``base_stager.py`` (bases
+staged off it) and ``engine_installs.py`` (the installs). This module coordinates them.
 
 Errors: anything else that goes wrong on rank 0 (a refused push, a syncer gone for longer than the timeout, a bad
 key) is raised on every rank with rank 0's message; errors inside collectives are agreed island-wide by
@@ -52,6 +53,7 @@ import logging
 import time
 from typing import Optional
 
+from yeto_patch.island.engine_installs import Installs
 from yeto_patch.island.errors import EngineError  # public here: raised on every rank
 
 log = logging.getLogger("yeto_patch")
@@ -68,7 +70,7 @@ def current() -> Optional["Engine"]:
     return _current
 
 
-class Engine:
+class Engine(Installs):
     def __init__(self, settings, optimizer=None, model=None):
         global _current
         self.settings = settings
@@ -86,6 +88,7 @@ class Engine:
         self.frags = None             # island.fragments.Fragments, once the syncer's layout is known
         self.link = None              # rank 0: island.shard_link.ShardedLink (one SyncerLink per shard)
         self.pipeline = None          # tau >= 1: island.push_pipeline.PushPipeline (pushes off the training thread)
+        self.stager = None            # island.base_stager.BaseStager (merged bases staged off the training thread)
         self.log = None               # rank 0: the boundary log
         self._warned_tokens = False
         self._resume: Optional[tuple] = None   # (directory, iteration) of the Megatron checkpoint loaded
@@ -134,8 +137,9 @@ class Engine:
 
     def close(self):
         """Stop talking to the syncer (BYE); idempotent. Called at exit and by tests."""
-        if self.pipeline is not None:
-            self.pipeline.close()
+        for lane in (self.pipeline, self.stager):
+            if lane is not None:
+                lane.close()
         if self.link is not None:
             self.link.close(graceful=self.failed is None)
         if self.log is not None:
@@ -198,6 +202,7 @@ class Engine:
             raise EngineError(f"the syncer at {s.syncer} has already ended its run (final cut done); start a new "
                               f"syncer run for this training")
         self.pipeline = self._push_pipeline()
+        self.stager = self._base_stager()
         state, arrays = self._read_sync_state()
         for f in welcome["needs_init"]:
             self._send_init(int(f))
@@ -256,6 +261,14 @@ class Engine:
         from yeto_patch.island.push_pipeline import PushPipeline
         return PushPipeline(self.view, IslandComm(timeout_s=s.timeout + 60.0), self.rank,
                             self.data.push_encoder if self.rank == 0 else None, s.timeout)
+
+    def _base_stager(self):
+        """Every rank (collective: a gloo group of its own and its holder groups): bases merged during training are
+        staged in the background and installed locally (island/base_stager.py)."""
+        from yeto_patch.island.base_stager import BaseStager
+        from yeto_patch.island.collective import IslandComm
+        return BaseStager(self.view, IslandComm(timeout_s=self.settings.timeout + 60.0), self.rank,
+                          self.settings.timeout)
 
     def _handover(self):
         """Rank 0: the pushes whose background stage ended go to the link, in boundary order."""
@@ -352,28 +365,6 @@ class Engine:
         self.data.send_init(self.frags[f], lambda it: self.link.send_init(f, it))
         self.init_sent.append(f)
 
-    def _install_specs(self, frags, what):
-        """Every rank: rank 0's {fragment: [version, updates, held]} for installing the bases it holds."""
-        from yeto_patch.island.plan import install_spec
-        return self.channel.rank0(lambda: {str(f): install_spec(self.frags[f])[1:] for f in frags}, what)
-
-    def _install(self, f, version, mode, why, updates=0, held=False):
-        """Every rank: install the base of fragment f held by rank 0 (version `version`); it becomes the
-        anchor; the push it answers (if any) is logged as answered."""
-        st = self.frags[f]
-        t0 = time.perf_counter()
-        base = None
-        if self.rank == 0:
-            base, st.arrived = st.arrived, None
-            if base.version != version or (len(base.deltas) if base.relative else 0) != updates \
-                    or base.held != held:
-                raise EngineError(f"internal: fragment {f} base v{base.version} is not the planned v{version}")
-        self.data.install(st, base, mode, updates, held)
-        st.installed(version)
-        rec, st.pending = st.pending, None
-        if self.rank == 0:
-            self.log.installed(self.step, f, version, mode, why, (time.perf_counter() - t0) * 1000, updates, rec)
-
     def _push(self, f, final=False):
         """Every rank: stream fragment f's delta to rank 0, which encodes it and queues the push."""
         s, st = self.settings, self.frags[f]
@@ -406,14 +397,20 @@ class Engine:
 
         def decide():
             self._handover()
+            self.stager.check()
             self.link.poll()
-            return plan(self.step, self.total, due, self.frags, self.link.final_cut).as_json()
+            staged = {st.index for st in self.frags if self.stager.done(st.index)}
+            return plan(self.step, self.total, due, self.frags, self.link.final_cut, staged, stage=True).as_json()
         p = Plan.from_json(self.channel.rank0(decide, f"plan step {self.step}"))
         plan_s = time.perf_counter() - t0
         for f in p.skip:
             self._skip_boundary(f)
         for f, v, k, held in p.install:
             self._install(f, v, mode, why="arrived", updates=k, held=held)
+        for f in p.staged:
+            self._install_staged(f, mode, why="arrived")
+        for f, v, k in p.stage:
+            self._stage(f, v, k)
         if p.final:
             self._final_cut(by_syncer=p.by_syncer)
             return
@@ -438,40 +435,6 @@ class Engine:
             log.info("yeto-patch: step %d: fragment %d's round at this boundary was merged before the restart "
                      "(with this island's push of then); not pushing it again", self.step, f)
 
-    def _await_answers(self, frags, what):
-        """Every rank: wait until rank 0 holds a base newer than each pending push's base, then install it."""
-        s = self.settings
-        mode = "blend" if s.overlap_steps > 0 else "replace"
-        need = {f: (self.frags[f].pending["step"] if self.frags[f].pending is not None else self.step)
-                for f in frags}
-        if self.rank == 0:
-            want = {f: self.frags[f].pending["base_version"] for f in frags}
-            desc = what or ", ".join(f"the base of fragment {f} newer than v{want[f]} (pushed at step {need[f]})"
-                                     for f in frags) + f" [tau={s.overlap_steps}]"
-        else:
-            want, desc = {}, what or "bases"
-        t0 = time.perf_counter()
-        if self.rank == 0 and self.pipeline is not None:
-            for f in frags:
-                if self.pipeline.in_flight(f):
-                    log.warning("yeto-patch: step %d: waiting at the tau bound (tau=%d) for fragment %d's push of "
-                                "step %d, still in %s", self.step, s.overlap_steps, f, need[f],
-                                self.pipeline.behind(f))
-
-        def ready():   # (a push still in the background is sent first: a base may not overtake it)
-            self._handover()
-            self.link.poll()
-            return all(self.frags[f].answered(want[f]) and not (self.pipeline and self.pipeline.in_flight(f))
-                       for f in frags)
-        self._await(ready, desc)
-        waited = (time.perf_counter() - t0) * 1000
-        v = self._install_specs(frags, "answered versions")
-        for f in frags:
-            if self.rank == 0 and self.frags[f].pending is not None:
-                self.frags[f].pending["wait_ms"] = round(waited, 2)
-            self._install(f, int(v[str(f)][0]), mode, why="answer", updates=int(v[str(f)][1]),
-                          held=bool(v[str(f)][2]))
-
     # ================================================================================ final cut
     def _final_cut(self, by_syncer=False):
         t0 = time.perf_counter()
@@ -492,6 +455,9 @@ class Engine:
             if self.rank == 0:
                 log.info("yeto-patch: step %d: final cut: pushed the final deltas of %d fragments; waiting for "
                          "the final model", self.step, len(self.frags))
+        self.stager.drop_all("the final cut")   # bases staged and not installed: the final model replaces them
+        for st in self.frags:
+            st.staging = None
         versions = self._final_versions(by_syncer)
         for st in self.frags:
             self._install(st.index, int(versions[str(st.index)]), "replace", why="final")

@@ -7,7 +7,8 @@ fragment's flat vector and its size. Per fragment the engine then tracks:
 - ``steps_since`` / ``tokens_since``: optimizer steps and tokens since that anchor (a push reports them);
 - ``pending``: the push awaiting its answer (rank 0 keeps the record with its encoded body, to send again after a
   reconnect; the other ranks keep only its step);
-- ``arrived`` (rank 0): the newest base received and not installed yet;
+- ``arrived`` (rank 0): the newest base received and not staged or installed yet;
+- ``staging``: the base handed to the background stage (``base_stager.py``), installed at a later plan;
 - ``residual`` (rank 0, error feedback): what the push codec dropped so far;
 - restart flags: ``skip`` (boundaries merged before a restart, not pushed again), ``adopt`` (rank 0: the syncer is
   behind this island, its older base replaces the anchor), ``repushed`` (rank 0: base versions of pushes sent again,
@@ -34,6 +35,7 @@ class FragmentState:
     pending: Optional[dict] = None
     arrived: object = None             # rank 0: a wire.client.Base
     residual: object = None            # rank 0: float32 array (error feedback)
+    staging: Optional[list] = None     # every rank: [version, updates] of the base staged in the background
     skip: int = 0
     adopt: bool = False
     repushed: set = field(default_factory=set)
@@ -74,6 +76,8 @@ class FragmentState:
 
     def answered(self, base_version: int) -> bool:
         """Rank 0: a base that answers a push relative to `base_version` has arrived."""
+        if self.staging is not None and self.staging[0] > base_version:
+            return True
         return self.arrived is not None and (self.arrived.version > base_version or self.adopt)
 
 

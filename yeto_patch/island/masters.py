@@ -37,6 +37,7 @@ import torch
 from yeto_patch.island.collective import IslandComm, IslandError
 from yeto_patch.island.master_layout import (EntryLayout, Item, ShardLayout, _build_items, _cover,  # noqa: F401
                                              _rounds)
+from yeto_patch.island.master_stage import StagedInstalls
 from yeto_patch.island.master_refs import (MasterRef, _flat, _same_storage, find_masters,  # noqa: F401
                                            leaf_optimizers)
 from yeto_patch.island.names import LocalParam, Manifest
@@ -46,7 +47,7 @@ _F32 = 4
 
 
 # ---------------------------------------------------------------------------------------------------------
-class MasterView:
+class MasterView(StagedInstalls):
     """See the module docstring. Construction is collective (every rank of the island)."""
 
     def __init__(self, model_chunks, optimizer, manifest: Manifest, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -89,7 +90,7 @@ class MasterView:
         except Exception as e:  # noqa: BLE001
             err = e
         self.comm.agree(err, "MasterView: layout")
-        self.comm.subgroups([sh.holders for lay in self.layout.values() for sh in lay.shards])
+        self.comm.subgroups(self.holder_sets())
 
     # -- layout ---------------------------------------------------------------------------------------------
     def _layout_from(self, table) -> Dict[int, EntryLayout]:
@@ -419,10 +420,12 @@ class MasterView:
             pending_err = ex
         return pending_err
 
-    def _scatter_round(self, rnd: List[Item], source, clone: bool, pending_err):
+    def _scatter_round(self, rnd: List[Item], source, clone: bool, pending_err, comm=None, holders=True):
         """Rank 0 reads the round's values and sends each owner its part; holders allocate their receive
         buffers. Returns (vals, works, nbytes, pending_err); vals: (item, r, x, y, owner, tensor) in plan order,
-        on ranks that hold or own it (``clone``: rank 0 keeps a copy of what it owns, to change in place)."""
+        on ranks that hold or own it (``clone``: rank 0 keeps a copy of what it owns, to change in place;
+        ``holders=False``: owners only). On `comm` (default: the view's)."""
+        comm = comm or self.comm
         works, vals, nbytes = [], [], 0
         for it in rnd:
             if it.virtual:   # rows this island does not hold: nothing to install
@@ -440,19 +443,19 @@ class MasterView:
                     bufs = [view[:, :, r, :].contiguous().view(-1) for r in range(T)]
                     nbytes += it.count * _F32
             for r, x, y, o, a in self._transfers(it):
-                holders = lay.shards[r].holders
+                held_by = lay.shards[r].holders
                 if self.rank == 0:
                     src = (bufs[r] if interleave else chunk)[x - a: y - a]
                     if o == 0:
                         vals.append((it, r, x, y, o, src.clone() if clone else src))
                     else:
-                        works.append(self.comm.isend(src, o))
+                        works.append(comm.isend(src, o))
                 if self.rank == o and o != 0:
                     t = torch.empty(y - x, dtype=torch.float32)
                     nbytes += t.numel() * _F32
-                    works.append(self.comm.irecv(t, 0))
+                    works.append(comm.irecv(t, 0))
                     vals.append((it, r, x, y, o, t))
-                elif self.rank in holders and self.rank != o:
+                elif holders and self.rank in held_by and self.rank != o:
                     t = torch.empty(y - x, dtype=torch.float32)
                     nbytes += t.numel() * _F32
                     vals.append((it, r, x, y, o, t))

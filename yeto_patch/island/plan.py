@@ -9,13 +9,15 @@ Rank 0 computes the plan and broadcasts it (as JSON) so that every rank runs the
   skip their boundary (merged before this island's restart), and the arrived bases to install first. A fragment
   that pushes now takes a newer base as the push's answer: installing it before the push would throw the local
   progress away (a fragment the syncer is behind on adopts the syncer's base first); so does a fragment whose
-  push is still in the background (island/push_pipeline.py).
+  push is still in the background (island/push_pipeline.py). With a base stager the arrived bases are staged
+  first (every holder gets its part in the background, island/base_stager.py) and installed, locally on every
+  rank, at the first plan after rank 0's part of the staging ended.
 - ``overdue``: pushes waited on because tau steps passed without their answer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Sequence
+from typing import AbstractSet, List, Sequence
 
 from yeto_patch.island.errors import EngineError
 
@@ -27,15 +29,18 @@ class Plan:
     skip: List[int] = field(default_factory=list)
     final: bool = False
     by_syncer: bool = False
+    stage: List[list] = field(default_factory=list)     # [fragment, version, number of base updates]: to stage
+    staged: List[int] = field(default_factory=list)     # fragments whose staged base is installed now
 
     def as_json(self) -> dict:
         return {"install": self.install, "push": self.push, "skip": self.skip, "final": self.final,
-                "by_syncer": self.by_syncer}
+                "by_syncer": self.by_syncer, "stage": self.stage, "staged": self.staged}
 
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
         return cls([[int(f), int(v), int(k), bool(h)] for f, v, k, h in d["install"]], [int(f) for f in d["push"]],
-                   [int(f) for f in d["skip"]], bool(d["final"]), bool(d["by_syncer"]))
+                   [int(f) for f in d["skip"]], bool(d["final"]), bool(d["by_syncer"]),
+                   [[int(f), int(v), int(k)] for f, v, k in d["stage"]], [int(f) for f in d["staged"]])
 
 
 def needs_plan(step: int, total: int, due: Sequence[int], any_pending: bool) -> bool:
@@ -56,9 +61,18 @@ def install_spec(state) -> list:
     return [state.index, b.version, len(b.deltas), False]
 
 
-def plan(step: int, total: int, due: Sequence[int], states, by_syncer: bool) -> Plan:
+def stageable(state) -> bool:
+    """Rank 0: the arrived base may be staged in the background (not an adoption after a restart, nor a base
+    that is this island's own weights: those install synchronously)."""
+    return not state.adopt and not (state.arrived.relative and state.arrived.held)
+
+
+def plan(step: int, total: int, due: Sequence[int], states, by_syncer: bool, staged: AbstractSet[int] = frozenset(),
+         stage: bool = False) -> Plan:
     """The plan of `step` (rank 0, after taking the bases received): `due` from the schedule, `states` the
-    fragments' states, `by_syncer` whether the syncer started its final cut."""
+    fragments' states, `by_syncer` whether the syncer started its final cut; `staged`: fragments whose staged
+    base is ready on rank 0; `stage`: arrived bases are staged in the background (installed at a later plan)
+    rather than installed synchronously."""
     final = step >= total or by_syncer
     due = [] if final else list(due)
     skip = [f for f in due if states[f].skip]
@@ -66,10 +80,19 @@ def plan(step: int, total: int, due: Sequence[int], states, by_syncer: bool) -> 
     pushing = set(range(len(states))) if final else set(due)
     # a push still in the background (tau >= 1) is not at the syncer yet: a base arriving meanwhile waits for it
     pushing |= {s.index for s in states if s.pending is not None and s.pending.get("_in_flight")}
-    installs = [] if by_syncer else [
-        install_spec(s) for s in states
-        if s.arrived is not None and (s.adopt or (s.arrived.version > s.anchor_version and s.index not in pushing))]
-    return Plan(installs, due, skip, final, by_syncer)
+    p = Plan(push=due, skip=skip, final=final, by_syncer=by_syncer)
+    if by_syncer:
+        return p
+    for s in states:
+        if s.staging is not None:   # nothing else goes into a fragment while its base is staged
+            if s.index in staged and s.index not in pushing:
+                p.staged.append(s.index)
+        elif s.arrived is not None and (s.adopt or (s.arrived.version > s.anchor_version and s.index not in pushing)):
+            if stage and not final and stageable(s):
+                p.stage.append(install_spec(s)[:3])
+            else:
+                p.install.append(install_spec(s))
+    return p
 
 
 def overdue(step: int, tau: int, states) -> List[int]:

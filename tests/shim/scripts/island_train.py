@@ -61,6 +61,8 @@ def main():
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step (a slow island)")
     ap.add_argument("--fail-background-push-on-rank", type=int, default=None,
                     help="TEST: that rank's background gather of a push fails (tests/shim/test_background_push.py)")
+    ap.add_argument("--fail-background-base-on-rank", type=int, default=None,
+                    help="TEST: that rank's part of staging a merged base fails (tests/shim/test_background_push.py)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     from tests.mcore import cpu_patches, harness       # test-only CPU support for megatron-core
@@ -68,6 +70,8 @@ def main():
     dist.init_process_group("gloo")
     if a.fail_background_push_on_rank == dist.get_rank():
         fail_background_gather()
+    if a.fail_background_base_on_rank == dist.get_rank():
+        fail_background_stage()
     cfg = harness.RunCfg(tp=a.tp, pp=a.pp, bf16=not a.fp32, dist_opt=not a.no_dist_opt, lr=a.lr, seed=a.seed,
                          data_seed=a.data_seed, layers=a.layers, hidden=a.hidden, ffn=4 * a.hidden,
                          moe_ffn=4 * a.hidden, seq=a.seq, micro=max(a.micro, a.pp))
@@ -112,6 +116,17 @@ def fail_background_gather():
     def gather(self, indices, snap, sink, comm):
         return orig(self, indices, Unreadable(), sink, comm)
     masters.MasterView.gather = gather
+
+
+def fail_background_stage():
+    """TEST: this rank's part of staging a merged base fails inside the collective (its peers learn it there)."""
+    from yeto_patch.island import master_stage
+    orig = master_stage.StagedInstalls._stage_round
+
+    def _stage_round(self, rnd, sources, relative, comm, staged, pending_err):
+        err = RuntimeError(f"injected failure in the background base stage on rank {dist.get_rank()}")
+        return orig(self, rnd, sources, relative, comm, staged, pending_err or err)
+    master_stage.StagedInstalls._stage_round = _stage_round
 
 
 if __name__ == "__main__":

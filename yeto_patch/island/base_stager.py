@@ -1,0 +1,80 @@
+"""Merged bases off the training thread: when rank 0's plan says so, every rank's worker takes part in staging a
+fragment's base (``MasterView.stage``, on a gloo group of its own with the view's holder groups): rank 0's
+decoded values (or base updates) go to the owners, which add the updates to their anchors, and on to every
+holder's host staging buffers. At a later step rank 0's plan installs the staged base: each rank waits for its
+own job (normally ended long before) and combines locally (``MasterView.install_staged``).
+
+One job per fragment at a time: the engine stages a fragment's next base only after the previous one was
+installed, and installs nothing else into a fragment while it is staged (so the anchors a base update adds to
+stay as they were). Failures: ``background.py``. Memory: per staged fragment about one float32 copy of what the
+rank holds of it (see README), plus the rounds' chunks.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from yeto_patch.island.background import BackgroundLane
+from yeto_patch.island.errors import EngineError
+
+
+@dataclass
+class StageJob:
+    state: object                  # the FragmentState
+    version: int
+    updates: int                   # base updates (0: an absolute base)
+    sources: Optional[list]        # rank 0: source(index, offset, count) per update (or the one absolute base)
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_start: Optional[float] = None
+    work_s: Optional[float] = None
+    done: Optional[list] = None    # this rank's staging ([(entry, shard, x, y, owner, values)])
+    nbytes: int = 0
+
+
+class BaseStager(BackgroundLane):
+    """`view`: the island's MasterView; `comm`: a dedicated IslandComm (its holder groups are made here:
+    construction is collective)."""
+
+    stage = "base"
+
+    def __init__(self, view, comm, rank: int, timeout_s: float):
+        self.view = view
+        comm.subgroups(view.holder_sets())
+        super().__init__(comm, rank, timeout_s, "yeto-base-stage")
+
+    def submit(self, st, version: int, updates: int, sources) -> StageJob:
+        """Every rank (rank 0 with the sources): queue the staging of fragment `st`'s base `version`."""
+        self.check()
+        if st.index in self.jobs:
+            raise EngineError(f"internal: fragment {st.index} has a base staged already")
+        job = StageJob(st, int(version), int(updates), sources)
+        self._enqueue(st.index, job)
+        return job
+
+    def take(self, f: int, what: str) -> StageJob:
+        """Every rank, at the install rank 0 planned: fragment f's job once this rank's part ended (bounded);
+        its failure is raised here (every rank waits for the same job)."""
+        if f not in self.jobs:
+            raise EngineError(f"internal: fragment {f} has no staged base")
+        self._wait(lambda: self.jobs[f].done is not None, what)
+        if self.error is not None:
+            raise self.failure() from self.error
+        with self._cv:
+            return self.jobs.pop(f)
+
+    def drop_all(self, what: str) -> None:
+        """Every rank: wait for the jobs still running and forget them (the final cut replaces every base)."""
+        self.wait_all(what)
+        if self.error is not None:
+            raise self.failure() from self.error
+        with self._cv:
+            self.jobs.clear()
+
+    def _work(self, job: StageJob) -> list:
+        st = job.state
+        staged = self.view.stage(st.entries, job.sources, self.comm,
+                                 relative=(job.updates > 0) if self.rank == 0 else None)
+        job.sources = None   # (rank 0: the decoded base's memory can go)
+        job.nbytes = self.view.staged_bytes(staged)
+        return staged
