@@ -102,24 +102,25 @@ class StagedInstalls:
         self._quiesce_param_gather()
         self._allocate_anchors(sorted({e for e, *_ in staged}))   # (kept as they are where they exist)
         for e, r, x, y, o, t in staged:
-            own = o == self.rank
-            if mode == "replace":
-                self._install(e, r, x, y, t, anchor=own)
-                continue
-            new = torch.mul(t, 1.0 - float(alpha))
-            new.add_(self._current(e, r, x, y), alpha=float(alpha))
-            self._install(e, r, x, y, new, anchor=own, anchor_values=t)
+            if o == self.rank:   # anchor := value (before the blend, which then works in place)
+                self._anchor_slice(e, r, x, y).copy_(t)
+            if mode == "blend":   # (the same float32 operations as write's owner: value * (1 - a) + a * current)
+                t.mul_(1.0 - float(alpha)).add_(self._current(e, r, x, y), alpha=float(alpha))
+            self._install(e, r, x, y, t, anchor=False)
 
     def _current(self, e, r, x, y) -> torch.Tensor:
-        """Host float32 of this rank's current [x, y) of shard r: its FP32 master where it has one, else its
-        model parameter (see the module docstring)."""
+        """This rank's current [x, y) of shard r on the host: its FP32 master where it has one, else its model
+        parameter (see the module docstring; a bf16 host param is added as it is, its float32 value exactly)."""
         m = self._master.get((e, r))
         if m is not None and m.start <= x and y <= m.end:
             cur = m.master[x - m.start: y - m.start]
             return cur if cur.device.type == "cpu" and cur.dtype == torch.float32 else \
                 cur.to(device="cpu", dtype=torch.float32)
         from yeto_patch.island.master_refs import _flat
-        cur = _flat(self._local[(e, r)].param.data)[x:y].to(device="cpu", dtype=torch.float32, copy=True)
+        param = _flat(self._local[(e, r)].param.data)[x:y]
+        if m is None or max(x, m.start) >= min(y, m.end):
+            return param if param.device.type == "cpu" else param.to(device="cpu")
+        cur = param.to(device="cpu", dtype=torch.float32, copy=True)
         if m is not None:
             lo, hi = max(x, m.start), min(y, m.end)
             if lo < hi:
