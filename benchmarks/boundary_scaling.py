@@ -423,7 +423,8 @@ def main(argv=None):
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--fragments", type=int, default=2)
     ap.add_argument("--sync-every", type=int, default=8, help="H")
-    ap.add_argument("--tau", type=int, default=2, help="overlap steps (the background's time for a round)")
+    ap.add_argument("--tau", type=int, default=4, help="overlap steps (the background's time for a round: the push "
+                    "is handed over a step after its boundary, its base staged a step after it arrived)")
     ap.add_argument("--rounds", type=int, default=2, help="boundaries per fragment (H steps each)")
     ap.add_argument("--push", default="int4")
     ap.add_argument("--seq", type=int, default=32)
