@@ -577,7 +577,9 @@ def staged_vs_write(cfg_kwargs, mode, updates=0, alpha=0.5, chunk_bytes=1 << 14)
     t.start()
     t.join(120)
     untouched = all(torch.equal(v, before[k]) for k, v in _island_state(view).items())   # staging changes nothing
+    kept = [{e: a.copy() for e, a in src.items()} for src in srcs] if rank0 else []
     view.install_staged(staged, mode, alpha if mode == "blend" else None)
+    untouched = untouched and all(np.array_equal(src[e], k[e]) for src, k in zip(srcs, kept) for e in src)
     megatron_param_gather()
     by_stage = _island_state(view)
     exact, near, worst = [], [], 0

@@ -20,7 +20,8 @@ Life of an island:
 - A merged base arriving in the background is staged at the first step boundary after it arrived: every rank's
   worker takes part in scattering it to the ranks that hold it, beside training (``base_stager.py``); at the
   next boundary after that each rank installs its part locally: ``alpha * local + (1 - alpha) * base`` when
-  tau > 0, the base itself when tau = 0; the base becomes the fragment's anchor (``engine_installs.py``). Rank 0 decides and broadcasts a plan only on steps where something can happen (a fragment
+  tau > 0, the base itself when tau = 0; the base becomes the fragment's anchor (``engine_installs.py``).
+  Rank 0 decides and broadcasts a plan only on steps where something can happen (a fragment
   is due, a push awaits its base, or it is the last step), so most steps cost no collective at all; a base
   nobody on this island asked for (merged by a quorum without it) waits for the next such step. If tau steps
   pass after a push without its base, the island waits for it (bounded by YETO_DILOCO_TIMEOUT, with a log line

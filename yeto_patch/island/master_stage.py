@@ -67,7 +67,8 @@ class StagedInstalls:
         vals = []
         for i, source in enumerate(sources):
             last = i == len(sources) - 1
-            vals, works, nbytes, pending_err = self._scatter_round(rnd, source, relative, pending_err, comm=comm,
+            # (clone: rank 0's own part is a copy, never a view of the source, which the install changes in place)
+            vals, works, nbytes, pending_err = self._scatter_round(rnd, source, True, pending_err, comm=comm,
                                                                    holders=last)
             self._note(nbytes)
             comm.wait_all(works, "stage: scatter to owners")

@@ -6,8 +6,8 @@ Rank 0's training thread hands each finished body to the syncer link at its next
 link's own sender then sends it in the background as before.
 
 Jobs run in boundary order on every rank, and a failure on any rank fails every rank with this stage's message
-(``background.py``: the worker, the ordering and the failure rules). Memory: one own-shard float32 copy per push in flight, plus the
-gather's chunks (``MasterView``'s bound) and, on rank 0, the encoded body.
+(``background.py``: the worker, the ordering and the failure rules). Memory: one own-shard float32 copy per push
+in flight, plus the gather's chunks (``MasterView``'s bound) and, on rank 0, the encoded body.
 """
 from __future__ import annotations
 
