@@ -24,6 +24,7 @@ from ..wire.frames import MAX_PAYLOAD, FrameAuthError, MsgType, PeerError, Proto
 from ..wire.transport import Connection, listen
 from .checkpoint import CheckpointError, CheckpointWriter
 from .config import BASE_WIRE, ServerConfig
+from .final_cut import await_acks, goodbye
 from .guard import NormGuard, too_large
 from ..wire.text import printable
 from .limits import InitWatch, island_buffer_bytes
@@ -591,25 +592,9 @@ class SyncerServer:
         versions = coord.versions()
         log.info("final model: versions %s; sent to %d island(s), waiting up to %.0fs for acknowledgements",
                  versions, len(targets), self.cfg.final_ack_timeout_s)
-        deadline = time.monotonic() + self.cfg.final_ack_timeout_s
-        with coord.cond:
-            while True:
-                missing = [s.island for s in targets if s.final_acked is None and not s.closed]
-                if not missing or time.monotonic() >= deadline or self.stopping.is_set():
-                    break
-                coord.cond.wait(min(0.25, max(0.0, deadline - time.monotonic())))
-        acked = [s.island for s in targets if s.final_acked is not None]
-        bad = [s.island for s in targets if s.final_acked is not None and s.final_acked != versions]
-        if missing:
-            log.warning("final cut: no acknowledgement from %s", missing)
-        if bad:
-            log.warning("final cut: islands %s acknowledged other versions", bad)
-        log.info("final cut acknowledged by %s", acked)
+        await_acks(coord, targets, versions, self.cfg.final_ack_timeout_s, self.stopping)
         if self.writer is not None:
             self._checkpoint(final=True)
-        for s in targets:
-            s.post(MsgType.BYE, {"reason": "final cut done"})
-        for s in targets:  # let the goodbye go out (bounded)
-            s.drain(2.0)
+        goodbye(targets)
         log.info("syncer done: %d merges, final versions %s", coord.merges_total, versions)
         return 0
