@@ -46,13 +46,7 @@ class StagedInstalls:
                           updates=len(sources) if sources else None)
         relative, k = bool(plan["relative"]), int(plan["updates"])
         if relative:   # value = anchor + changes: every owner needs the anchor of what it owns (agreed first)
-            err = None
-            try:
-                for e, r, x, y in self._owned(plan["entries"]):
-                    self._anchor_slice(e, r, x, y)
-            except IslandError as ex:
-                err = ex
-            comm.agree(err, "stage: anchors of a base update")
+            self._agree_anchors(plan["entries"], comm, "stage: anchors of a base update")
         sources = list(sources) if self.rank == 0 else [None] * k
         staged, pending_err = [], None
         for rnd in self._items(plan):

@@ -195,6 +195,17 @@ class MasterView(StagedInstalls):
                     if o == self.rank:
                         yield e, r, x, y
 
+    def _agree_anchors(self, indices, comm, what: str) -> None:
+        """Collective on `comm`: every rank raises, with the first failing rank's message, unless every owner has
+        the anchor of each element of `indices` it owns."""
+        err = None
+        try:
+            for e, r, x, y in self._owned(indices):
+                self._anchor_slice(e, r, x, y)
+        except Exception as ex:  # noqa: BLE001 - agreed below
+            err = ex
+        comm.agree(err, what)
+
     # -- anchors (local) ---------------------------------------------------------------------------------------
     def snapshot_anchor(self, indices: Optional[Sequence[int]] = None) -> None:
         """Anchor := current FP32 master, for the elements this rank owns (no communication)."""
@@ -273,14 +284,8 @@ class MasterView(StagedInstalls):
         if self.rank == 0 and sink is None:
             raise IslandError(f"{op}: rank 0 needs a sink")
         plan = self._plan(op, indices, comm=comm)
-        err = None
         if delta:
-            try:
-                for e, r, x, y in self._owned(plan["entries"]):
-                    self._anchor_slice(e, r, x, y)
-            except Exception as ex:  # noqa: BLE001
-                err = ex
-            comm.agree(err, f"{op}: anchors")
+            self._agree_anchors(plan["entries"], comm, f"{op}: anchors")
         pending_err = None
         for rnd in self._items(plan):
             self.stats["rounds"] += 1
@@ -357,13 +362,7 @@ class MasterView(StagedInstalls):
         plan = self._write_plan(indices, source, mode, alpha, set_anchor, anchor, relative)
         relative = bool(plan.get("relative"))
         if relative:   # value = anchor + change: every owner needs the anchor of what it owns (agreed first)
-            err = None
-            try:
-                for e, r, x, y in self._owned(plan["entries"]):
-                    self._anchor_slice(e, r, x, y)
-            except IslandError as ex:
-                err = ex
-            self.comm.agree(err, "write: anchors for a relative write")
+            self._agree_anchors(plan["entries"], self.comm, "write: anchors for a relative write")
         if isinstance(source, dict):
             arrays = source
             source = lambda e, off, n: np.asarray(arrays[e], dtype=np.float32).reshape(-1)[off: off + n]  # noqa: E731
