@@ -105,3 +105,23 @@ def test_bad_settings():
         OuterOptimizer("nesterov", momentum=1.0)
     with pytest.raises(ValueError):
         OuterOptimizer("avg", momentum=0.5)
+
+
+def test_auto_lr_follows_the_inner_steps():
+    """The syncer's default outer lr: 0.4 up to 10 inner steps, 0.7 from 50, linear between; each merge's
+    step is bit for bit the step with that number; avg keeps 1.0; the config records "auto"."""
+    from yeto_patch.syncer.outer import lr_for_steps
+    assert [lr_for_steps(s) for s in (1, 10, 30, 50, 500)] == [0.4, 0.4, 0.55, 0.7, 0.7]
+    rng = np.random.default_rng(3)
+    b = rng.standard_normal(700).astype(np.float32)
+    auto, r = OuterOptimizer("nesterov", "auto"), ChunkRunner(1)
+    assert auto.config()["lr"] == "auto" and OuterOptimizer("avg", "auto").lr_at(10) == 1.0
+    t_auto = FragmentTensors(b.copy())
+    for v, steps in enumerate((10, 30, 50), 1):
+        g = rng.standard_normal(700).astype(np.float32)
+        fixed, t_fixed = OuterOptimizer("nesterov", lr_for_steps(steps)), FragmentTensors(t_auto.base.copy())
+        t_fixed.momentum = None if t_auto.momentum is None else t_auto.momentum.copy()
+        fixed.step(t_fixed, g.copy(), 1.0, v, r)
+        auto.step(t_auto, g.copy(), 1.0, v, r, steps=steps)
+        assert np.array_equal(t_auto.base, t_fixed.base) and np.array_equal(t_auto.momentum, t_fixed.momentum)
+    assert auto.lr_at(None) == 0.7   # no steps to go by: the fixed default

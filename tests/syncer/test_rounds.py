@@ -282,3 +282,22 @@ def test_a_push_being_folded_is_no_answer_yet_and_a_refused_one_leaves_no_trace(
     assert c.frags[0].round.t_first is None and not c.frags[0].round.contribs
     assert push(c, "i0", 0, 0, np.ones(n, np.float32)) == ("accepted", 0)
     assert c.due() == [0]
+
+
+def test_auto_outer_lr_from_the_round_pushes_steps():
+    """MergeSettings(lr="auto"): the merge's lr follows the median steps its pushes report (recorded)."""
+    c = make(islands=2, lr="auto")
+    refs = {lr: RefFragment(c.frags[1].t.base, lr=lr, mu=0.9) for lr in (0.4,)}
+    rng = np.random.default_rng(9)
+    f = c.frags[1]
+    ds = [(rng.standard_normal(f.numel) * 0.05).astype(np.float32) for _ in range(2)]
+    for k, (d, steps) in enumerate(zip(ds, (8, 12))):
+        assert push(c, f"i{k}", 1, 0, d, steps=steps) == ("accepted", 0)
+    rec = c.merge(1)
+    assert rec.ok and rec.outer_lr == 0.4 and rec.tape()["outer_lr"] == 0.4 and "outer lr 0.4" in rec.line()
+    refs[0.4].merge([(d, 1.0) for d in ds])
+    assert np.array_equal(f.t.base, refs[0.4].base)
+    for k, d in enumerate(ds):
+        assert push(c, f"i{k}", 1, 1, d, steps=50) == ("accepted", 0)
+    assert c.merge(1).outer_lr == 0.7
+    assert c.ms.resolved()["lr"] == "auto"

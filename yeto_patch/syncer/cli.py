@@ -19,7 +19,7 @@ from typing import Optional
 from ..wire import auth
 from ..wire.frames import AuthError
 from .checkpoint import CheckpointError
-from .outer import OUTER_KINDS
+from .outer import AUTO_LR, OUTER_KINDS
 from .rounds import WEIGHTINGS, MergeSettings, RoundSettings
 
 __all__ = ["build_parser", "main", "config_from_args"]
@@ -37,6 +37,10 @@ def _nonneg_int(s: str) -> int:
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
+
+
+def _outer_lr(s: str):
+    return AUTO_LR if s.strip().lower() == AUTO_LR else _pos_float(s)
 
 
 def _pos_float(s: str) -> float:
@@ -144,8 +148,9 @@ def _round_flags(g) -> None:
 
 def _outer_flags(g) -> None:
     g.add_argument("--outer", choices=OUTER_KINDS, default="nesterov", help="outer optimizer")
-    g.add_argument("--outer-lr", type=_pos_float, default=None, help="outer learning rate (default: 0.7; 1.0 for "
-                   "avg)")
+    g.add_argument("--outer-lr", type=_outer_lr, default=AUTO_LR, help="outer learning rate, or auto: for "
+                   "nesterov each merge takes 0.4 when its pushes cover <= 10 inner steps (H), 0.7 from 50, linear "
+                   "between (calibrated, docs/convergence.md); 1.0 for avg")
     g.add_argument("--outer-momentum", type=_nonneg_float, default=None, help="outer momentum (default: 0.9; 0 for "
                    "avg)")
     g.add_argument("--delay", type=_pos_int, default=1, help="delayed-nesterov: apply momentum every N rounds")

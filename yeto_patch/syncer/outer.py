@@ -3,7 +3,7 @@
 With the merged outer gradient ``g`` (the weighted mean of the islands' deltas, anchor minus local weights),
 per fragment, in float32:
 
-* ``nesterov`` (default, lr 0.7, momentum 0.9):  ``m = mu*m + g;  base -= lr*(g + mu*m)``
+* ``nesterov`` (default, momentum 0.9):          ``m = mu*m + g;  base -= lr*(g + mu*m)``
 * ``avg`` (plain averaging; lr 1, momentum 0):   ``base -= lr*g``  (lr 1 gives the mean of the islands' weights)
 * ``delayed-nesterov`` with delay N:            ``d += g`` every round; on rounds whose new version is a multiple
   of N: ``m = mu*m + d/N;  base -= lr*(g + mu*m);  d = 0``; on the other rounds ``base -= lr*g``.  N = 1 is exactly
@@ -12,6 +12,12 @@ per fragment, in float32:
 :meth:`OuterOptimizer.step` first computes ``g`` and checks that ``g`` and the would-be new base and momentum are
 finite everywhere (pass 1, nothing is written but the scratch accumulator), and only then commits (pass 2).  A
 non-finite result raises :class:`NonFiniteMerge` and leaves base, momentum and delay buffer unchanged.
+
+The learning rate is a number, or ``"auto"`` (the syncer's default): each merge then takes :func:`lr_for_steps` of
+the inner steps its deltas cover (the median ``steps`` the round's pushes report, which is H in steady state).
+The rule is the calibration's (docs/convergence.md): lr 0.4 was best at H = 10 and 0.7-1.0 at H = 50, and
+Nesterov at 0.7 with few inner steps overshoots (the first merged model is worse than either island); so 0.4 up to
+10 steps, 0.7 from 50, linear between.  ``avg`` keeps lr 1 (the mean of the islands' weights).
 """
 from __future__ import annotations
 
@@ -22,9 +28,20 @@ import numpy as np
 
 from .merge import ChunkRunner
 
-__all__ = ["OUTER_KINDS", "OuterOptimizer", "NonFiniteMerge", "FragmentTensors"]
+__all__ = ["OUTER_KINDS", "OuterOptimizer", "NonFiniteMerge", "FragmentTensors", "AUTO_LR", "lr_for_steps"]
 
 OUTER_KINDS = ("nesterov", "avg", "delayed-nesterov")
+AUTO_LR = "auto"
+#: (inner steps, outer lr) ends of the automatic rule, linear between them
+AUTO_LR_SHORT, AUTO_LR_LONG = (10, 0.4), (50, 0.7)
+
+
+def lr_for_steps(steps: float) -> float:
+    """The automatic Nesterov outer learning rate for deltas of ``steps`` inner steps (0.4 up to 10, 0.7 from 50,
+    linear between; rounded to 3 decimals so the value is the same on every platform)."""
+    (s0, lr0), (s1, lr1) = AUTO_LR_SHORT, AUTO_LR_LONG
+    x = min(max(float(steps), s0), s1)
+    return round(lr0 + (lr1 - lr0) * (x - s0) / (s1 - s0), 3)
 #: committed base, momentum and delay buffer values stay at most this large: a merge whose result would not is
 #: refused like a non-finite one, so a committed base stays usable (later steps and the islands' codecs, which
 #: refuse |x| > 3e38, cannot overflow on it)
@@ -57,8 +74,9 @@ class OuterOptimizer:
                  delay: int = 1):
         if kind not in OUTER_KINDS:
             raise ValueError(f"unknown outer optimizer {kind!r} (known: {', '.join(OUTER_KINDS)})")
-        if lr is None:
-            lr = 1.0 if kind == "avg" else 0.7
+        self.auto = lr == AUTO_LR and kind != "avg"
+        if lr is None or lr == AUTO_LR:
+            lr = 1.0 if kind == "avg" else 0.7   # with auto: used only where a merge has no steps to go by
         if momentum is None:
             momentum = 0.0 if kind == "avg" else 0.9
         if kind == "avg" and momentum != 0.0:
@@ -75,7 +93,12 @@ class OuterOptimizer:
         self.delay = int(delay) if kind == "delayed-nesterov" else 1
 
     def config(self) -> dict:
-        return {"outer": self.kind, "lr": self.lr, "momentum": self.momentum, "delay": self.delay}
+        return {"outer": self.kind, "lr": AUTO_LR if self.auto else self.lr, "momentum": self.momentum,
+                "delay": self.delay}
+
+    def lr_at(self, steps: Optional[float]) -> float:
+        """The learning rate of a merge whose deltas cover ``steps`` inner steps (None: not known)."""
+        return lr_for_steps(steps) if self.auto and steps is not None else self.lr
 
     @property
     def uses_momentum(self) -> bool:
@@ -97,8 +120,9 @@ class OuterOptimizer:
         return max(runner.map(t.base.size, amax), default=0.0)
 
     def step(self, t: FragmentTensors, acc: np.ndarray, total_weight: float, new_version: int,
-             runner: ChunkRunner) -> float:
-        """``g = acc / total_weight``, check, apply. Returns ||g||_2 (float64). ``acc`` is scratch.
+             runner: ChunkRunner, steps: Optional[float] = None) -> float:
+        """``g = acc / total_weight``, check, apply. Returns ||g||_2 (float64). ``acc`` is scratch; ``steps``: the
+        inner steps the merged deltas cover (the learning rate with ``"auto"``).
 
         Pass 1 reads only ``acc`` (finite?, max |acc|, sum of squares).  From max |g| and a kept upper bound of
         |base|, |momentum|, |delay buffer| it bounds every value the update can produce; below 1e38 nothing
@@ -108,11 +132,12 @@ class OuterOptimizer:
         self.ensure_state(t)
         n = t.base.size
         assert acc.size == n and acc.dtype == np.float32
-        p = self._plan(t, total_weight, new_version)
+        lr = self.lr_at(steps)
+        p = self._plan(t, total_weight, new_version, lr)
         if t.bound is None:
             t.bound = self._bound(t, runner)
         gmax, sq = _scan_gradient(acc, p.W, runner)
-        new_bound = self._new_bound(t.bound, gmax)
+        new_bound = self._new_bound(t.bound, gmax, lr)
         divided = False
         if not new_bound < USABLE_MAX:  # cannot rule out an unusable result: compute the would-be values first
             oks = runner.map(n, _quiet(lambda a, b: _check(p, acc, runner, a, b)))
@@ -126,20 +151,20 @@ class OuterOptimizer:
         t.bound = new_bound if new_bound < 1e30 else self._bound(t, runner)
         return float(np.sqrt(sq))
 
-    def _plan(self, t: FragmentTensors, total_weight: float, new_version: int) -> "_StepPlan":
+    def _plan(self, t: FragmentTensors, total_weight: float, new_version: int, lr: float) -> "_StepPlan":
         """The constants and arrays of one step (which update this round applies)."""
         kind = self.kind
         momentum_round = kind == "nesterov" or (kind == "delayed-nesterov" and new_version % self.delay == 0)
         dn = kind == "delayed-nesterov" and self.delay > 1 and t.delay_buf is not None
         m = t.momentum
-        return _StepPlan(W=np.float32(total_weight), lr=np.float32(self.lr), mu=np.float32(self.momentum),
+        return _StepPlan(W=np.float32(total_weight), lr=np.float32(lr), mu=np.float32(self.momentum),
                          invN=np.float32(1.0 / self.delay), momentum_round=momentum_round, dn=dn,
                          use_m=m is not None and momentum_round, base=t.base, m=m, d=t.delay_buf)
 
-    def _new_bound(self, B: float, gmax: float) -> float:
+    def _new_bound(self, B: float, gmax: float, lr: float) -> float:
         """An upper bound of every value the update produces (g, momentum, delay buffer, base), from the bound
         B of the current state: new momentum <= mu*B + B + gmax (covers (d + g)/N), update <= gmax + mu*that."""
-        lr_f, mu_f = float(self.lr), float(self.momentum)
+        lr_f, mu_f = float(lr), float(self.momentum)
         nm = mu_f * B + B + gmax
         return max(B + lr_f * (gmax + mu_f * nm), nm, B + gmax) * (1.0 + 1e-6)
 

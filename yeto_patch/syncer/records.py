@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -22,13 +23,14 @@ class MergeRecord:
     expected: list
     reason: str = ""
     t_wall: float = 0.0
+    outer_lr: Optional[float] = None   # the learning rate the outer step used (None: refused)
 
     def tape(self) -> dict:
         return {"time": self.t_wall, "fragment": self.fragment, "version": self.version, "ok": self.ok,
                 "responders": self.responders, "total_weight": self.total_weight, "bytes": self.bytes,
                 "quorum_s": round(self.quorum_s, 6), "merge_s": round(self.merge_s, 6),
                 "outer_grad_norm": self.grad_norm if np.isfinite(self.grad_norm) else None,
-                "expected": self.expected,
+                "expected": self.expected, "outer_lr": self.outer_lr,
                 **({"reason": self.reason} if self.reason else {})}
 
     def line(self) -> str:
@@ -38,4 +40,4 @@ class MergeRecord:
             return f"merge of fragment {self.fragment} at v{self.version} REFUSED: {self.reason}; from {who}"
         return (f"merged fragment {self.fragment} -> v{self.version}: {len(self.responders)} push(es) [{who}], "
                 f"{self.bytes / 1e6:.2f} MB in, waited {self.quorum_s:.2f}s, merged in {self.merge_s:.3f}s, "
-                f"|g| {self.grad_norm:.4g}")
+                f"|g| {self.grad_norm:.4g}" + (f", outer lr {self.outer_lr:g}" if self.outer_lr is not None else ""))

@@ -53,6 +53,15 @@ log = logging.getLogger("yeto.syncer")
 _Fragment = Fragment  # (the name this module used before fragments got their own owner)
 
 
+def _median_steps(contribs) -> Optional[float]:
+    """The median of the inner steps the pushes of a merge report (bounded on arrival); None without pushes."""
+    steps = sorted(c.push.steps for c in contribs)
+    if not steps:
+        return None
+    k = len(steps) // 2
+    return float(steps[k]) if len(steps) % 2 else (steps[k - 1] + steps[k]) / 2.0
+
+
 class Coordinator:
     def __init__(self, merge: MergeSettings, rounds: RoundSettings, runner: Optional[ChunkRunner] = None,
                  clock: Callable[[], float] = time.monotonic, shard: ShardSpec = ShardSpec()):
@@ -536,10 +545,12 @@ class Coordinator:
                 total += w
             if self.protect is not None:
                 self.protect(index)
-            norm = self.opt.step(f.t, acc, total, version + 1, self.runner)
+            steps = _median_steps(fresh or carried)
+            outer_lr = self.opt.lr_at(steps)
+            norm = self.opt.step(f.t, acc, total, version + 1, self.runner, steps=steps)
             ok, reason = True, ""
         except (NonFiniteMerge, CodecError) as e:
-            ok, reason, norm = False, str(e), float("nan")
+            ok, reason, norm, outer_lr = False, str(e), float("nan"), None
         if ok and f.t.shadow is not None:
             self._base_update(f, acc, version + 1)
         nbytes = sum(r_["bytes"] for r_ in responders)
@@ -568,7 +579,7 @@ class Coordinator:
         t1 = self.clock()
         return MergeRecord(fragment=index, version=f.version, ok=ok, responders=responders, total_weight=total
                            if ok else 0.0, bytes=nbytes, quorum_s=max(0.0, t0 - t_first), merge_s=t1 - t0,
-                           grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall)
+                           grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall, outer_lr=outer_lr)
 
     def _base_update(self, f: _Fragment, scratch: np.ndarray, version: int) -> None:
         """shadow += decode(encode(base - shadow)) (the merge holds the fragment's write lock; ``scratch`` is the

@@ -7,7 +7,7 @@ ledger sum, a weight or a checkpoint unusable.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from .outer import OuterOptimizer
 
@@ -41,7 +41,7 @@ def shown(v, limit: int = 40) -> str:
 class MergeSettings:
     """Everything that changes merge results (stored in checkpoints; a resume must match)."""
     outer: str = "nesterov"
-    lr: Optional[float] = None
+    lr: Union[float, str, None] = None   # a number, "auto" (outer.lr_for_steps) or None (the kind's default)
     momentum: Optional[float] = None
     delay: int = 1
     weights: str = "equal"
