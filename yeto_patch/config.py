@@ -37,6 +37,7 @@ __all__ = ["ConfigError", "Settings", "TABLE", "VARIABLES", "Var", "attached", "
            "reset"]
 
 PUSH_DTYPES = ("f32", "bf16", "int8", "int4", "int4-log")
+AUTO_TAU_MAX = 5   # YETO_DILOCO_OVERLAP_STEPS=auto: min(AUTO_TAU_MAX, H // 2)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -121,6 +122,15 @@ def size(lo: int, hi: int, what: str) -> Parser:
                               f"and {_fmt_bytes(hi)}")
         return v
     return Parser(parse, _fmt_bytes, f"{_fmt_bytes(lo)}..{_fmt_bytes(hi)}, K/M/G")
+
+
+def or_auto(inner: Parser) -> Parser:
+    """``inner``, or ``auto`` (also empty): None, a value a rule decides later (``_resolve`` or the island)."""
+    def parse(name, raw, default):
+        if raw.strip().lower() in ("auto", ""):
+            return None
+        return inner.parse(name, raw, default)
+    return Parser(parse, lambda v: "auto" if v is None else inner.fmt(v), f"auto, {inner.accepts}")
 
 
 def duration() -> Parser:
@@ -222,25 +232,24 @@ class Var(NamedTuple):
 
 TABLE = (
     Var("YETO_DILOCO_SYNCER", "syncer", Parser(_address, lambda v: v, "host:port[,host:port...]"), None,
-        "syncer address `host:port` (`[v6]:port`); setting it attaches yeto-patch. A sharded syncer: every "
-        "shard's address, comma-separated in shard order (or shard 0's alone when the shards were started with "
-        "`--shard-addresses`)", Optional[str], "(unset)"),
+        "syncer address `host:port` (`[v6]:port`); setting it attaches yeto-patch; a sharded syncer: every "
+        "shard's, comma-separated in shard order (or shard 0's alone with `--shard-addresses`)", Optional[str],
+        "(unset)"),
     Var("YETO_DILOCO_AUTO_ATTACH", "auto_attach", boolean(), False,
-        "`1`: attach even without a syncer address, so a job that forgot it fails at start instead of training "
-        "without DiLoCo", bool, show=_HIDDEN),
+        "`1`: attach without a syncer address too, so a job that forgot it fails at start", bool, show=_HIDDEN),
     Var("YETO_DILOCO_DISABLE", "disable", boolean(), False, "`1`: stay inert whatever else is set", bool,
         show=_HIDDEN),
     Var("YETO_DILOCO_KEY_FILE", "key_file", text("path"), None,
-        "file with the shared secret (at least 16 bytes; must not be group- or world-readable), read on island "
-        "rank 0", Optional[str], "(unset)", show=lambda s: s.key_source, label="key"),
+        "file with the shared secret (>= 16 bytes; not group- or world-readable), read on island rank 0",
+        Optional[str], "(unset)", show=lambda s: s.key_source, label="key"),
     Var("YETO_KEY", "key_from_env", Parser(lambda name, raw, default: bool(raw), bool, "text"), False,
         "the shared secret itself, when no key file is set (never shown or logged)", bool, "(unset)",
         show=_HIDDEN),
     Var("YETO_DILOCO_INSECURE", "insecure", boolean(), False,
         "`1`: run without a key; accepted only with a loopback syncer address", bool, show=_HIDDEN),
     Var("YETO_DILOCO_ISLAND_ID", "island_id", Parser(_island_id, lambda v: v, "1-64 of `A-Za-z0-9._:@-`"), None,
-        "stable name of this island at the syncer; the default is the same on every rank of one island and "
-        "across restarts of the same launch; set it explicitly in production", str,
+        "stable name of this island at the syncer (the default is the same on every rank and across restarts "
+        "of one launch); set it in production", str,
         "<MASTER_ADDR or host>:<MASTER_PORT>",
         show=lambda s: s.island_id + ("  (default)" if s.island_id_default else "")),
     Var("YETO_DILOCO_SYNC_EVERY", "sync_every", integer(1, 10**9, "H, optimizer steps between boundaries of one "
@@ -249,18 +258,19 @@ TABLE = (
     Var("YETO_DILOCO_PUSH_DTYPE", "push_dtype", choice(PUSH_DTYPES), "int4", "wire dtype of pushed deltas", str),
     Var("YETO_DILOCO_BLOCK", "block", integer(8, 65536, "elements per quantization scale"), 256,
         "quantization block size (elements per float32 scale)", int),
-    Var("YETO_DILOCO_ERROR_FEEDBACK", "error_feedback", boolean(), False,
+    Var("YETO_DILOCO_ERROR_FEEDBACK", "error_feedback", or_auto(boolean()), None,
         "`1`: carry each push's quantization residual into the next push of that fragment (4 bytes/parameter on "
-        "rank 0's host)", bool),
+        "rank 0's host); `auto`: on for quantized pushes unless that exceeds a quarter of rank 0's host memory",
+        Optional[bool], "auto"),
     Var("YETO_DILOCO_START_DIGEST", "start_digest", boolean(), True,
-        "`1`: fragments whose weights already equal the syncer's initial base (same seed and layout, or the "
-        "same checkpoint) are declared by per-tensor digests (xxh3) instead of downloaded; `0`: always download",
+        "`1`: fragments already equal to the syncer's initial base (same seed and layout, or checkpoint) are "
+        "declared by xxh3 digests, not downloaded; `0`: always download",
         bool),
-    Var("YETO_DILOCO_OVERLAP_STEPS", "overlap_steps", integer(0, 10**9, "tau, steps a merged base may trail its "
-        "push"), 0, "tau: steps a fragment's merged base may trail its push before the island waits; `0` = "
-        "synchronous DiLoCo; must be < H; `>= 1`: pushes are gathered and encoded beside training and bases "
-        "staged beside it (memory per rank: one own-shard copy per push in flight, one copy of its held part "
-        "per staged base)", int),
+    Var("YETO_DILOCO_OVERLAP_STEPS", "overlap_steps", or_auto(integer(0, 10**9, "tau, steps a merged base may "
+        "trail its push")), None, "tau: steps a fragment's merged base may trail its push before the island "
+        "waits; `0`: synchronous DiLoCo (reproducible bits); must be < H; `>= 1`: pushes and bases leave the "
+        "training thread, bases are blended in with alpha (memory per rank: one own-shard copy per push in "
+        f"flight, one copy of its held part per staged base); `auto`: min({AUTO_TAU_MAX}, H // 2)", int, "auto"),
     Var("YETO_DILOCO_MERGE_ALPHA", "merge_alpha", number(0.0, 1.0, "weight of the local model when a base is "
         "installed under overlap"), 0.5, "alpha for installs under overlap: installed = alpha * local + "
         "(1 - alpha) * base", float),
@@ -370,6 +380,12 @@ def _read(env, var: Var):
     return var.default if raw is None else var.parser.parse(var.name, raw, var.default)
 
 
+def auto_overlap_steps(sync_every: int) -> int:
+    """tau when YETO_DILOCO_OVERLAP_STEPS is unset: overlap with alpha blending was the best measured setting at H
+    = 10 and H = 50 (docs/convergence.md), and tau < H leaves a base time to arrive: min(AUTO_TAU_MAX, H // 2)."""
+    return min(AUTO_TAU_MAX, sync_every // 2)
+
+
 def _resolve(v: dict, env) -> None:
     """The rules between variables, in place on the field values."""
     syncer = v["syncer"]
@@ -394,6 +410,8 @@ def _resolve(v: dict, env) -> None:
     v["island_id_default"] = v["island_id"] is None
     if v["island_id"] is None:
         v["island_id"] = _default_island_id(env)
+    if v["overlap_steps"] is None:
+        v["overlap_steps"] = auto_overlap_steps(v["sync_every"])
     if v["overlap_steps"] >= v["sync_every"]:
         raise ConfigError(f"YETO_DILOCO_OVERLAP_STEPS={v['overlap_steps']} must be smaller than "
                           f"YETO_DILOCO_SYNC_EVERY={v['sync_every']}: a fragment's base must arrive before its next "

@@ -24,13 +24,24 @@ def test_defaults():
     assert (s.syncer, s.syncer_host, s.syncer_port) == ("syncer.example.org:7640", "syncer.example.org", 7640)
     assert s.key_file == "/secrets/yeto.key" and not s.insecure
     assert s.island_id == "node17:29500" and s.island_id_default
-    assert (s.sync_every, s.push_dtype, s.block, s.error_feedback) == (100, "int4", 256, False)
-    assert (s.overlap_steps, s.merge_alpha, s.start_digest) == (0, 0.5, True)
+    assert (s.sync_every, s.push_dtype, s.block, s.error_feedback) == (100, "int4", 256, None)   # None: auto
+    assert (s.overlap_steps, s.merge_alpha, s.start_digest) == (5, 0.5, True)   # auto tau: min(5, H // 2)
     assert (s.chunk_bytes, s.send_queue_bytes) == (64 << 20, 1 << 30)
     assert s.total_steps is None and s.vocab_size is None and s.metrics_path is None
     assert (s.timeout, s.log_level) == (600.0, "INFO")
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.sync_every = 3
+
+
+def test_auto_tau_and_error_feedback():
+    """Unset (or `auto`): tau = min(5, H // 2), so H = 1 stays synchronous; error feedback is decided at the
+    island's start (island/auto_settings.py); explicit values are kept."""
+    for h, tau in ((1, 0), (2, 1), (3, 1), (10, 5), (100, 5)):
+        assert from_env(env(YETO_DILOCO_SYNC_EVERY=str(h))).overlap_steps == tau
+        assert from_env(env(YETO_DILOCO_SYNC_EVERY=str(h), YETO_DILOCO_OVERLAP_STEPS="auto")).overlap_steps == tau
+    assert from_env(env(YETO_DILOCO_SYNC_EVERY="10", YETO_DILOCO_OVERLAP_STEPS="0")).overlap_steps == 0
+    assert from_env(env(YETO_DILOCO_ERROR_FEEDBACK="AUTO")).error_feedback is None
+    assert from_env(env(YETO_DILOCO_ERROR_FEEDBACK="0")).error_feedback is False
 
 
 def test_every_value_form():
@@ -159,10 +170,11 @@ def test_table_builds_settings_and_the_three_column_view():
     assert len({v.name for v in config.TABLE}) == len(config.TABLE)
     defaults = {v.name: v.documented_default for v in config.TABLE}
     assert (defaults["YETO_DILOCO_CHUNK_BYTES"], defaults["YETO_DILOCO_SYNC_EVERY"],
-            defaults["YETO_DILOCO_ERROR_FEEDBACK"], defaults["YETO_DILOCO_START_DIGEST"]) == ("64MiB", "100", "0", "1")
+            defaults["YETO_DILOCO_ERROR_FEEDBACK"], defaults["YETO_DILOCO_START_DIGEST"]) == ("64MiB", "100", "auto",
+                                                                                                "1")
     s = from_env(BASE)
     for v in config.TABLE:   # an unset variable gives its table default (those resolved by rules aside)
-        if v.field not in ("island_id", "syncer", "key_file"):
+        if v.field not in ("island_id", "syncer", "key_file", "overlap_steps"):
             assert getattr(s, v.field) == v.default, v.name
 
 
@@ -171,8 +183,8 @@ def test_doctor_rows_are_unchanged():
     assert s.as_table() == [
         ("YETO_DILOCO_SYNCER", "syncer.example.org:7640"), ("key", "file /secrets/yeto.key"),
         ("YETO_DILOCO_ISLAND_ID", "node17:29500  (default)"), ("YETO_DILOCO_SYNC_EVERY", 100),
-        ("YETO_DILOCO_PUSH_DTYPE", "int4"), ("YETO_DILOCO_BLOCK", 256), ("YETO_DILOCO_ERROR_FEEDBACK", 0),
-        ("YETO_DILOCO_START_DIGEST", 1), ("YETO_DILOCO_OVERLAP_STEPS", 0), ("YETO_DILOCO_MERGE_ALPHA", 0.5),
+        ("YETO_DILOCO_PUSH_DTYPE", "int4"), ("YETO_DILOCO_BLOCK", 256), ("YETO_DILOCO_ERROR_FEEDBACK", "(auto)"),
+        ("YETO_DILOCO_START_DIGEST", 1), ("YETO_DILOCO_OVERLAP_STEPS", 5), ("YETO_DILOCO_MERGE_ALPHA", 0.5),
         ("YETO_DILOCO_CHUNK_BYTES", "64MiB"), ("YETO_DILOCO_SEND_QUEUE_BYTES", "1GiB"),
         ("YETO_DILOCO_TOTAL_STEPS", "(Megatron's train_iters)"), ("YETO_DILOCO_VOCAB_SIZE", "(tokenizer's, when known)"),
         ("YETO_DILOCO_TIMEOUT", "90s"), ("YETO_DILOCO_METRICS", "(unset)"), ("YETO_DILOCO_LOG_LEVEL", "INFO")]

@@ -1,9 +1,9 @@
 """Test helpers: two islands on Megatron-LM's own loop (tests/shim/scripts/pretrain_gpt_cpu.py, 2 ranks each:
 TP2, PP2 or DP2) and one syncer with a fixed roster of two; the second island starts once the syncer saw the
-first one join, so the connection order is forced. Every rank dumps its FP32 masters and weights at the first
-forward step (after the island's start, tied output-layer copy included: ``<island>/start.rank*.npz``) and at
-the end (``<island>/final.rank*.npz``). Used by tests/shim/test_megatron_lm_islands.py and
-benchmarks/init_compare.py."""
+first one join, so the connection order is forced; tau = 0 (synchronous, reproducible bits) unless a test sets
+it. Every rank dumps its FP32 masters and weights at the first forward step (after the island's start, tied
+output-layer copy included: ``<island>/start.rank*.npz``) and at the end (``<island>/final.rank*.npz``). Used by
+tests/shim/test_megatron_lm_islands.py and benchmarks/init_compare.py."""
 from __future__ import annotations
 
 import os
@@ -41,7 +41,7 @@ def island(tmp, name, layout, port, key, args, env_extra=None):
            "--master-addr", "127.0.0.1", "--master-port", str(P.free_port()), SCRIPT, *LAYOUTS[layout], *args,
            "--export-npz-at-start", os.path.join(out, "start"), "--export-npz", os.path.join(out, "final")]
     env = dict(YETO_DILOCO_SYNCER=f"127.0.0.1:{port}", YETO_DILOCO_KEY_FILE=key, YETO_DILOCO_ISLAND_ID=name,
-               YETO_DILOCO_SYNC_EVERY=2, YETO_DILOCO_TIMEOUT=900,
+               YETO_DILOCO_SYNC_EVERY=2, YETO_DILOCO_OVERLAP_STEPS=0, YETO_DILOCO_TIMEOUT=900,
                YETO_DILOCO_METRICS=os.path.join(out, "metrics.jsonl"), **(env_extra or {}))
     return P.Proc(name, cmd, P.base_env(**env), os.path.join(tmp, f"{name}.log"), cwd=out)
 

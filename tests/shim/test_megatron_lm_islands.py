@@ -1,5 +1,5 @@
 """Two islands of different layouts on Megatron-LM's own loop (megatron.training.pretrain), one syncer with a fixed
-roster of two (tau = 0, the default):
+roster of two (tau = 0):
 - after the start, every parameter of the island that did not initialize (FP32 masters and bf16 weights, norms,
   biases, position embeddings, embedding rows, the last pipeline stage's tied output-layer copy) equals the INIT
   tensor bit for bit, TP2 initializing PP2 and PP2 initializing TP2;

@@ -1,6 +1,7 @@
 """Megatron-LM's own loop (megatron.training.pretrain) under the shim, attached only through the environment: a
-launcher in the style of pretrain_gpt.py with mock data runs to the final cut, Megatron saves its checkpoint
-there, and that checkpoint loads back (a plain Megatron run with --load) equal to the syncer's final base."""
+launcher in the style of pretrain_gpt.py with mock data runs, at the defaults (only H and the push dtype set), to
+the final cut, Megatron saves its checkpoint there, and that checkpoint loads back (a plain Megatron run with
+--load) equal to the syncer's final base."""
 import importlib.util
 import os
 
@@ -69,6 +70,12 @@ def test_pretrain_loop_ends_at_the_final_cut_and_its_checkpoint_is_the_global_mo
     assert rcs == [0] * (1 + shards), P.logs([train, *syncers])
     log = train.text()
     assert f"iteration        {end}/       {ITERS}" in log and f"iteration        {end + 1}/" not in log
+    # only H and the push dtype are set: the defaults decide tau (min(5, H // 2)), error feedback (on for int8)
+    # and the syncer's outer lr (auto: 0.4 for 2-step deltas)
+    assert "H=2, push int8 + error feedback, tau=1" in log
+    assert "error feedback on (YETO_DILOCO_ERROR_FEEDBACK=auto)" in log
+    merged = [x for x in syncers[0].text().splitlines() if "merged fragment" in x]
+    assert merged and all("outer lr 0.4" in x for x in merged), merged
     assert "installed the syncer's final model" in log
     assert f"saving checkpoint at iteration       {end} " in log
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:

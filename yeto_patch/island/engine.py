@@ -167,6 +167,7 @@ class Engine(Installs):
 
     # ================================================================================ start
     def _start(self):
+        from yeto_patch.island import auto_settings
         from yeto_patch.island.channel import IslandChannel
         from yeto_patch.island.collective import IslandComm
         from yeto_patch.island.data_path import DataPath, model_chunks
@@ -187,6 +188,7 @@ class Engine(Installs):
         for _ in range(len(VOCAB_NAMES) + 1):
             self.manifest = build_manifest(chunks, real_vocab_size=self.vocab_size, vocab_rows=vocab_rows,
                                            merge_padding=True, comm=self.comm)
+            s = self.settings = auto_settings.resolve(s, self.manifest.total_numel(), self.rank)
             self.view = MasterView(chunks, self.optimizer, self.manifest, chunk_bytes=s.chunk_bytes, comm=self.comm)
             self.data = DataPath(self.view, self.manifest, s, self.rank)
             declared = self.data.start_digests() if s.start_digest else None
@@ -228,9 +230,9 @@ class Engine(Installs):
     def _log_start(self, welcome, plans, secs):
         s, P = self.settings, len(self.frags)
         log.info("yeto-patch: island %s joined the syncer at %s: %d tensors (%.1f M values) in %d fragments, "
-                 "H=%d, push %s, tau=%d, final cut at step %d; start took %.1fs", s.island_id, s.syncer,
+                 "H=%d, push %s%s, tau=%d, final cut at step %d; start took %.1fs", s.island_id, s.syncer,
                  len(self.manifest), self.manifest.total_numel() / 1e6, P, s.sync_every, s.push_dtype,
-                 s.overlap_steps, self.total, secs)
+                 " + error feedback" if s.error_feedback else "", s.overlap_steps, self.total, secs)
         self.log.write("start", step=self.step, fragments=P, versions=self.frags.anchors(),
                        init=sorted(set(self.init_sent)), seconds=round(secs, 3),
                        held=[f for f in range(P) if plans[str(f)][2]])
