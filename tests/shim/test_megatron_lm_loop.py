@@ -71,11 +71,11 @@ def test_pretrain_loop_ends_at_the_final_cut_and_its_checkpoint_is_the_global_mo
     log = train.text()
     assert f"iteration        {end}/       {ITERS}" in log and f"iteration        {end + 1}/" not in log
     # only H and the push dtype are set: the defaults decide tau (min(5, H // 2)), error feedback (on for int8)
-    # and the syncer's outer lr (auto: 0.4 for 2-step deltas)
+    # and the syncer's outer lr (auto: 0.7, the island blends bases in since tau > 0)
     assert "H=2, push int8 + error feedback, tau=1" in log
     assert "error feedback on (YETO_DILOCO_ERROR_FEEDBACK=auto)" in log
     merged = [x for x in syncers[0].text().splitlines() if "merged fragment" in x]
-    assert merged and all("outer lr 0.4" in x for x in merged), merged
+    assert merged and all("outer lr 0.7" in x for x in merged), merged
     assert "installed the syncer's final model" in log
     assert f"saving checkpoint at iteration       {end} " in log
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:

@@ -66,6 +66,10 @@ def test_out_of_range_counters_are_refused_and_checkpoints_stay_writable(tmp_pat
         for field, v in (("steps", MAX_PUSH_STEPS + 1), ("tokens", MAX_PUSH_TOKENS + 1)):
             send_raw(a, MsgType.PUSH, push_text(0, 0, n, **{field: str(v)}), body)
             assert refusal_of(a).code == "bad-push"
+        for v in ("1", "yes", None):   # blend is a boolean (1, a string, null: refused)
+            send_raw(a, MsgType.PUSH, push_text(0, 0, n, blend=v), body)
+            e = refusal_of(a)
+            assert e.code == "bad-push" and "blend" in str(e), str(e)[:300]
         merge_one_round(server, cs, layout, 0, steps=MAX_PUSH_STEPS, tokens=MAX_PUSH_TOKENS)  # the maxima: taken
         merge_one_round(server, cs, layout, 1)
         assert server.exit_code is None and server.coord.versions() == [2, 2]

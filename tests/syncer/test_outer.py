@@ -125,3 +125,11 @@ def test_auto_lr_follows_the_inner_steps():
         auto.step(t_auto, g.copy(), 1.0, v, r, steps=steps)
         assert np.array_equal(t_auto.base, t_fixed.base) and np.array_equal(t_auto.momentum, t_fixed.momentum)
     assert auto.lr_at(None) == 0.7   # no steps to go by: the fixed default
+
+
+def test_auto_lr_for_islands_that_blend():
+    """Islands that blend bases in (tau > 0) damp every outer step already: 0.7 at any H."""
+    from yeto_patch.syncer.outer import lr_for_steps
+    assert [lr_for_steps(s, blended=True) for s in (1, 10, 50, 500)] == [0.7] * 4
+    assert OuterOptimizer("nesterov", "auto").lr_at(10, blended=True) == 0.7
+    assert OuterOptimizer("nesterov", 0.3).lr_at(10, blended=True) == 0.3   # an explicit lr is kept

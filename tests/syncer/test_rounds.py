@@ -301,3 +301,6 @@ def test_auto_outer_lr_from_the_round_pushes_steps():
         assert push(c, f"i{k}", 1, 1, d, steps=50) == ("accepted", 0)
     assert c.merge(1).outer_lr == 0.7
     assert c.ms.resolved()["lr"] == "auto"
+    for k, blend in enumerate((True, False)):   # half of the pushes blend (tau > 0): the blended rule
+        assert push(c, f"i{k}", 1, 2, ds[k], steps=8, blend=blend) == ("accepted", 0)
+    assert c.merge(1).outer_lr == 0.7

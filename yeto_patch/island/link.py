@@ -216,7 +216,7 @@ class SyncerLink:
                 try:
                     client.push(f, base_version=rec["base_version"], local_step=rec["step"], steps=rec["steps"],
                                 tokens=rec["tokens"], codec=rec["codec"], block=s.block, body=body,
-                                final=rec["final"])
+                                final=rec["final"], blend=s.overlap_steps > 0)
                     break
                 except SyncerRefusal as e:   # an earlier push's refusal, raised before this one went out:
                     self.refusals.append(e)   # the training thread handles it (poll); send this push still

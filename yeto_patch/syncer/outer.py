@@ -14,10 +14,12 @@ finite everywhere (pass 1, nothing is written but the scratch accumulator), and 
 non-finite result raises :class:`NonFiniteMerge` and leaves base, momentum and delay buffer unchanged.
 
 The learning rate is a number, or ``"auto"`` (the syncer's default): each merge then takes :func:`lr_for_steps` of
-the inner steps its deltas cover (the median ``steps`` the round's pushes report, which is H in steady state).
-The rule is the calibration's (docs/convergence.md): lr 0.4 was best at H = 10 and 0.7-1.0 at H = 50, and
-Nesterov at 0.7 with few inner steps overshoots (the first merged model is worse than either island); so 0.4 up to
-10 steps, 0.7 from 50, linear between.  ``avg`` keeps lr 1 (the mean of the islands' weights).
+the inner steps its deltas cover (the median ``steps`` the round's pushes report, which is H in steady state) and
+of whether its islands blend bases in (pushes say so: tau > 0).  The rule is what was measured
+(docs/convergence.md): islands that install bases as they are (tau = 0) overshoot with Nesterov 0.7 when deltas
+cover few inner steps (0.4 was best at H = 10, 0.7-1.0 at H = 50), so 0.4 up to 10 steps, 0.7 from 50, linear
+between; islands that blend (installed = alpha * local + (1 - alpha) * base) already damp every outer step, and
+0.7 was best for them at H = 10 and at H = 50.  ``avg`` keeps lr 1 (the mean of the islands' weights).
 """
 from __future__ import annotations
 
@@ -34,11 +36,16 @@ OUTER_KINDS = ("nesterov", "avg", "delayed-nesterov")
 AUTO_LR = "auto"
 #: (inner steps, outer lr) ends of the automatic rule, linear between them
 AUTO_LR_SHORT, AUTO_LR_LONG = (10, 0.4), (50, 0.7)
+#: the automatic outer lr when the islands blend bases in (any H)
+AUTO_LR_BLENDED = 0.7
 
 
-def lr_for_steps(steps: float) -> float:
-    """The automatic Nesterov outer learning rate for deltas of ``steps`` inner steps (0.4 up to 10, 0.7 from 50,
-    linear between; rounded to 3 decimals so the value is the same on every platform)."""
+def lr_for_steps(steps: float, blended: bool = False) -> float:
+    """The automatic Nesterov outer learning rate for deltas of ``steps`` inner steps: AUTO_LR_BLENDED when the
+    islands blend bases in; else 0.4 up to 10, 0.7 from 50, linear between (rounded to 3 decimals so the value is
+    the same on every platform)."""
+    if blended:
+        return AUTO_LR_BLENDED
     (s0, lr0), (s1, lr1) = AUTO_LR_SHORT, AUTO_LR_LONG
     x = min(max(float(steps), s0), s1)
     return round(lr0 + (lr1 - lr0) * (x - s0) / (s1 - s0), 3)
@@ -96,9 +103,10 @@ class OuterOptimizer:
         return {"outer": self.kind, "lr": AUTO_LR if self.auto else self.lr, "momentum": self.momentum,
                 "delay": self.delay}
 
-    def lr_at(self, steps: Optional[float]) -> float:
-        """The learning rate of a merge whose deltas cover ``steps`` inner steps (None: not known)."""
-        return lr_for_steps(steps) if self.auto and steps is not None else self.lr
+    def lr_at(self, steps: Optional[float], blended: bool = False) -> float:
+        """The learning rate of a merge whose deltas cover ``steps`` inner steps (None: not known) from islands
+        that do (``blended``) or do not blend bases in."""
+        return lr_for_steps(steps, blended) if self.auto and steps is not None else self.lr
 
     @property
     def uses_momentum(self) -> bool:
@@ -120,9 +128,9 @@ class OuterOptimizer:
         return max(runner.map(t.base.size, amax), default=0.0)
 
     def step(self, t: FragmentTensors, acc: np.ndarray, total_weight: float, new_version: int,
-             runner: ChunkRunner, steps: Optional[float] = None) -> float:
-        """``g = acc / total_weight``, check, apply. Returns ||g||_2 (float64). ``acc`` is scratch; ``steps``: the
-        inner steps the merged deltas cover (the learning rate with ``"auto"``).
+             runner: ChunkRunner, steps: Optional[float] = None, blended: bool = False) -> float:
+        """``g = acc / total_weight``, check, apply. Returns ||g||_2 (float64). ``acc`` is scratch; ``steps`` and
+        ``blended``: the inner steps the merged deltas cover, whether their islands blend (the lr with "auto").
 
         Pass 1 reads only ``acc`` (finite?, max |acc|, sum of squares).  From max |g| and a kept upper bound of
         |base|, |momentum|, |delay buffer| it bounds every value the update can produce; below 1e38 nothing
@@ -132,7 +140,7 @@ class OuterOptimizer:
         self.ensure_state(t)
         n = t.base.size
         assert acc.size == n and acc.dtype == np.float32
-        lr = self.lr_at(steps)
+        lr = self.lr_at(steps, blended)
         p = self._plan(t, total_weight, new_version, lr)
         if t.bound is None:
             t.bound = self._bound(t, runner)

@@ -41,10 +41,13 @@ def parse_push(island: str, incarnation, meta: dict, body) -> Push:
     codec = meta["codec"]
     if not isinstance(codec, str) or len(codec) > MAX_CODEC_NAME:
         raise PushRefused("bad-codec", f"unknown codec {shown(codec)} (known: {', '.join(codecs.CODECS)})")
+    blend = meta.get("blend", False)
+    if not isinstance(blend, bool):
+        raise PushRefused("bad-push", f"malformed PUSH: blend={shown(blend)} (need true or false)")
     return Push(island=island, fragment=meta["fragment"], base_version=meta["base_version"], codec=codec,
                 block=_count(meta, "block") or codecs.DEFAULT_BLOCK, body=body, local_step=_count(meta, "local_step"),
                 steps=_count(meta, "steps"), tokens=_count(meta, "tokens"), final=bool(meta.get("final", False)),
-                incarnation=str(incarnation))
+                incarnation=str(incarnation), blend=blend)
 
 
 def refusal(fragment, base_version, code: str, message: str) -> dict:

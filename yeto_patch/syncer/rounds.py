@@ -62,6 +62,11 @@ def _median_steps(contribs) -> Optional[float]:
     return float(steps[k]) if len(steps) % 2 else (steps[k - 1] + steps[k]) / 2.0
 
 
+def _mostly_blended(contribs) -> bool:
+    """Whether most pushes of a merge come from islands that blend bases in (a tie counts as blended)."""
+    return 2 * sum(1 for c in contribs if c.push.blend) >= len(contribs) > 0
+
+
 class Coordinator:
     def __init__(self, merge: MergeSettings, rounds: RoundSettings, runner: Optional[ChunkRunner] = None,
                  clock: Callable[[], float] = time.monotonic, shard: ShardSpec = ShardSpec()):
@@ -545,9 +550,9 @@ class Coordinator:
                 total += w
             if self.protect is not None:
                 self.protect(index)
-            steps = _median_steps(fresh or carried)
-            outer_lr = self.opt.lr_at(steps)
-            norm = self.opt.step(f.t, acc, total, version + 1, self.runner, steps=steps)
+            steps, blended = _median_steps(fresh or carried), _mostly_blended(fresh or carried)
+            outer_lr = self.opt.lr_at(steps, blended)
+            norm = self.opt.step(f.t, acc, total, version + 1, self.runner, steps=steps, blended=blended)
             ok, reason = True, ""
         except (NonFiniteMerge, CodecError) as e:
             ok, reason, norm, outer_lr = False, str(e), float("nan"), None

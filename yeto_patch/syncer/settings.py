@@ -92,4 +92,5 @@ class Push:
     tokens: int = 0
     final: bool = False
     incarnation: str = ""
+    blend: bool = False   # the island blends merged bases in (tau > 0): the outer lr "auto" rule depends on it
     nbytes: int = 0

@@ -397,7 +397,7 @@ class SyncerClient:
     def push(self, fragment: int, *, base_version: int, local_step: int, steps: int, tokens: int, codec: str,
              block: int = codecs.DEFAULT_BLOCK, body=None, body_len: Optional[int] = None,
              body_iter: Optional[Iterable] = None, final: bool = False, wait: bool = False,
-             timeout: Optional[float] = None) -> Optional[PushReply]:
+             timeout: Optional[float] = None, blend: bool = False) -> Optional[PushReply]:
         """Send a fragment's encoded delta. See the module docstring."""
         conn = self._need()
         if isinstance(fragment, bool) or not (isinstance(fragment, int) and 0 <= fragment < self.welcome.fragments):
@@ -415,7 +415,7 @@ class SyncerClient:
         self.local_step = max(self.local_step, int(local_step))
         meta = _aligned({"fragment": fragment, "base_version": int(base_version), "local_step": int(local_step),
                          "steps": int(steps), "tokens": int(tokens), "codec": codec, "block": int(block),
-                         "numel": numel, "final": bool(final)})
+                         "numel": numel, "final": bool(final), "blend": bool(blend)})
         key = (fragment, int(base_version))
         if wait:
             with self._cv:
