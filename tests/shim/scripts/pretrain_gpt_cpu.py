@@ -1,6 +1,6 @@
 """Megatron-LM's own training loop on CPU, in the style of Megatron-LM's pretrain_gpt.py (test-only): a GPT with
-the local (non-Transformer-Engine) layer spec, mock data, megatron.training.pretrain. Knows nothing about
-DiLoCo. Usage: torchrun --nproc-per-node 2 pretrain_gpt_cpu.py <Megatron-LM arguments> [--export-npz PATH]
+the local (non-Transformer-Engine) layer spec, mock data or indexed text files, megatron.training.pretrain. Knows
+nothing about DiLoCo. Usage: torchrun --nproc-per-node 2 pretrain_gpt_cpu.py <Megatron-LM arguments> [--export-npz PATH]
 [--crash-at-iteration N] [--export-npz-at-start PATH] [--wait-for-file PATH]
 
 --export-npz PATH: after pretrain() returns (also when --load reached --train-iters and nothing trained), each
@@ -21,7 +21,7 @@ mlm_cpu_patches.apply()
 
 import torch  # noqa: E402
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
-from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset  # noqa: E402
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
@@ -29,7 +29,8 @@ from megatron.training import get_args, get_tokenizer, pretrain  # noqa: E402
 from megatron.training.argument_utils import (core_transformer_config_from_args,  # noqa: E402
                                               pretrain_cfg_container_from_args)
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
-from megatron.training.utils.common_utils import is_first_or_last_pipeline_stage  # noqa: E402
+from megatron.training.utils.common_utils import (get_blend_and_blend_per_split,  # noqa: E402
+                                                   is_first_or_last_pipeline_stage)
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
@@ -64,12 +65,16 @@ def forward_step(data_iterator, model, return_schedule_plan=False):
 
 
 def train_valid_test_datasets_provider(num_samples, vp_stage=None):
+    """Mock data with --mock-data; otherwise Megatron's GPTDataset over --data-path or --train/valid-data-path
+    (indexed .bin/.idx files), as pretrain_gpt.py builds it."""
     args = get_args()
-    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, blend=None,
-                              blend_per_split=None, split="99,1,0", tokenizer=get_tokenizer(),
-                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-                              create_attention_mask=False, path_to_cache=None, mmap_bin_files=False)
-    return BlendedMegatronDatasetBuilder(MockGPTDataset, num_samples,
+    blend, blend_per_split = (None, None) if args.mock_data else get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
+                              blend_per_split=blend_per_split, split=None if blend_per_split else "99,1,0",
+                              tokenizer=get_tokenizer(), reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, create_attention_mask=False,
+                              path_to_cache=args.data_cache_path, mmap_bin_files=False)
+    return BlendedMegatronDatasetBuilder(MockGPTDataset if args.mock_data else GPTDataset, num_samples,
                                          lambda: is_first_or_last_pipeline_stage(vp_stage), config).build()
 
 
