@@ -49,6 +49,8 @@ def lr_for_steps(steps: float, blended: bool = False) -> float:
     (s0, lr0), (s1, lr1) = AUTO_LR_SHORT, AUTO_LR_LONG
     x = min(max(float(steps), s0), s1)
     return round(lr0 + (lr1 - lr0) * (x - s0) / (s1 - s0), 3)
+
+
 #: committed base, momentum and delay buffer values stay at most this large: a merge whose result would not is
 #: refused like a non-finite one, so a committed base stays usable (later steps and the islands' codecs, which
 #: refuse |x| > 3e38, cannot overflow on it)
