@@ -19,10 +19,11 @@ API::
         # sends INIT when the syncer asks (init_source(fragment) -> iterable of float32 arrays), then waits
         # for the base of every fragment; returns them (the island installs them before training)
     c.push(fragment, *, base_version, local_step, steps, tokens, codec, block=256, body=None, body_len=None,
-           body_iter=None, final=False, wait=False, timeout=None) -> Optional[PushReply]
+           body_iter=None, final=False, wait=False, timeout=None, blend=False) -> Optional[PushReply]
         # body: encoded bytes (wire.codecs.encode of the fragment's flat delta, anchor minus current) or
         # body_iter yielding buffers with body_len.  wait=True blocks for the syncer's reply (raising
         # SyncerRefusal if refused); otherwise a refusal is raised by the next call on this client.
+        # blend: the island blends merged bases in (tau > 0); the syncer's --outer-lr auto depends on it.
     c.poll() -> list[Base]                   # non-blocking: bases (BASE and FINAL_BASE) received since the last
                                              # poll, newest per fragment, in arrival order
     c.wait_base(fragment, min_version, timeout) -> Base   # bounded wait (WireTimeout naming what it waited for)
