@@ -130,9 +130,8 @@ def run_diloco(a, row: str, data: dict, tmp: str) -> dict:
     rcs = P.wait_all([*islands, syncer], timeout=a.timeout)
     if rcs != [0, 0, 0]:
         raise RuntimeError(f"{row} failed (rcs {rcs}):\n{P.logs([*islands, syncer])}")
-    said = [x for x in syncer.text().splitlines() if "outer" in x and "lr" in x][:1]
     losses = [final_loss(p) for p in islands]
-    return {"loss": sum(losses) / 2, "islands": losses, "syncer": said[0].strip() if said else ""}
+    return {"loss": sum(losses) / 2, "islands": losses}
 
 
 def main(argv=None) -> int:
@@ -176,17 +175,21 @@ def main(argv=None) -> int:
         extra = "" if "islands" not in res[r] else " (islands %.4f / %.4f)" % tuple(res[r]["islands"])
         print(f"  {r:18s} held-out loss {res[r]['loss']:.4f}{extra}  {res[r]['wall_s']:.0f}s", flush=True)
     print(table(res))
-    ddp = res.get("ddp", {}).get("loss")
-    lone = min((res[r]["loss"] for r in ("lone-tp2", "lone-pp2") if r in res), default=None)
+    ddp, lone = reference_losses(res)
     fig = {k: f"{res[k]['loss'] / ddp:.3f}x" if ddp and k in res else "n/a" for k in ("defaults", "best measured")}
     print(f"convergence_mlm: defaults {fig['defaults']} DDP, best measured {fig['best measured']} DDP, lone island "
           + (f"{lone / ddp:.3f}x" if lone and ddp else "n/a") + " DDP")
     return 0
 
 
-def table(res: dict) -> str:
-    ddp = res.get("ddp", {}).get("loss")
+def reference_losses(res: dict) -> tuple:
+    """(DDP's loss, the better lone island's loss) of the rows run, None where not run."""
     lone = min((res[r]["loss"] for r in ("lone-tp2", "lone-pp2") if r in res), default=None)
+    return res.get("ddp", {}).get("loss"), lone
+
+
+def table(res: dict) -> str:
+    ddp, lone = reference_losses(res)
     out = ["| run | held-out loss | / DDP | share of the lone-island gap recovered | wall s |", "|---|---|---|---|---|"]
     for r, v in res.items():
         ratio = f"{v['loss'] / ddp:.4f}" if ddp else "n/a"

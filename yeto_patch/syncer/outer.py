@@ -30,7 +30,8 @@ import numpy as np
 
 from .merge import ChunkRunner
 
-__all__ = ["OUTER_KINDS", "OuterOptimizer", "NonFiniteMerge", "FragmentTensors", "AUTO_LR", "lr_for_steps"]
+__all__ = ["OUTER_KINDS", "OuterOptimizer", "NonFiniteMerge", "FragmentTensors", "AUTO_LR", "lr_for_steps",
+           "outer_lr_inputs"]
 
 OUTER_KINDS = ("nesterov", "avg", "delayed-nesterov")
 AUTO_LR = "auto"
@@ -49,6 +50,17 @@ def lr_for_steps(steps: float, blended: bool = False) -> float:
     (s0, lr0), (s1, lr1) = AUTO_LR_SHORT, AUTO_LR_LONG
     x = min(max(float(steps), s0), s1)
     return round(lr0 + (lr1 - lr0) * (x - s0) / (s1 - s0), 3)
+
+
+def outer_lr_inputs(pushes) -> tuple:
+    """(median inner steps, mostly blended) of a merge's pushes (anything with ``steps`` and ``blend``): what
+    :meth:`OuterOptimizer.lr_at` goes by. (None, False) without pushes; a tie counts as blended."""
+    steps = sorted(p.steps for p in pushes)
+    if not steps:
+        return None, False
+    k = len(steps) // 2
+    median = float(steps[k]) if len(steps) % 2 else (steps[k - 1] + steps[k]) / 2.0
+    return median, 2 * sum(1 for p in pushes if p.blend) >= len(steps)
 
 
 #: committed base, momentum and delay buffer values stay at most this large: a merge whose result would not is

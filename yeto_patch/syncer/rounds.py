@@ -39,7 +39,7 @@ from .layout import fragment_numels, partition
 from .limits import stateless_members
 from .members import Member
 from .merge import ChunkRunner
-from .outer import NonFiniteMerge
+from .outer import NonFiniteMerge, outer_lr_inputs
 from .records import MergeRecord
 from .round_state import _Contrib, _Round, _refusal_code, validate_encoded
 from .shards import ShardSpec, assign
@@ -51,20 +51,6 @@ __all__ = ["MergeSettings", "RoundSettings", "PushRefused", "Push", "Coordinator
 
 log = logging.getLogger("yeto.syncer")
 _Fragment = Fragment  # (the name this module used before fragments got their own owner)
-
-
-def _median_steps(contribs) -> Optional[float]:
-    """The median of the inner steps the pushes of a merge report (bounded on arrival); None without pushes."""
-    steps = sorted(c.push.steps for c in contribs)
-    if not steps:
-        return None
-    k = len(steps) // 2
-    return float(steps[k]) if len(steps) % 2 else (steps[k - 1] + steps[k]) / 2.0
-
-
-def _mostly_blended(contribs) -> bool:
-    """Whether most pushes of a merge come from islands that blend bases in (a tie counts as blended)."""
-    return 2 * sum(1 for c in contribs if c.push.blend) >= len(contribs) > 0
 
 
 class Coordinator:
@@ -522,35 +508,12 @@ class Coordinator:
             t_first = r.t_first if r.t_first is not None else self.clock()
         t0 = self.clock()
         t_wall = time.time()
-        responders, weights = [], []
+        responders, total = [], 0.0
         try:
-            acc = r.acc
-            if acc is None:
-                acc = r.acc = self._take_acc(f.numel)
-            if self.ms.exact:
-                for c in fresh:
-                    codecs.decode_accumulate(c.push.codec, c.push.body, f.numel, c.weight_raw, acc, c.push.block,
-                                             threads=self.runner.threads)
-            for c in fresh:
-                weights.append(c.weight_raw)
-                responders.append(self._resp(c, 0, c.weight_raw, False))
-            for c in carried:
-                lag = version - c.push.base_version
-                w = c.weight_raw * (self.ms.late_factor ** lag)
-                try:
-                    codecs.decode_accumulate(c.push.codec, c.push.body, f.numel, w, acc, c.push.block,
-                                             threads=self.runner.threads)
-                except CodecError as e:  # validated on arrival, so not expected; never poisons the round
-                    log.error("fragment %d: carried push from island %s dropped: %s", index, c.island, e)
-                    continue
-                weights.append(w)
-                responders.append(self._resp(c, lag, w, True))
-            total = 0.0
-            for w in weights:  # fixed order
-                total += w
+            acc, total, responders = self._fold(f, r, fresh, carried, version, index)
             if self.protect is not None:
                 self.protect(index)
-            steps, blended = _median_steps(fresh or carried), _mostly_blended(fresh or carried)
+            steps, blended = outer_lr_inputs([c.push for c in fresh or carried])
             outer_lr = self.opt.lr_at(steps, blended)
             norm = self.opt.step(f.t, acc, total, version + 1, self.runner, steps=steps, blended=blended)
             ok, reason = True, ""
@@ -585,6 +548,34 @@ class Coordinator:
         return MergeRecord(fragment=index, version=f.version, ok=ok, responders=responders, total_weight=total
                            if ok else 0.0, bytes=nbytes, quorum_s=max(0.0, t0 - t_first), merge_s=t1 - t0,
                            grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall, outer_lr=outer_lr)
+
+    def _fold(self, f: _Fragment, r: _Round, fresh: list, carried: list, version: int, index: int) -> tuple:
+        """(accumulator, total weight, responders) of a merge: fresh pushes were folded on arrival (here only with
+        --exact, in island order), carried ones are folded now with weight x late_factor^lag."""
+        acc = r.acc
+        if acc is None:
+            acc = r.acc = self._take_acc(f.numel)
+        if self.ms.exact:
+            for c in fresh:
+                codecs.decode_accumulate(c.push.codec, c.push.body, f.numel, c.weight_raw, acc, c.push.block,
+                                         threads=self.runner.threads)
+        weights = [c.weight_raw for c in fresh]
+        responders = [self._resp(c, 0, c.weight_raw, False) for c in fresh]
+        for c in carried:
+            lag = version - c.push.base_version
+            w = c.weight_raw * (self.ms.late_factor ** lag)
+            try:
+                codecs.decode_accumulate(c.push.codec, c.push.body, f.numel, w, acc, c.push.block,
+                                         threads=self.runner.threads)
+            except CodecError as e:  # validated on arrival, so not expected; never poisons the round
+                log.error("fragment %d: carried push from island %s dropped: %s", index, c.island, e)
+                continue
+            weights.append(w)
+            responders.append(self._resp(c, lag, w, True))
+        total = 0.0
+        for w in weights:  # fixed order
+            total += w
+        return acc, total, responders
 
     def _base_update(self, f: _Fragment, scratch: np.ndarray, version: int) -> None:
         """shadow += decode(encode(base - shadow)) (the merge holds the fragment's write lock; ``scratch`` is the
