@@ -510,7 +510,7 @@ class Coordinator:
         t_wall = time.time()
         responders, total = [], 0.0
         try:
-            acc, total, responders = self._fold(f, r, fresh, carried, version, index)
+            acc, total, responders = self._merge_fold(f, r, fresh, carried, version, index)
             if self.protect is not None:
                 self.protect(index)
             steps, blended = outer_lr_inputs([c.push for c in fresh or carried])
@@ -549,7 +549,7 @@ class Coordinator:
                            if ok else 0.0, bytes=nbytes, quorum_s=max(0.0, t0 - t_first), merge_s=t1 - t0,
                            grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall, outer_lr=outer_lr)
 
-    def _fold(self, f: _Fragment, r: _Round, fresh: list, carried: list, version: int, index: int) -> tuple:
+    def _merge_fold(self, f: _Fragment, r: _Round, fresh: list, carried: list, version: int, index: int) -> tuple:
         """(accumulator, total weight, responders) of a merge: fresh pushes were folded on arrival (here only with
         --exact, in island order), carried ones are folded now with weight x late_factor^lag."""
         acc = r.acc
