@@ -26,6 +26,9 @@ class Recorder:
     def on_optimizer_step(self, update_successful, tokens):
         self.calls.append(("step", bool(update_successful), tokens))
 
+    def before_param_copy(self, optimizer):
+        self.calls.append(("param_copy", type(optimizer).__name__))
+
     def close(self):
         pass
 
@@ -62,6 +65,9 @@ def count_boundaries(cfg_kwargs: dict, steps: int) -> dict:
         ctx = harness.build(harness.RunCfg(**cfg_kwargs))
         chain = [type(o).__name__ for o in harness.dist_optimizers(ctx["optimizer"])]
         losses = harness.train_steps(ctx, steps)
+        for leaf in harness.dist_optimizers(ctx["optimizer"]):   # a cast outside any step: no install point
+            if hasattr(leaf, "_copy_main_params_to_model_params"):
+                leaf._copy_main_params_to_model_params()
         patched = hooks.patched()
         calls = list(Recorder.instances[0].calls) if Recorder.instances else []
         engines = len(Recorder.instances)

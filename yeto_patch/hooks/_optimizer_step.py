@@ -1,6 +1,12 @@
-"""The wrapper every megatron-core optimizer ``step`` gets, and the patch/unpatch helpers the optimizer hook
-modules share. The boundary runs after the OUTERMOST step returns (a ChainedOptimizer stepping wrapped inner
-optimizers fires once); before it, an optimizer-only training loop gets its engine started."""
+"""The wrappers megatron-core optimizers get, and the patch/unpatch helpers the optimizer hook modules share.
+
+- ``step``: the boundary runs after the OUTERMOST step returns (a ChainedOptimizer stepping wrapped inner
+  optimizers fires once); before it, an optimizer-only training loop gets its engine started and the step's plan
+  is made.
+- ``_copy_main_params_to_model_params`` (the mixed-precision leaf optimizers): inside a counted step, after the
+  leaf's inner update and before Megatron casts its FP32 masters into the model parameters (and, for the
+  DistributedOptimizer, gathers them to the replicas), the engine installs the merged bases planned for this
+  step into that leaf's masters; Megatron's own cast and gather then carry them to every parameter."""
 from __future__ import annotations
 
 from . import _wrap
@@ -9,57 +15,62 @@ from ._runtime import RUNTIME
 
 def step_wrapper(wrapped, instance, args, kwargs):
     outer = RUNTIME.step_enter()
+    counts = False
     try:
         counts = RUNTIME.before_outer_step(instance) if outer else False
         result = wrapped(*args, **kwargs)
     finally:
-        RUNTIME.step_exit()
+        RUNTIME.step_exit(counts)
     if counts:
         RUNTIME.after_outer_step(instance, result)
     return result
 
 
-def patch_classes(module, class_names, tag) -> list:
-    """Wrap ``step`` on each named class of ``module`` that defines its own (inherited steps are covered where
-    they are defined). Returns the qualified names wrapped now or before."""
+COPY = "_copy_main_params_to_model_params"
+
+
+def copy_wrapper(wrapped, instance, args, kwargs):
+    RUNTIME.before_param_copy(instance)
+    return wrapped(*args, **kwargs)
+
+
+WRAPPERS = {"step": step_wrapper, COPY: copy_wrapper}
+
+
+def patch_targets(module, targets, tag) -> list:
+    """Wrap each declared (class, method) of ``module`` that the class defines itself (inherited methods are
+    covered where they are defined). Returns the qualified names wrapped now or before."""
     done = []
-    for cname in class_names:
-        cls = getattr(module, cname, None)
-        if cls is None or "step" not in vars(cls):
+    for t in targets:
+        cls = getattr(module, t.owner, None)
+        if cls is None or t.attribute not in vars(cls):
             continue
-        _wrap.wrap(cls, "step", step_wrapper, tag)
-        if _wrap.is_wrapped(cls, "step"):
-            done.append(f"{module.__name__}.{cname}.step")
+        _wrap.wrap(cls, t.attribute, WRAPPERS[t.attribute], tag)
+        if _wrap.is_wrapped(cls, t.attribute):
+            done.append(f"{module.__name__}.{t.name}")
     return done
 
 
-def unpatch_classes(module, class_names) -> None:
-    for cname in class_names:
-        cls = getattr(module, cname, None)
-        if cls is not None:
-            _wrap.unwrap(cls, "step")
-
-
-def patched_classes(module, class_names) -> list:
-    return [f"{module.__name__}.{c}.step" for c in class_names
-            if getattr(module, c, None) is not None and _wrap.is_wrapped(getattr(module, c), "step")]
-
-
-def hook_functions(target: str, class_names, tag: str):
-    """``(patch, unpatch, patched)`` of a hook module wrapping ``step`` of ``class_names`` in module ``target``."""
+def hook_functions(target: str, targets, tag: str):
+    """``(patch, unpatch, patched)`` of a hook module wrapping the declared optimizer methods (``step``,
+    ``_copy_main_params_to_model_params``) of module ``target``."""
     import sys
 
     def patch(module=None) -> list:
-        """Wrap the optimizers' ``step`` (idempotent); returns what is wrapped."""
-        return patch_classes(module or sys.modules[target], class_names, tag)
+        """Wrap the declared methods (idempotent); returns what is wrapped."""
+        return patch_targets(module or sys.modules[target], targets, tag)
 
     def unpatch() -> None:
         module = sys.modules.get(target)
-        if module is not None:
-            unpatch_classes(module, class_names)
+        for t in targets if module is not None else ():
+            cls = getattr(module, t.owner, None)
+            if cls is not None:
+                _wrap.unwrap(cls, t.attribute)
 
     def patched() -> list:
         module = sys.modules.get(target)
-        return [] if module is None else patched_classes(module, class_names)
+        return [] if module is None else [
+            f"{target}.{t.name}" for t in targets
+            if getattr(module, t.owner, None) is not None and _wrap.is_wrapped(getattr(module, t.owner), t.attribute)]
 
     return patch, unpatch, patched

@@ -34,6 +34,7 @@ def set_engine_factory(factory: Optional[Callable[..., Any]]) -> None:
 
 class _Depth(threading.local):
     n = 0
+    counting = False   # inside an outermost optimizer step that drives the engine
 
 
 class Runtime:
@@ -122,8 +123,19 @@ class Runtime:
         self._depth.n += 1
         return self._depth.n == 1
 
-    def step_exit(self) -> None:
+    def step_exit(self, counted: bool = False) -> None:
         self._depth.n -= 1
+        if counted:
+            self._depth.counting = False
+
+    def before_param_copy(self, optimizer) -> None:
+        """Inside a counted optimizer step, before a leaf optimizer casts its FP32 masters into the model params:
+        the engine installs the bases planned for this step into that leaf's masters (it never raises here: a
+        failure is raised on every rank after the step)."""
+        engine = self.engine
+        if engine is not None and getattr(self._depth, "counting", False) and \
+                hasattr(engine, "before_param_copy"):
+            engine.before_param_copy(optimizer)
 
     def before_outer_step(self, optimizer) -> bool:
         """Before the outermost optimizer step: start the engine if no train_step did (optimizer-only loops).
@@ -140,6 +152,7 @@ class Runtime:
                             "boundaries", type(optimizer).__name__, type(self.optimizer).__name__)
             return False
         engine.before_optimizer_step(optimizer)
+        self._depth.counting = True
         return True
 
     def after_outer_step(self, optimizer, result) -> None:

@@ -8,7 +8,6 @@ from ._targets import Target
 TARGET = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer"
 TARGETS = (Target(TARGET, "HybridDeviceOptimizer", "step"),)
 SUPPORTED_VERSIONS = {"megatron-core": ">=0.16"}
-CLASSES = tuple(t.owner for t in TARGETS)
 
 
-patch, unpatch, patched = _optimizer_step.hook_functions(TARGET, CLASSES, __name__)
+patch, unpatch, patched = _optimizer_step.hook_functions(TARGET, TARGETS, __name__)

@@ -7,7 +7,6 @@ from ._targets import Target
 TARGET = "megatron.core.optimizer.layer_wise_optimizer"
 TARGETS = (Target(TARGET, "LayerWiseDistributedOptimizer", "step", required=False),)  # own step in 0.16, not 0.19
 SUPPORTED_VERSIONS = {"megatron-core": ">=0.16"}
-CLASSES = tuple(t.owner for t in TARGETS)
 
 
-patch, unpatch, patched = _optimizer_step.hook_functions(TARGET, CLASSES, __name__)
+patch, unpatch, patched = _optimizer_step.hook_functions(TARGET, TARGETS, __name__)
