@@ -26,11 +26,11 @@ class View:
     def holder_sets(self):
         return [(0, 1)]
 
-    def stage(self, entries, sources, comm, relative=None):
+    def stage(self, entries, sources, comm, relative=None, alpha=None):
         assert self.release.wait(10)
         if self.fail:
             raise RuntimeError(self.fail)
-        self.calls.append((list(entries), None if sources is None else len(sources), relative))
+        self.calls.append((list(entries), None if sources is None else len(sources), relative, alpha))
         return [(entries[0], 0, 0, 4, 0, "values")]
 
     def staged_bytes(self, staged):
@@ -47,7 +47,7 @@ def test_staging_runs_beside_the_caller_in_order_and_take_gives_this_ranks_part(
     assert comm.groups == [(0, 1)]                      # the holder groups exist on the stager's own comm
     fs = frags()
     s.submit(fs[1], 3, 0, ["full"])
-    s.submit(fs[0], 5, 2, ["u1", "u2"])
+    s.submit(fs[0], 5, 2, ["u1", "u2"], 0.5)
     assert not s.done(1) and s.in_flight(0)             # returned before any staging ran
     with pytest.raises(EngineError, match="has a base staged already"):
         s.submit(fs[1], 4, 0, ["full"])
@@ -56,7 +56,7 @@ def test_staging_runs_beside_the_caller_in_order_and_take_gives_this_ranks_part(
     assert (job.version, job.updates, job.done, job.nbytes) == (3, 0, [(1, 0, 0, 4, 0, "values")], 16)
     assert job.sources is None                          # the decoded base's memory is released once staged
     s.take(0, "v5")
-    assert view.calls == [([1], 1, False), ([0], 2, True)] and not s.jobs
+    assert view.calls == [([1], 1, False, None), ([0], 2, True, 0.5)] and not s.jobs   # (alpha: a blend's)
     s.close()
 
 

@@ -29,9 +29,14 @@ class View:
         self.fail = fail
         self.snapshots = []
 
-    def snapshot_delta(self, entries):
+    def snapshot_delta(self, entries, spare=None):
         self.snapshots.append(list(entries))
+        self.spares = getattr(self, "spares", []) + [spare]
         return {(e, 0): (0, 10, Buf(10)) for e in entries}
+
+    @staticmethod
+    def snapshot_buffer(snap):
+        return next(iter(snap.values()))[2] if snap else None
 
     def gather(self, entries, snap, sink, comm):
         for _ in range(4):
@@ -89,6 +94,9 @@ def test_pushes_come_out_in_boundary_order():
     p.submit(fs[1], step=6)
     p.wait_all("test")
     assert [j.state.index for j in p.take_finished()] == [0, 1]
+    assert view.spares[0] is None
+    p.submit(fs[0], step=12)   # a spent snapshot's buffer is reused by the next push (no fresh pages to fault in)
+    assert view.spares[-1] is not None
     p.close()
 
 

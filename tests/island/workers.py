@@ -530,12 +530,13 @@ def _restore_state(view, state):
         a.copy_(state[("anchor",) + k])
 
 
-def staged_vs_write(cfg_kwargs, mode, updates=0, alpha=0.5, chunk_bytes=1 << 14):
-    """The same base installed by write (today's synchronous path) and by stage on a background group + the
-    local install_staged: per rank, every master, anchor and param compared bit for bit. A param that differs
-    is allowed only where the rank holds no FP32 master of it (blend on a DistributedOptimizer's replica),
-    and then by no more than the rounding of the master into the low-precision copy it blends from:
-    |a - b| <= alpha * 2^-7 |m| + 2^-6 max(|a|, |b|) (bf16's 8-bit significand; worst_ratio <= 1)."""
+def staged_vs_write(cfg_kwargs, mode, updates=0, alpha=0.5, chunk_bytes=1 << 14, route="in_step"):
+    """The same base installed by write (the synchronous path) and by stage on a background group + an install:
+    route "in_step": install_masters per leaf optimizer with params=False, then that leaf's own
+    _copy_main_params_to_model_params and Megatron's parameter all-gather (what the optimizer step does right
+    after the engine's install point); route "after_step": install_staged (masters, params, refresh_holders).
+    Per rank, every master, anchor and param compared bit for bit: they must all be equal."""
+    from yeto_patch.island.master_refs import leaf_optimizers
     ctx, man, view = _setup(cfg_kwargs, 1, chunk_bytes=chunk_bytes)
     rank0 = dist.get_rank() == 0
     view.snapshot_anchor()
@@ -554,10 +555,10 @@ def staged_vs_write(cfg_kwargs, mode, updates=0, alpha=0.5, chunk_bytes=1 << 14)
         view.write(None, srcs[-1], mode="replace", set_anchor=True, **rel)
     else:
         view.write(None, srcs[-1], mode="blend", alpha=alpha, set_anchor=True, anchor="value", **rel)
-    gathered = bool(cfg_kwargs.get("overlap_param_gather"))   # Megatron gathers params before the next forward
+    dist_opt = cfg_kwargs.get("dist_opt", True)
 
-    def megatron_param_gather():
-        if gathered:
+    def megatron_param_gather():   # (DistributedOptimizer: Megatron gathers params before the next forward)
+        if dist_opt:
             for c in ctx["model"]:
                 c.start_param_sync(force_sync=True)
     megatron_param_gather()
@@ -566,11 +567,13 @@ def staged_vs_write(cfg_kwargs, mode, updates=0, alpha=0.5, chunk_bytes=1 << 14)
     bg = IslandComm(timeout_s=60)
     bg.subgroups(view.holder_sets())
     staged, err = [], []
+    blend_alpha = alpha if mode == "blend" else None
 
     def background():
         try:
             sources = [(lambda e, off, k, s=s: s[e][off: off + k]) for s in srcs] if rank0 else None
-            staged.extend(view.stage(None, sources, bg, relative=bool(updates) if rank0 else None))
+            staged.append(view.stage(None, sources, bg, relative=bool(updates) if rank0 else None,
+                                     alpha=blend_alpha if rank0 else None))
         except BaseException as e:  # noqa: BLE001
             err.append(repr(e))
     t = threading.Thread(target=background)
@@ -578,27 +581,20 @@ def staged_vs_write(cfg_kwargs, mode, updates=0, alpha=0.5, chunk_bytes=1 << 14)
     t.join(120)
     untouched = all(torch.equal(v, before[k]) for k, v in _island_state(view).items())   # staging changes nothing
     kept = [{e: a.copy() for e, a in src.items()} for src in srcs] if rank0 else []
-    view.install_staged(staged, mode, alpha if mode == "blend" else None)
+    nbytes = staged[0].nbytes if staged else -1
+    if route == "in_step":
+        for leaf in leaf_optimizers(ctx["optimizer"]):
+            view.install_masters(staged[0], leaf=id(leaf), params=False)
+            leaf._copy_main_params_to_model_params()
+        left = staged[0].pending
+        megatron_param_gather()
+    else:
+        view.install_staged(staged[0], mode, blend_alpha)
+        left = staged[0].pending
+        megatron_param_gather()
     untouched = untouched and all(np.array_equal(src[e], k[e]) for src, k in zip(srcs, kept) for e in src)
-    megatron_param_gather()
     by_stage = _island_state(view)
-    exact, near, worst = [], [], 0
-    for k, a in by_write.items():
-        b = by_stage[k]
-        if torch.equal(a, b):
-            continue
-        if k[0] == "param" and a.dtype in (torch.bfloat16, torch.float16) and mode == "blend":
-            m, fa, fb = before[k].float().reshape(-1), a.float().reshape(-1), b.float().reshape(-1)
-            bound = alpha * 2.0 ** -7 * m.abs() + 2.0 ** -6 * torch.maximum(fa.abs(), fb.abs()) + 1e-30
-            ref = view._master.get(k[1:])
-            if ref is not None:   # where the rank has the master: exact
-                bound[ref.start: ref.end] = 0.0
-            ratio = (fa - fb).abs() / bound
-            ratio[(fa == fb)] = 0.0
-            worst = max(worst, float(ratio.max()))
-            near.append(str(k))
-        else:
-            exact.append(str(k))
-    return dict(err=err, alive=t.is_alive(), untouched=untouched, differ=exact, near=near, worst_ratio=worst,
-                staged_bytes=view.staged_bytes(staged),
-                held_bytes=sum(int(lp.param.numel()) * 4 for lp in view._local.values()))
+    differ = [str(k) for k, a in by_write.items() if not torch.equal(a, by_stage[k])]
+    masters = sum((m.end - m.start) * 4 for m in view._master.values() if m is not None and m.end > m.start)
+    return dict(err=err, alive=t.is_alive(), untouched=untouched, differ=differ, staged_bytes=nbytes,
+                master_bytes=masters, pending=left)

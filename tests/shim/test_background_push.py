@@ -76,3 +76,27 @@ def test_a_failed_background_stage_ends_every_rank_with_its_message(tmp_path, st
     assert sorted(errs) == [0, 1], errs.keys()
     for r, text in errs.items():   # raised on every rank of the island, naming the stage and the cause
         assert msg in text and f"background {stage} stage failed" in text, (r, text[-3000:])
+
+
+@pytest.mark.timeout(600)
+def test_bases_go_into_the_masters_inside_the_step_and_megatron_carries_them_to_every_replica(tmp_path):
+    """A DP2 bf16 DistributedOptimizer island (tau >= 1): the staged bases are installed inside the optimizer
+    step, into each rank's own FP32 masters only, just before Megatron casts them into the params and gathers
+    those to the replica. After every step every param is its master's cast and both replicas are equal; the
+    training thread's install is about one pass over the rank's own masters."""
+    key = P.key_file(tmp_path)
+    port = P.free_port()
+    syncer = P.start_syncer(tmp_path, port, islands=1, fragments=2, key=key)
+    env = dict(ENV, YETO_DILOCO_KEY_FILE=key, YETO_DILOCO_OVERLAP_STEPS=H - 1)
+    a = P.start_island(tmp_path, "a", port, ["--check-params", *BIG], STEPS, env, nproc=2)
+    rcs = P.wait_all([a, syncer], timeout=500)
+    assert rcs == [0, 0], P.logs([a, syncer])
+    assert P.island_result(str(tmp_path / "a"))["param_mismatch"] == []
+    recs = P.metrics(str(tmp_path / "a"))
+    staged = [r for r in recs if "stage_ms" in r]
+    in_step = [r for r in staged if not r["after_step"]]
+    assert len(in_step) >= (STEPS // H) * 2 - 4, [(r["step"], r["after_step"]) for r in staged]
+    snapshot = statistics.median(r["snapshot_ms"] for r in recs if "snapshot_ms" in r)
+    assert statistics.median(r["in_step_ms"] for r in in_step) <= 2 * snapshot + 20, (in_step, snapshot)
+    # the staging holds the rank's own masters (and a blend's scaled copy), not the replica's half
+    assert all(r["staged_bytes"] == 2 * r["own_bytes"] for r in in_step if r.get("own_bytes")), in_step

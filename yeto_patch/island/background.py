@@ -27,8 +27,8 @@ log = logging.getLogger("yeto_patch")
 
 class BackgroundLane:
     """Jobs keyed by fragment, run one at a time by a worker thread. A job has ``done`` (None until its work
-    ended: then the work's result), ``t_submit``, ``t_start`` and ``work_s``. ``stage``: the stage's name in
-    messages ("push", "base")."""
+    ended: then the work's result), ``t_submit``, ``t_start``, ``work_s`` and ``cpu_s`` (set here). ``stage``:
+    the stage's name in messages ("push", "base")."""
 
     stage = "background"
 
@@ -109,9 +109,10 @@ class BackgroundLane:
             if job is None or self.error is not None:
                 return
             try:
-                job.t_start = time.perf_counter()
+                job.t_start, cpu0 = time.perf_counter(), time.thread_time()
                 result = self._work(job)
                 job.work_s = time.perf_counter() - job.t_start
+                job.cpu_s = time.thread_time() - cpu0   # (this thread's CPU: what the job took from training)
             except BaseException as e:  # noqa: BLE001 - raised on the training thread (check)
                 with self._cv:
                     self.error = e

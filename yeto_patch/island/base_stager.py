@@ -1,13 +1,14 @@
 """Merged bases off the training thread: when rank 0's plan says so, every rank's worker takes part in staging a
 fragment's base (``MasterView.stage``, on a gloo group of its own with the view's holder groups): rank 0's
-decoded values (or base updates) go to the owners, which add the updates to their anchors, and on to every
-holder's host staging buffers. At a later step rank 0's plan installs the staged base: each rank waits for its
-own job (normally ended long before) and combines locally (``MasterView.install_staged``).
+decoded values (or base updates) go to the owners, which add the updates to their anchors, and on to the other
+ranks with a FP32 master of them; a blend's ``(1 - alpha) * base`` is prepared there too. At a later step rank
+0's plan installs the staged base: each rank takes its own job (normally ended long before) and installs it into
+its masters inside the optimizer step (``engine_installs.py``, ``MasterView.install_masters``).
 
 One job per fragment at a time: the engine stages a fragment's next base only after the previous one was
 installed, and installs nothing else into a fragment while it is staged (so the anchors a base update adds to
-stay as they were). Failures: ``background.py``. Memory: per staged fragment about one float32 copy of what the
-rank holds of it (see README), plus the rounds' chunks.
+stay as they were). Failures: ``background.py``. Memory: per staged fragment one float32 copy of the masters
+the rank holds of it, a second one for a blend's scaled values (see README), plus the rounds' chunks.
 """
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ class StageJob:
     version: int
     updates: int                   # base updates (0: an absolute base)
     sources: Optional[list]        # rank 0: source(index, offset, count) per update (or the one absolute base)
+    alpha: Optional[float] = None  # rank 0: the blend's alpha (None: the base replaces the masters)
     t_submit: float = field(default_factory=time.perf_counter)
     t_start: Optional[float] = None
     work_s: Optional[float] = None
-    done: Optional[list] = None    # this rank's staging ([(entry, shard, x, y, owner, values)])
+    cpu_s: Optional[float] = None  # the worker thread's CPU time for it
+    done: Optional[object] = None  # this rank's staging (master_stage.StagedBase)
     nbytes: int = 0
 
 
@@ -43,12 +46,13 @@ class BaseStager(BackgroundLane):
         comm.subgroups(view.holder_sets())
         super().__init__(comm, rank, timeout_s, "yeto-base-stage")
 
-    def submit(self, st, version: int, updates: int, sources) -> StageJob:
-        """Every rank (rank 0 with the sources): queue the staging of fragment `st`'s base `version`."""
+    def submit(self, st, version: int, updates: int, sources, alpha=None) -> StageJob:
+        """Every rank (rank 0 with the sources and the blend's alpha): queue the staging of fragment `st`'s base
+        `version`."""
         self.check()
         if st.index in self.jobs:
             raise EngineError(f"internal: fragment {st.index} has a base staged already")
-        job = StageJob(st, int(version), int(updates), sources)
+        job = StageJob(st, int(version), int(updates), sources, alpha)
         self._enqueue(st.index, job)
         return job
 
@@ -71,10 +75,10 @@ class BaseStager(BackgroundLane):
         with self._cv:
             self.jobs.clear()
 
-    def _work(self, job: StageJob) -> list:
+    def _work(self, job: StageJob):
         st = job.state
         staged = self.view.stage(st.entries, job.sources, self.comm,
-                                 relative=(job.updates > 0) if self.rank == 0 else None)
+                                 relative=(job.updates > 0) if self.rank == 0 else None, alpha=job.alpha)
         job.sources = None   # (rank 0: the decoded base's memory can go)
         job.nbytes = self.view.staged_bytes(staged)
         return staged

@@ -5,7 +5,8 @@
 - INIT: stream the fragment's masters to the syncer from rank 0 without holding the fragment (``send_init``);
 - install: write a base (or the quantized updates of the anchor, --base-wire int8/int4) into masters, model
   parameters and anchors (``install``: at start, the final cut and restarts); bases merged during training are
-  staged in the background (``base_stager.py``, ``base_sources``) and installed locally (``install_staged``);
+  staged in the background (``base_stager.py``, ``base_sources``) and installed by the engine
+  (``engine_installs.py``);
 - the start digests of every tensor (the syncer skips initial bases this island already holds).
 
 Every function runs on every rank (the view's reads and writes are collectives); only rank 0 sees values.
@@ -119,12 +120,6 @@ class DataPath:
             a = offs[e] + off
             return values[a:a + n]
         return [full]
-
-    def install_staged(self, staged, mode: str) -> None:
-        """Every rank, local: install a base staged in the background (``base_stager.py``); mode replace, or blend
-        (masters := alpha * local + (1 - alpha) * base, anchor := base)."""
-        alpha = self.settings.merge_alpha if mode == "blend" else None
-        self.view.install_staged(staged, mode, alpha)
 
     def start_digests(self) -> Optional[list]:
         """Every rank: one read of the model; rank 0 gets the xxh3_64 digest of each tensor's float32 values."""

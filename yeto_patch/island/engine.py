@@ -17,15 +17,18 @@ Life of an island:
   background sender: training goes on without waiting for the network. With tau >= 1 the training thread only
   snapshots each rank's own shard of the delta; the gather and the encoding run beside the next steps on a gloo
   group of their own (``push_pipeline.py``), and rank 0 hands the finished push to the sender at a later step.
-- A merged base arriving in the background is staged at the first step boundary after it arrived: every rank's
-  worker takes part in scattering it to the ranks that hold it, beside training (``base_stager.py``); at the
-  next boundary after that each rank installs its part locally: ``alpha * local + (1 - alpha) * base`` when
-  tau > 0, the base itself when tau = 0; the base becomes the fragment's anchor (``engine_installs.py``).
-  Rank 0 decides and broadcasts a plan only on steps where something can happen (a fragment
-  is due, a push awaits its base, or it is the last step), so most steps cost no collective at all; a base
-  nobody on this island asked for (merged by a quorum without it) waits for the next such step. If tau steps
-  pass after a push without its base, the island waits for it (bounded by YETO_DILOCO_TIMEOUT, with a log line
-  saying what it waits for).
+- Rank 0 decides and broadcasts a plan before the optimizer step's update (``before_optimizer_step``), only on
+  steps where something can happen (a fragment is due, a push awaits its base, or it is the last step), so most
+  steps cost no collective at all; the pushes and waits it plans run after the update. A merged base arriving
+  in the background is staged at the first plan after it arrived: every rank's worker takes part in sending it
+  to the ranks with a FP32 master of it, beside training (``base_stager.py``); a later plan arms it and, inside
+  that step, after the leaf optimizer's update and just before Megatron casts its masters into the model
+  params (and gathers them to the replicas), each rank installs it into its own masters in one pass
+  (``before_param_copy``): ``alpha * local + (1 - alpha) * base`` when tau > 0, the base itself when tau = 0;
+  the base becomes the fragment's anchor (``engine_installs.py``). A base nobody on this island asked for
+  (merged by a quorum without it) waits for the next such step. If tau steps pass after a push without its
+  base, the island waits for it (bounded by YETO_DILOCO_TIMEOUT, with a log line saying what it waits for)
+  and installs it after the step, params and replicas included.
 - Final cut, at the last step: pending bases are awaited and installed, every fragment's final delta is
   pushed, the syncer's final model is awaited and installed exactly (replace), and ``finished`` turns True.
   The train_step hook then makes Megatron save and stop. A custom loop that has only the optimizer hook asks
@@ -94,6 +97,9 @@ class Engine(Installs):
         self._warned_tokens = False
         self._resume: Optional[tuple] = None   # (directory, iteration) of the Megatron checkpoint loaded
         self.init_sent: list = []     # rank 0: fragments this island sent INIT of (in the WELCOME or later)
+        self._ahead = None            # (step, Plan, plan seconds): the plan made before that step's update
+        self._armed: dict = {}        # fragment -> its staged base taken for installing in this step
+        self._copy_error = None       # a failure at an install point inside the step (raised after it)
         _current = self
 
     def set_resume(self, directory, iteration):
@@ -124,6 +130,7 @@ class Engine(Installs):
             if optimizer is not None and self.optimizer is None:
                 self.optimizer = optimizer
             self._guarded(self._start)
+        self._guarded(self._plan_ahead)
 
     def on_optimizer_step(self, update_successful=True, tokens=None):
         self._alive()
@@ -282,6 +289,7 @@ class Engine(Installs):
             rec = st.start_push(job.step, body, self.settings.push_dtype, gather_s, encode_s, False,
                                 made=(job.base_version, job.steps, job.tokens))
             rec.update(snapshot_ms=round(job.snapshot_s * 1000, 2), own_bytes=job.nbytes,
+                       push_cpu_ms=round((job.cpu_s or 0.0) * 1000, 2),
                        boundary_ms=round((job.boundary_s or 0.0) * 1000, 2),
                        queued_ms=round((job.t_start - job.t_submit) * 1000, 2), handed_at=self.step)
             self.link.send_push(st)
@@ -387,15 +395,14 @@ class Engine(Installs):
                   self.step, f, st.anchor_version, body.nbytes, s.push_dtype, gather_s * 1000, encode_s * 1000)
 
     # ================================================================================ per step
-    def _boundary(self):
-        from yeto_patch.island.plan import Plan, needs_plan, overdue, plan
+    def _make_plan(self, step):
+        """Every rank: rank 0's plan of `step` and the seconds it took, or None on a step where nothing can
+        happen (no collective)."""
+        from yeto_patch.island.plan import Plan, needs_plan, plan
         from yeto_patch.island.schedule import due_fragments
-        s = self.settings
-        tau = s.overlap_steps
-        mode = "blend" if tau > 0 else "replace"
-        due = due_fragments(self.step, s.sync_every, len(self.frags))
-        if not needs_plan(self.step, self.total, due, bool(self.frags.pending())):
-            return   # most steps: nothing can happen, no collective
+        due = due_fragments(step, self.settings.sync_every, len(self.frags))
+        if not needs_plan(step, self.total, due, bool(self.frags.pending())):
+            return None
         t0 = time.perf_counter()
 
         def decide():
@@ -403,17 +410,47 @@ class Engine(Installs):
             self.stager.check()
             self.link.poll()
             staged = {st.index for st in self.frags if self.stager.done(st.index)}
-            return plan(self.step, self.total, due, self.frags, self.link.final_cut, staged, stage=True).as_json()
-        p = Plan.from_json(self.channel.rank0(decide, f"plan step {self.step}"))
-        plan_s = time.perf_counter() - t0
+            return plan(step, self.total, due, self.frags, self.link.final_cut, staged, stage=True).as_json()
+        p = Plan.from_json(self.channel.rank0(decide, f"plan step {step}"))
+        return p, time.perf_counter() - t0
+
+    def _begin(self, p):
+        """Every rank: the plan's staged bases are armed for this step's install points, and its arrived bases
+        handed to the background stage."""
+        for f in p.staged:
+            self._arm(f, "arrived")
+        for f, v, k in p.stage:
+            self._stage(f, v, k)
+
+    def _plan_ahead(self):
+        """Every rank, before the optimizer step's update: the step's plan, so that its staged bases are
+        installed inside the step (``before_param_copy``); the rest of the plan runs after the step."""
+        self._ahead = None
+        made = self._make_plan(self.step + 1)
+        if made is not None:
+            self._ahead = (self.step + 1, made[0], made[1])
+            self._begin(made[0])
+
+    def _boundary(self):
+        from yeto_patch.island.plan import overdue
+        s = self.settings
+        tau = s.overlap_steps
+        mode = "blend" if tau > 0 else "replace"
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == self.step:
+            p, plan_s = ahead[1], ahead[2]
+        else:   # no plan before this step (a loop without the step hook's before-call): plan now
+            self._finish_installs()
+            made = self._make_plan(self.step)
+            if made is None:
+                return   # most steps: nothing can happen, no collective
+            (p, plan_s) = made
+            self._begin(p)
         for f in p.skip:
             self._skip_boundary(f)
         for f, v, k, held in p.install:
             self._install(f, v, mode, why="arrived", updates=k, held=held)
-        for f in p.staged:
-            self._install_staged(f, mode, why="arrived")
-        for f, v, k in p.stage:
-            self._stage(f, v, k)
+        self._finish_installs()
         if p.final:
             self._final_cut(by_syncer=p.by_syncer)
             return

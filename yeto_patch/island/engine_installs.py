@@ -3,9 +3,13 @@
 Two ways in. Synchronous (``_install``: the start, the final cut, a restart's adoption, a base that is this
 island's own weights): rank 0's base is written through the island by ``MasterView.write``. Staged (every other
 base merged during training): rank 0's plan hands an arrived base to the background stage (``_stage``; every
-holder gets its part on a gloo group of its own, island/base_stager.py) and a later plan installs it locally on
-every rank (``_install_staged``). A push's answer at the tau bound (or at tau = 0) is staged if it is not
-already, and installed as soon as every rank's part is there (``_await_answers``).
+rank with a FP32 master of it gets its part on a gloo group of its own, island/base_stager.py). A later plan,
+made before an optimizer step, arms it (``_arm``), and inside that step each leaf optimizer's masters take it
+just before Megatron casts them into the model params and gathers those to the replicas
+(``before_param_copy``): the training thread's install is one pass over the rank's own masters. What no such
+point installed is installed after the step, params and replicas included (``_finish_installs``). A push's
+answer at the tau bound (or at tau = 0) is staged if it is not already, and installed after the step as soon as
+every rank's part is there (``_await_answers``).
 """
 from __future__ import annotations
 
@@ -48,31 +52,90 @@ class Installs:
 
     def _stage(self, f, version, updates):
         """Every rank: hand fragment f's arrived base (held by rank 0, version `version`) to the background stage;
-        it is installed at a later plan (``_install_staged``)."""
+        it is installed at a later plan (``_arm`` then the optimizer step's install point)."""
         st = self.frags[f]
-        sources = None
+        sources = alpha = None
         if self.rank == 0:
             base, st.arrived = st.arrived, None
             if base.version != version or (len(base.deltas) if base.relative else 0) != updates:
                 raise EngineError(f"internal: fragment {f} base v{base.version} is not the planned v{version}")
             sources = self.data.base_sources(st, base, updates)
+            alpha = self.settings.merge_alpha if self.settings.overlap_steps > 0 else None
         st.staging = [int(version), int(updates)]
-        self.stager.submit(st, version, updates, sources)
+        self.stager.submit(st, version, updates, sources, alpha)
 
-    def _install_staged(self, f, mode, why):
-        """Every rank: install fragment f's staged base, locally (each rank waits for its own part of the
-        staging first, normally long ended); one agreement, so a local failure fails every rank."""
-        st = self.frags[f]
-        version, updates = st.staging
+    def _arm(self, f, why):
+        """Every rank: take fragment f's staged base (waiting for this rank's part of the staging, normally long
+        ended) for installing in this optimizer step: inside the step at the leaf optimizers' install points
+        (``before_param_copy``), what is left after it (``_finish_installs``)."""
+        version = self.frags[f].staging[0]
         t0 = time.perf_counter()
         job = self.stager.take(f, f"the staged base v{version} of fragment {f}")
-        t1 = time.perf_counter()
-        with self.comm.guard(f"install the staged base v{version} of fragment {f}"):
-            self.data.install_staged(job.done, mode)
-        st.staging = None
-        self._installed(st, version, mode, why, (time.perf_counter() - t0) * 1000, updates,
-                        stage_ms=round((job.work_s or 0.0) * 1000, 2), staged_wait_ms=round((t1 - t0) * 1000, 2),
-                        staged_bytes=job.nbytes)
+        self._armed[f] = {"job": job, "why": why, "wait_s": time.perf_counter() - t0, "copy_s": 0.0}
+
+    def before_param_copy(self, optimizer):
+        """Inside the optimizer step, before `optimizer` (a leaf) casts its FP32 masters into the model params:
+        the armed bases go into its masters (Megatron's cast and parameter gather then carry them to the params).
+        Never raises inside Megatron's step: a failure is raised on every rank after it (``_finish_installs``)."""
+        if not self._armed or self.failed is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            for a in self._armed.values():
+                self.view.install_masters(a["job"].done, leaf=id(optimizer), params=False)
+        except BaseException as e:  # noqa: BLE001 - agreed island-wide after the step
+            self._copy_error = self._copy_error or e
+        dt = time.perf_counter() - t0
+        for a in self._armed.values():
+            a["copy_s"] += dt / len(self._armed)
+
+    def _finish_installs(self):
+        """Every rank, after the optimizer step: install what the step's install points did not (a skipped
+        update, an optimizer that never casts, no step hook, or bases armed after the step), with params; one
+        agreement (any rank's failure fails every rank with its message); the replicas of what was installed after
+        Megatron's parameter gather get the owners' params; then the bookkeeping."""
+        if not self._armed:
+            return
+        from yeto_patch.island.collective import _message
+        armed, self._armed = self._armed, {}
+        err, self._copy_error = self._copy_error, None
+        t0 = time.perf_counter()
+        late = []
+        try:
+            if err is None:
+                for f, a in armed.items():
+                    if a["job"].done.pending:
+                        self.view.install_masters(a["job"].done, params=True)
+                        late.append(f)
+        except Exception as e:  # noqa: BLE001 - agreed below
+            err = err or e
+        rows = self.comm.all_gather_json([None if err is None else _message(err), late], "install staged bases")
+        bad = [(r, m) for r, (m, _) in enumerate(rows) if m is not None]
+        if bad:
+            raise EngineError(f"yeto-patch: installing the staged bases of fragments {sorted(armed)} failed: "
+                              f"{bad[0][1]} [island rank {bad[0][0]}]")
+        after = sorted({int(f) for _, fs in rows for f in fs})
+        if after and self.view.needs_refresh():
+            for f in after:
+                self.view.refresh_holders(armed[f]["job"].done.entries)
+        finish_s = time.perf_counter() - t0
+        mode = "blend" if self.settings.overlap_steps > 0 else "replace"
+        for f, a in armed.items():
+            st, job = self.frags[f], a["job"]
+            version, updates = st.staging
+            st.staging = None
+            ms = (a["wait_s"] + a["copy_s"] + finish_s / len(armed)) * 1000
+            self._installed(st, version, mode, a["why"], ms, updates,
+                            stage_ms=round((job.work_s or 0.0) * 1000, 2),
+                            stage_cpu_ms=round((job.cpu_s or 0.0) * 1000, 2),
+                            staged_wait_ms=round(a["wait_s"] * 1000, 2), staged_bytes=job.nbytes,
+                            in_step_ms=round(a["copy_s"] * 1000, 2), after_step=f in after)
+
+    def _install_staged(self, f, why):
+        """Every rank, after the optimizer step: install fragment f's staged base at once (masters, params,
+        replicas; blended or replacing as it was staged)."""
+        self._arm(f, why)
+        self._finish_installs()
 
     def _await_answers(self, frags, what):
         """Every rank: wait until rank 0 holds a base newer than each pending push's base, then install it."""
@@ -113,7 +176,7 @@ class Installs:
                 continue
             if route == "stage":
                 self._stage(f, int(spec[0]), int(spec[1]))
-            self._install_staged(f, mode, why="answer")
+            self._install_staged(f, why="answer")
 
     def _answer_route(self, st):
         """Rank 0: how fragment st's answer is installed: ["staged", []] (already staged), ["stage", [version,

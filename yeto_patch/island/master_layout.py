@@ -22,6 +22,11 @@ from yeto_patch.island.collective import IslandError
 class ShardLayout:
     owners: List[Tuple[int, int, int]]   # (x, y, rank): read owner of local flat [x, y), disjoint, covering
     holders: Tuple[int, ...]             # every rank with a copy of the shard
+    masters: List[Tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (x, y, rank): FP32 masters
+
+    def master_holders(self, x: int, y: int) -> List[int]:
+        """Ranks with a FP32 master of some of local [x, y) (the owner among them)."""
+        return sorted({rk for a, b, rk in self.masters if a < y and x < b})
 
 
 @dataclasses.dataclass

@@ -1,126 +1,315 @@
-"""Installs in two halves, so that the training thread only touches what it holds (part of ``MasterView``).
+"""Installs in two halves, so that the training thread only touches the FP32 masters it holds (part of
+``MasterView``).
 
-- ``stage(indices, sources, comm)`` (collective on a background group, off the training thread): rank 0's values
-  of a merged base go to every rank that holds them, in the view's chunked rounds: to each element's owner
-  first, which (for a base update, ``relative``) adds them to its anchor, one update after the other; then from
-  the owner to the shard's other holders (DP replicas, the tied output-layer copy). Each rank keeps what it holds
-  as host float32 chunks: its staging buffers (about one copy of what it holds of the fragment). Nothing on the
-  training path is read or written, except the anchors of a base update, which only installs change and which
-  the engine never installs while the fragment is staged.
-- ``install_staged(staged, mode, alpha)`` (local, no communication, on the training thread at rank 0's plan):
-  replace, or blend ``alpha * current + (1 - alpha) * value`` with the rank's own current FP32 master, then write
-  masters and model parameters (cast) as ``write`` does; the owners' anchors become the value. Adam moments are
-  not touched.
+- ``stage(indices, sources, comm, alpha=)`` (collective on a background group, off the training thread): rank 0's
+  values of a merged base go, in the view's chunked rounds, to each element's owner, which (for a base update,
+  ``relative``) adds them to its anchor, one update after the other, and from the owner to the other ranks with
+  a FP32 master of it (a non-distributed optimizer's DP replicas, the tied output-layer copy). A rank keeps one
+  float32 buffer per master it holds, shaped like the master (its ``StagedPart``); for a blend it also prepares
+  ``(1 - alpha) * value`` there, in the background. Ranks that hold only a model parameter of an element (a
+  DistributedOptimizer's copy of another rank's shard) keep nothing. Nothing on the training path is read or
+  written except the anchors of a base update, which only installs change and which the engine never installs
+  while the fragment is staged.
+- ``install_masters(staged, leaf=, params=)`` (local, on the training thread): each master := value (replace) or
+  ``scaled + alpha * master`` (blend), in one pass; its other FP32 / low-precision copies follow; the owners'
+  anchors become the value (the staging buffer itself becomes the anchor: no copy). Adam moments are not touched.
+  The engine calls it inside the optimizer step, just before Megatron's own ``_copy_main_params_to_model_params``
+  of the master's leaf optimizer (``leaf``): Megatron then casts the masters into the model parameters and
+  gathers them to the replicas as it does every step, so the training thread's install costs one pass over the
+  rank's own masters. Where no such point came (a skipped update, an optimizer that never copies, a base
+  installed after the step at the tau bound or at tau = 0), it installs after the step with ``params=True`` and
+  ``refresh_holders`` (collective, on the view's group) sends the owners' new parameters to the ranks without a
+  master of them.
+- ``install_staged(staged, mode, alpha)``: the after-the-step install of everything (masters, params, holders).
 
-Bits: ``stage`` + ``install_staged`` give exactly what ``write`` gives for every rank that has a FP32 master of
-what it holds (owners; replicas of a non-distributed optimizer, whose masters equal the owner's) and for every
-replace. A holder without a master (a DistributedOptimizer rank's bf16 copy of another rank's shard) blends
-from its model parameter cast to float32: with a bf16 model that copy equals the owner's cast up to one bf16
-rounding, for the one step until Megatron's next parameter all-gather overwrites it with the owner's.
+Bits: every master, anchor and model parameter ends up exactly as ``write`` leaves them (the blend is the same
+float32 operation, ``value * (1 - alpha) + alpha * master``, on the same operands), and a replica's parameter is
+the owner's cast, from Megatron's gather or from ``refresh_holders``.
+
+Memory per staged fragment on a rank: one float32 copy of the masters it holds of it, a second for a blend's
+scaled values (released at the install; the first becomes the anchor, replacing the old one), plus a chunk.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import dataclasses
+import queue
+import threading
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 _F32 = 4
 
 
+class _Releaser:
+    """Frees large host buffers on a thread of its own: giving a fragment-sized block back to the system costs
+    about half a memcpy of it, which the training thread need not pay at an install."""
+
+    def __init__(self):
+        self._q: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._t: Optional[threading.Thread] = None
+
+    def drop(self, objs: list) -> None:
+        with self._lock:
+            if self._t is None or not self._t.is_alive():
+                self._t = threading.Thread(target=self._run, name="yeto-release", daemon=True)
+                self._t.start()
+        self._q.put(objs)
+
+    def _run(self) -> None:
+        while True:
+            objs = self._q.get()
+            objs.clear()   # (the last references: the buffers are freed here)
+            del objs
+
+
+RELEASER = _Releaser()
+
+
+@dataclasses.dataclass
+class StagedPart:
+    """This rank's staged base over one FP32 master: local flat [start, end) of shard `shard` of `entry`."""
+    entry: int
+    shard: int
+    start: int
+    end: int
+    value: torch.Tensor                      # float32 host, the base over [start, end)
+    owned: List[Tuple[int, int]]             # sub-ranges this rank owns: its anchor := value there
+    scaled: Optional[torch.Tensor] = None    # blend: (1 - alpha) * value, prepared in the background
+    done: bool = False                       # installed
+
+
+@dataclasses.dataclass
+class StagedBase:
+    """One fragment's base staged on this rank (``stage``'s result)."""
+    parts: List[StagedPart]
+    alpha: Optional[float]                   # the blend's alpha the parts are prepared for (None: replace)
+    entries: List[int]                       # the stage's entries (every rank's; a rank may hold parts of fewer)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.value.numel()) * _F32 * (2 if p.scaled is not None else 1) for p in self.parts)
+
+    @property
+    def pending(self) -> bool:
+        return any(not p.done for p in self.parts)
+
+
+
 class StagedInstalls:
-    """Mixed into ``MasterView`` (it uses the view's layout, rounds, transfers and install)."""
+    """Mixed into ``MasterView`` (it uses the view's layout, masters, rounds, transfers and anchors)."""
 
     def holder_sets(self) -> list:
         """Rank sets that hold a tensor-parallel shard together (a background comm needs their gloo groups:
         ``comm.subgroups(view.holder_sets())``, collective)."""
         return [sh.holders for lay in self.layout.values() for sh in lay.shards]
 
-    def stage(self, indices: Optional[Sequence[int]], sources, comm, *, relative: Optional[bool] = None) -> list:
+    def needs_refresh(self) -> bool:
+        """Some rank holds a model parameter it has no FP32 master of (a DistributedOptimizer's replica): a base
+        installed after Megatron's parameter gather must be sent to it (``refresh_holders``). Same on every rank."""
+        if getattr(self, "_needs_refresh", None) is None:
+            self._needs_refresh = any(set(sh.holders) - set(sh.master_holders(x, y))
+                                      for lay in self.layout.values() for sh in lay.shards
+                                      for x, y, _o in sh.owners)
+        return self._needs_refresh
+
+    # ------------------------------------------------------------------------------------- stage (background)
+    def stage(self, indices: Optional[Sequence[int]], sources, comm, *, relative: Optional[bool] = None,
+              alpha: Optional[float] = None) -> StagedBase:
         """Collective on `comm`: rank 0's `sources` (a list of ``source(index, offset, count)``: one absolute
-        base, or the base updates in order with ``relative``) to every holder. Returns this rank's staging:
-        [(entry, shard, x, y, owner, float32 values of [x, y))], for ``install_staged``."""
+        base, or the base updates in order with ``relative``) to every rank with a FP32 master of them; with
+        `alpha` (a blend; rank 0's) each part's ``(1 - alpha) * value`` is prepared too."""
         from yeto_patch.island.collective import IslandError
         if self.rank == 0 and not sources:
             raise IslandError("stage: rank 0 needs at least one source")
+        if self.rank == 0 and alpha is not None and not 0.0 <= float(alpha) <= 1.0:
+            raise IslandError(f"stage: blend needs 0 <= alpha <= 1, got {alpha!r}")
         plan = self._plan("stage", indices, comm=comm, relative=None if relative is None else bool(relative),
-                          updates=len(sources) if sources else None)
+                          updates=len(sources) if sources else None,
+                          alpha=None if alpha is None else float(alpha))
         relative, k = bool(plan["relative"]), int(plan["updates"])
         if relative:   # value = anchor + changes: every owner needs the anchor of what it owns (agreed first)
             self._agree_anchors(plan["entries"], comm, "stage: anchors of a base update")
+        parts, pending_err = self._staging_parts(plan["entries"], relative)
         sources = list(sources) if self.rank == 0 else [None] * k
-        staged, pending_err = [], None
         for rnd in self._items(plan):
-            pending_err = self._stage_round(rnd, sources, relative, comm, staged, pending_err)
+            pending_err = self._stage_round(rnd, sources, relative, comm, parts, pending_err)
         comm.agree(pending_err, "stage: values")
-        return staged
+        out = StagedBase(list(parts.values()), plan["alpha"], list(plan["entries"]))
+        if out.alpha is not None:   # (the same float32 operation as write's owner: value * (1 - alpha))
+            for p in out.parts:
+                p.scaled = torch.mul(p.value, 1.0 - out.alpha)
+        return out
 
-    def _stage_round(self, rnd, sources, relative: bool, comm, staged: list, pending_err):
-        """One round of stage: every update to the owners (each added to the running value), the final values
-        from the owners to the holders. Returns the error to agree on at the end (None: none)."""
-        running = {}   # owner: (entry, shard, x, y) -> value so far (anchor + the updates received)
-        vals = []
-        for i, source in enumerate(sources):
-            last = i == len(sources) - 1
-            # (clone: rank 0's own part is a copy, never a view of the source, which the install changes in place)
-            vals, works, nbytes, pending_err = self._scatter_round(rnd, source, True, pending_err, comm=comm,
-                                                                   holders=last)
+    def _staging_parts(self, entries, relative: bool):
+        """{(entry, shard): StagedPart} over this rank's masters of `entries`; a base update starts from the
+        anchor on the owned ranges. Returns (parts, error to agree on)."""
+        parts, err = {}, None
+        for e in entries:
+            for r, sh in enumerate(self.layout[e].shards):
+                m = self._master.get((e, r))
+                if m is None or m.end <= m.start:
+                    continue
+                owned = [(x, y) for x, y, o in sh.owners if o == self.rank]
+                part = StagedPart(e, r, m.start, m.end, torch.empty(m.end - m.start, dtype=torch.float32), owned)
+                if relative:
+                    try:
+                        for x, y in owned:
+                            part.value[x - m.start: y - m.start].copy_(self._anchor_slice(e, r, x, y))
+                    except Exception as ex:  # noqa: BLE001 - agreed at the end of the stage
+                        err = err or ex
+                parts[(e, r)] = part
+        return parts, err
+
+    def _stage_round(self, rnd, sources, relative: bool, comm, parts: dict, pending_err):
+        """One round of stage: every update to the owners (an absolute base straight into their staging, an
+        update added to it), then the owners' values to the other master holders. Returns the error to agree on
+        at the end (None: none)."""
+        def into(e, r, x, y):
+            p = parts.get((e, r))
+            return None if p is None or relative else p.value[x - p.start: y - p.start]
+
+        for source in sources:
+            vals, works, nbytes, pending_err = self._scatter_round(rnd, source, False, pending_err, comm=comm,
+                                                                   holders=False, into=into)
             self._note(nbytes)
             comm.wait_all(works, "stage: scatter to owners")
             if relative:
                 for it, r, x, y, o, t in vals:
-                    if o != self.rank:
+                    p = parts.get((it.entry, r))
+                    if o != self.rank or p is None:
                         continue
-                    key = (it.entry, r, x, y)
-                    try:
-                        t.add_(running[key] if key in running else self._anchor_slice(it.entry, r, x, y))
-                    except Exception as ex:  # noqa: BLE001 - agreed below
-                        pending_err = pending_err or ex
-                    running[key] = t
-        bworks = []
-        for it, r, x, y, o, t in vals:
-            w = comm.broadcast(t, o, self.layout[it.entry].shards[r].holders, async_op=True)
-            if w is not None:
-                bworks.append(w)
-        comm.wait_all(bworks, "stage: broadcast to holders")
-        # no agreement per round (unlike write): nothing is installed here, one agreement at the end suffices
-        staged.extend((it.entry, r, x, y, o, t) for it, r, x, y, o, t in vals)
+                    p.value[x - p.start: y - p.start].add_(t)
+        return self._stage_to_master_holders(rnd, comm, parts, pending_err)
+
+    def _stage_to_master_holders(self, rnd, comm, parts: dict, pending_err):
+        """The owners' staged values to the shard's other ranks with a master of them (broadcast on the shard's
+        holder group; a holder without a master receives into a scratch chunk and drops it)."""
+        bworks, copies = [], []
+        for it in rnd:
+            if it.virtual:
+                continue
+            lay = self.layout[it.entry]
+            for r, x, y, o, _a in self._transfers(it):
+                sh = lay.shards[r]
+                if self.rank not in sh.holders or len(sh.master_holders(x, y)) <= 1:
+                    continue
+                p = parts.get((it.entry, r))
+                if p is not None and p.start <= x and y <= p.end:
+                    buf = p.value[x - p.start: y - p.start]
+                else:
+                    buf = torch.empty(y - x, dtype=torch.float32)
+                    self._note((y - x) * _F32)
+                    if p is not None:   # part of [x, y) only: copied out after the broadcast
+                        copies.append((p, x, y, buf))
+                w = comm.broadcast(buf, o, sh.holders, async_op=True)
+                if w is not None:
+                    bworks.append(w)
+        comm.wait_all(bworks, "stage: broadcast to master holders")
+        for p, x, y, buf in copies:
+            lo, hi = max(x, p.start), min(y, p.end)
+            if lo < hi:
+                p.value[lo - p.start: hi - p.start].copy_(buf[lo - x: hi - x])
         return pending_err
 
-    def install_staged(self, staged: List[tuple], mode: str, alpha: Optional[float] = None) -> None:
-        """Local: install this rank's staging (``stage``'s result, after every rank staged it): mode "replace"
-        (value) or "blend" (alpha * current + (1 - alpha) * value); the owners' anchors become the value."""
-        from yeto_patch.island.collective import IslandError
-        if mode not in ("replace", "blend"):
-            raise IslandError(f"install_staged: mode must be 'replace' or 'blend', got {mode!r}")
-        if mode == "blend" and (alpha is None or not 0.0 <= float(alpha) <= 1.0):
-            raise IslandError(f"install_staged: blend needs 0 <= alpha <= 1, got {alpha!r}")
+    # ------------------------------------------------------------------------------------- install (training thread)
+    def install_masters(self, staged: StagedBase, leaf: Optional[int] = None, params: bool = True) -> int:
+        """Local: install the parts of `staged` not installed yet (only those whose master belongs to the leaf
+        optimizer with id `leaf`, if given). ``params=False``: the model parameter is left to Megatron's cast
+        where it makes one (the pre-copy point); otherwise every part's parameter range is written (cast).
+        Returns the number of parts installed now."""
         self._quiesce_param_gather()
-        self._allocate_anchors(sorted({e for e, *_ in staged}))   # (kept as they are where they exist)
-        for e, r, x, y, o, t in staged:
-            if o == self.rank:   # anchor := value (before the blend, which then works in place)
-                self._anchor_slice(e, r, x, y).copy_(t)
-            if mode == "blend":   # (the same float32 operations as write's owner: value * (1 - a) + a * current)
-                t.mul_(1.0 - float(alpha)).add_(self._current(e, r, x, y), alpha=float(alpha))
-            self._install(e, r, x, y, t, anchor=False)
+        self._allocate_anchors(sorted({p.entry for p in staged.parts if p.owned}))   # (existing ones kept)
+        n = 0
+        for p in staged.parts:
+            m = self._master[(p.entry, p.shard)]
+            if p.done or (leaf is not None and m.leaf != leaf):
+                continue
+            self._install_part(p, m, staged.alpha, params or not m.cast_by_megatron)
+            n += 1
+        return n
 
-    def _current(self, e, r, x, y) -> torch.Tensor:
-        """This rank's current [x, y) of shard r on the host: its FP32 master where it has one, else its model
-        parameter (see the module docstring; a bf16 host param is added as it is, its float32 value exactly)."""
-        m = self._master.get((e, r))
-        if m is not None and m.start <= x and y <= m.end:
-            cur = m.master[x - m.start: y - m.start]
-            return cur if cur.device.type == "cpu" and cur.dtype == torch.float32 else \
-                cur.to(device="cpu", dtype=torch.float32)
+    def _install_part(self, p: StagedPart, m, alpha: Optional[float], write_param: bool) -> None:
+        from yeto_patch.island.master_refs import _flat, _same_storage
+        master = m.master
+        if alpha is None:
+            master.copy_(p.value)
+        elif master.device.type == "cpu":
+            torch.add(p.scaled, master, alpha=alpha, out=master)
+        else:   # a chunk at a time: no device allocation beyond a chunk
+            step = self.chunk_elems
+            for i in range(0, master.numel(), step):
+                seg = master[i: i + step]
+                torch.add(p.scaled[i: i + step].to(master.device), seg, alpha=alpha, out=seg)
+        for c in list(m.extra_fp32) + list(m.extra_lowp):
+            c.copy_(master)
+        lp = self._local[(p.entry, p.shard)]
+        if write_param and not _same_storage(master, lp.param):
+            _flat(lp.param.data)[p.start: p.end].copy_(master)
+        RELEASER.drop([p.scaled, self._set_anchor(p)])
+        p.scaled, p.done = None, True
+
+    def _set_anchor(self, p: StagedPart) -> Optional[torch.Tensor]:
+        """The owner's anchor := the staged value: the staging buffer becomes the anchor where it covers it
+        (returns the old anchor's buffer, to free), else the value is copied in."""
+        if not p.owned:
+            return None
+        x0, y0, old = self.anchors[(p.entry, p.shard)]
+        if p.owned == [(p.start, p.end)] and (x0, y0) == (p.start, p.end):
+            self.anchors[(p.entry, p.shard)] = (x0, y0, p.value)
+            return old
+        for x, y in p.owned:
+            self._anchor_slice(p.entry, p.shard, x, y).copy_(p.value[x - p.start: y - p.start])
+        return None
+
+    def refresh_holders(self, indices: Sequence[int]) -> None:
+        """Collective on the view's group (the training thread): each owner's model parameters of `indices` to
+        the shard's other holders, where some holder has no FP32 master of them (after an install that came
+        after Megatron's own parameter gather)."""
         from yeto_patch.island.master_refs import _flat
-        param = _flat(self._local[(e, r)].param.data)[x:y]
-        if m is None or max(x, m.start) >= min(y, m.end):
-            return param if param.device.type == "cpu" else param.to(device="cpu")
-        cur = param.to(device="cpu", dtype=torch.float32, copy=True)
-        if m is not None:
-            lo, hi = max(x, m.start), min(y, m.end)
-            if lo < hi:
-                cur[lo - x: hi - x].copy_(m.master[lo - m.start: hi - m.start])
-        return cur
+        plan = self._plan("refresh", indices)
+        pending_err = None
+        for rnd in self._items(plan):
+            works, copies = [], []
+            for it in rnd:
+                if it.virtual:
+                    continue
+                sh_all = self.layout[it.entry].shards
+                for r, x, y, o, _a in self._transfers(it):
+                    sh = sh_all[r]
+                    if self.rank not in sh.holders or not set(sh.holders) - set(sh.master_holders(x, y)):
+                        continue
+                    try:
+                        param = _flat(self._local[(it.entry, r)].param.data)[x:y]
+                        buf = param if param.device.type == "cpu" else param.to("cpu")
+                    except Exception as ex:  # noqa: BLE001 - keep the transfers going, agreed below
+                        pending_err = pending_err or ex
+                        param = buf = torch.zeros(y - x)
+                    if buf is not param and self.rank != o:
+                        copies.append((param, buf))
+                    w = self.comm.broadcast(buf, o, sh.holders, async_op=True)
+                    if w is not None:
+                        works.append(w)
+            self.comm.wait_all(works, "refresh: parameters to holders")
+            for param, buf in copies:
+                param.copy_(buf)
+        self.comm.agree(pending_err, "refresh: parameters")
 
-    def staged_bytes(self, staged: List[tuple]) -> int:
-        return sum(int(t.numel()) * _F32 for *_, t in staged)
+    def install_staged(self, staged: StagedBase, mode: str, alpha: Optional[float] = None) -> None:
+        """Every rank (collective when some rank holds parameters without their master): install `staged` after
+        the optimizer step: masters, params, anchors (``install_masters``), then the other holders' params
+        (``refresh_holders``). `mode`/`alpha` must be what the base was staged for."""
+        from yeto_patch.island.collective import IslandError
+        want = None if mode == "replace" else alpha
+        if mode not in ("replace", "blend") or (want is None) != (staged.alpha is None) or \
+                (want is not None and float(want) != staged.alpha):
+            raise IslandError(f"install_staged: the base was staged for alpha={staged.alpha}, not {mode} "
+                              f"alpha={alpha}")
+        self.install_masters(staged, params=True)
+        if self.needs_refresh():
+            self.refresh_holders(staged.entries)
+
+    def staged_bytes(self, staged: StagedBase) -> int:
+        return staged.nbytes
+

@@ -112,7 +112,8 @@ class MasterView(StagedInstalls):
             out = []
             for r in range(T):
                 holders = tuple(sorted({x[0] for x in shards[r]}))
-                out.append(ShardLayout(_cover(entry.name, r, n_local, shards[r]), holders))
+                out.append(ShardLayout(_cover(entry.name, r, n_local, shards[r]), holders,
+                                       sorted((a, b, rk) for rk, a, b in shards[r] if b > a)))
             layout[e] = EntryLayout(padded, kept, T, d, s, out)
             if kept != entry.numel:
                 raise IslandError(f"internal: '{entry.name}' keeps {kept} elements, manifest says {entry.numel}")
@@ -240,30 +241,49 @@ class MasterView(StagedInstalls):
         """Like read, with anchor - current (the pseudo-gradient) computed by each owner."""
         self._read("read_delta", indices, sink, delta=True)
 
-    def snapshot_delta(self, indices: Sequence[int]) -> Dict[Tuple[int, int], Tuple[int, int, torch.Tensor]]:
-        """Local, no communication: anchor - current of the elements of `indices` this rank owns, in a host
-        float32 copy per owned shard range ((entry, shard) -> (start, end, values)); exactly what read_delta would
-        send now. ``gather`` streams it to rank 0 later, on any thread and comm."""
+    def snapshot_delta(self, indices: Sequence[int], spare: Optional[torch.Tensor] = None
+                       ) -> Dict[Tuple[int, int], Tuple[int, int, torch.Tensor]]:
+        """Local, no communication: the FP32 masters of the elements of `indices` this rank owns, copied once into
+        host float32 ((entry, shard) -> (start, end, values) per owned shard range, views of one flat buffer:
+        `spare` when it is large enough, else a new one; ``snapshot_buffer(snap)`` gives it back for reuse): the
+        training thread's whole share of a push. ``gather`` turns it into the delta (anchor - snapshot) and
+        streams it to rank 0 later, on any thread and comm: exactly what read_delta would have sent at the
+        snapshot, provided the anchors do not change in between (the engine installs nothing into a fragment
+        whose push is in flight)."""
         idx = list(indices)
         hull: Dict[Tuple[int, int], List[int]] = {}
         for e, r, x, y in self._owned(idx):
             h = hull.setdefault((e, r), [x, y])
             h[0], h[1] = min(h[0], x), max(h[1], y)
-        snap = {k: (x0, y0, torch.empty(y0 - x0, dtype=torch.float32)) for k, (x0, y0) in hull.items()}
+        need = sum(y0 - x0 for x0, y0 in hull.values())
+        flat = spare if spare is not None and spare.numel() >= need else torch.empty(need, dtype=torch.float32)
+        snap, pos = {}, 0
+        for k, (x0, y0) in hull.items():
+            snap[k] = (x0, y0, flat[pos: pos + y0 - x0])
+            pos += y0 - x0
         for e, r, x, y in self._owned(idx):
             x0, _, buf = snap[(e, r)]
-            buf[x - x0: y - x0].copy_(self._own_values(e, r, x, y, delta=True)[0])
+            buf[x - x0: y - x0].copy_(self._master_slice(e, r, x, y))   # (device-to-host where it lives there)
         return snap
+
+    @staticmethod
+    def snapshot_buffer(snap) -> Optional[torch.Tensor]:
+        """The flat buffer a ``snapshot_delta`` lives in (None for an empty one)."""
+        for _, _, buf in snap.values():
+            return buf._base if buf._base is not None else buf
+        return None
 
     def gather(self, indices: Sequence[int], snap, sink: Optional[Callable], comm: IslandComm) -> None:
         """Collective on `comm` (every rank, with its own ``snapshot_delta`` of the same `indices`): rank 0's
-        `sink(entry, offset, array)` gets the snapshot's values in read order, as ``read_delta`` would have."""
+        `sink(entry, offset, array)` gets anchor - snapshot in read order, as ``read_delta`` would have at the
+        snapshot. The delta is computed in the snapshot's own buffer, a chunk at a time (the snapshot is spent)."""
         def values(e, r, x, y):
             x0, y0, buf = snap.get((e, r), (0, 0, None))
             if buf is None or not (x0 <= x and y <= y0):
                 raise IslandError(f"internal: rank {self.rank}'s snapshot of '{self.manifest.entries[e].name}' "
                                   f"shard {r} lacks [{x}, {y})")
-            return buf[x - x0: y - x0]
+            part = buf[x - x0: y - x0]
+            return torch.sub(self._anchor_slice(e, r, x, y), part, out=part)
         self._read("gather", indices, sink, delta=False, values=values, comm=comm)
 
     def _own_values(self, e, r, x, y, delta: bool):
@@ -419,11 +439,13 @@ class MasterView(StagedInstalls):
             pending_err = ex
         return pending_err
 
-    def _scatter_round(self, rnd: List[Item], source, clone: bool, pending_err, comm=None, holders=True):
+    def _scatter_round(self, rnd: List[Item], source, clone: bool, pending_err, comm=None, holders=True,
+                       into=None):
         """Rank 0 reads the round's values and sends each owner its part; holders allocate their receive
         buffers. Returns (vals, works, nbytes, pending_err); vals: (item, r, x, y, owner, tensor) in plan order,
         on ranks that hold or own it (``clone``: rank 0 keeps a copy of what it owns, to change in place;
-        ``holders=False``: owners only). On `comm` (default: the view's)."""
+        ``holders=False``: owners only; ``into(entry, r, x, y)``: the owner's buffer to receive into, or None
+        for a new one). On `comm` (default: the view's)."""
         comm = comm or self.comm
         works, vals, nbytes = [], [], 0
         for it in rnd:
@@ -443,15 +465,17 @@ class MasterView(StagedInstalls):
                     nbytes += it.count * _F32
             for r, x, y, o, a in self._transfers(it):
                 held_by = lay.shards[r].holders
+                dest = into(it.entry, r, x, y) if into is not None and self.rank == o else None
                 if self.rank == 0:
                     src = (bufs[r] if interleave else chunk)[x - a: y - a]
                     if o == 0:
-                        vals.append((it, r, x, y, o, src.clone() if clone else src))
+                        vals.append((it, r, x, y, o, dest.copy_(src) if dest is not None else
+                                     src.clone() if clone else src))
                     else:
                         works.append(comm.isend(src, o))
                 if self.rank == o and o != 0:
-                    t = torch.empty(y - x, dtype=torch.float32)
-                    nbytes += t.numel() * _F32
+                    t = dest if dest is not None else torch.empty(y - x, dtype=torch.float32)
+                    nbytes += t.numel() * _F32 if dest is None else 0
                     works.append(comm.irecv(t, 0))
                     vals.append((it, r, x, y, o, t))
                 elif holders and self.rank in held_by and self.rank != o:

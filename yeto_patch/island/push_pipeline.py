@@ -1,13 +1,16 @@
-"""Pushes off the training thread (tau >= 1): at a boundary every rank copies its own shard of the fragment's delta
-(anchor - FP32 master) into a host buffer (``MasterView.snapshot_delta``: local, no communication) and training
-goes on; a worker thread per rank then streams those snapshots to rank 0 over the island's own gloo group for
-background work (never a group the training loop uses), where the fragment is encoded (error feedback included).
+"""Pushes off the training thread (tau >= 1): at a boundary every rank copies the FP32 masters of its own shard of
+the fragment into a host buffer, once (``MasterView.snapshot_delta``: local, no communication), and training goes
+on; a worker thread per rank then turns them into the delta (anchor - snapshot) and streams it to rank 0 over the
+island's own gloo group for background work (never a group the training loop uses), where the fragment is
+encoded (error feedback included).
 Rank 0's training thread hands each finished body to the syncer link at its next step (``take_finished``); the
 link's own sender then sends it in the background as before.
 
 Jobs run in boundary order on every rank, and a failure on any rank fails every rank with this stage's message
 (``background.py``: the worker, the ordering and the failure rules). Memory: one own-shard float32 copy per push
-in flight, plus the gather's chunks (``MasterView``'s bound) and, on rank 0, the encoded body.
+in flight and one spare (the largest spent snapshot, reused by the next push so that the training thread's copy
+does not fault in fresh pages), plus the gather's chunks (``MasterView``'s bound) and, on rank 0, the encoded
+body.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ class PushJob:
     t_submit: float = field(default_factory=time.perf_counter)
     t_start: Optional[float] = None
     work_s: Optional[float] = None
+    cpu_s: Optional[float] = None  # the worker thread's CPU time for it
     done: Optional[tuple] = None   # rank 0: (body, gather_s, encode_s); other ranks: ()
     fed: int = 0                   # rank 0: values gathered so far
     boundary_s: Optional[float] = None   # rank 0: the training thread's time in its boundary (plan + snapshots)
@@ -49,6 +53,7 @@ class PushPipeline(BackgroundLane):
 
     def __init__(self, view, comm, rank: int, encoder, timeout_s: float):
         self.view, self.encoder = view, encoder
+        self._spare = None   # the largest spent snapshot buffer, kept for the next push
         super().__init__(comm, rank, timeout_s, "yeto-push-gather")
 
     # ------------------------------------------------------------------------------------- training thread
@@ -62,7 +67,9 @@ class PushPipeline(BackgroundLane):
         if st.index in self.jobs:   # (rank 0 hands every push over before the fragment's next boundary)
             raise EngineError(f"internal: fragment {st.index} has a push in flight already")
         t0 = time.perf_counter()
-        snap = self.view.snapshot_delta(st.entries)
+        with self._cv:   # (a spent snapshot's buffer is reused: no fresh pages to fault in on this thread)
+            spare, self._spare = self._spare, None
+        snap = self.view.snapshot_delta(st.entries, spare)
         job = PushJob(st, step, st.anchor_version, st.steps_since, st.tokens_since, snap,
                       time.perf_counter() - t0, sum(int(b.numel()) * 4 for _, _, b in snap.values()))
         self._enqueue(st.index, job)
@@ -86,8 +93,11 @@ class PushPipeline(BackgroundLane):
                 f"({job.fed * 4 / secs / 1e6:.1f} MB/s)")
 
     # ------------------------------------------------------------------------------------- worker thread
-    def _finish(self, job, result) -> None:
-        job.done, job.snap = result, None   # (the snapshot's memory goes now)
+    def _finish(self, job, result) -> None:   # (under the lane's lock)
+        buf = self.view.snapshot_buffer(job.snap) if job.snap else None
+        if buf is not None and (self._spare is None or buf.numel() > self._spare.numel()):
+            self._spare = buf   # (the snapshot is spent: its buffer serves the next push, the smaller one goes)
+        job.done, job.snap = result, None
 
     def _work(self, job: PushJob) -> tuple:
         st = job.state

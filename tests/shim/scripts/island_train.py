@@ -59,6 +59,9 @@ def main():
                     help="directory shared by jobs launched together: start training once --barrier-count are ready")
     ap.add_argument("--barrier-count", type=int, default=2)
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step (a slow island)")
+    ap.add_argument("--check-params", action="store_true",
+                    help="TEST: after every step, check that every model param is the cast of its FP32 master and "
+                         "that the data-parallel replicas are equal (result.json: param_mismatch)")
     ap.add_argument("--fail-background-push-on-rank", type=int, default=None,
                     help="TEST: that rank's background gather of a push fails (tests/shim/test_background_push.py)")
     ap.add_argument("--fail-background-base-on-rank", type=int, default=None,
@@ -80,10 +83,12 @@ def main():
     if a.start_barrier:
         wait_for_peers(a.start_barrier, a.barrier_count, os.path.basename(os.path.abspath(a.out)))
     import time
-    losses, step_s, step_end = [], [], []
-    for _ in range(a.steps):
+    losses, step_s, step_end, mismatch = [], [], [], []
+    for i in range(a.steps):
         t0 = time.perf_counter()
         losses += harness.train_steps(ctx, 1)
+        if a.check_params:
+            mismatch += [[i + 1, what] for what in params_off_masters(ctx)]
         if a.step_sleep:
             time.sleep(a.step_sleep)
         step_s.append(time.perf_counter() - t0)
@@ -97,11 +102,34 @@ def main():
     if dist.get_rank() == 0:
         with open(os.path.join(a.out, "result.json"), "w") as f:
             json.dump(dict(losses=losses, step_s=step_s, step_end=step_end, eval_before=eval_before,
+                           param_mismatch=mismatch,
                            eval_after=eval_after,
                            steps=len(losses), params=sum(p.numel() for c in ctx["model"] for p in c.parameters()),
                            layout=dict(tp=a.tp, pp=a.pp, world=dist.get_world_size())), f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def params_off_masters(ctx) -> list:
+    """TEST (every rank, collective over the data-parallel group): what the next forward would see wrongly: a model
+    param that is not the cast of this rank's FP32 master of it, or that differs from a DP replica's copy."""
+    from megatron.core import parallel_state as ps
+    from yeto_patch.island.master_refs import find_masters
+    masters = find_masters(ctx["optimizer"])
+    group = ps.get_data_parallel_group()   # (gloo: the harness runs on CPU; a dense model)
+    out = []
+    for c in ctx["model"]:
+        for name, p in c.named_parameters():
+            flat = p.detach().view(-1)
+            m = masters.get(id(p))
+            if m is not None and not torch.equal(flat[m.start: m.end], m.master.to(p.dtype)):
+                out.append(f"rank {dist.get_rank()}: {name} is not its master's cast")
+            if group is not None and dist.get_world_size(group) > 1:
+                copies = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+                dist.all_gather(copies, flat.contiguous(), group=group)
+                if not all(torch.equal(x, copies[0]) for x in copies):
+                    out.append(f"rank {dist.get_rank()}: {name} differs across data-parallel replicas")
+    return out
 
 
 def fail_background_gather():
