@@ -1,7 +1,8 @@
-"""PushPipeline with a stand-in view (no torch.distributed): submit returns after the snapshot, the gather and the
-encoding run on the worker, finished pushes come out in boundary order with their bodies, a stage that falls
-behind is named with its rate, and a failed stage is raised on rank 0 (other ranks leave it to rank 0, which
-raises it inside the island's plan)."""
+"""PushPipeline with a stand-in view (no torch.distributed): submit returns at once (host masters are copied on a
+snapshot thread, which the next update waits for; device masters on the caller), the gather and the encoding run
+on the worker, finished pushes come out in boundary order with their bodies, a stage that falls behind is named
+with its rate, and a failed stage (a failed snapshot copy included) is raised on rank 0 (other ranks leave it to
+rank 0, which raises it inside the island's plan)."""
 import threading
 import time
 
@@ -24,12 +25,23 @@ class Buf:
 class View:
     """snapshot_delta/gather of a stand-in: the gather feeds 4 pieces of ones, each after `release` is set."""
 
-    def __init__(self, fail=None):
+    def __init__(self, fail=None, host=False, copy_release=None, copy_fail=None):
         self.release = threading.Event()
-        self.fail = fail
-        self.snapshots = []
+        self.fail, self.host, self.copy_release, self.copy_fail = fail, host, copy_release, copy_fail
+        self.snapshots, self.copied_on = [], []
+
+    def host_masters(self, entries):
+        return self.host
+
+    def own_numel(self, entries):
+        return 10 * len(entries)
 
     def snapshot_delta(self, entries, spare=None):
+        if self.copy_release is not None:
+            assert self.copy_release.wait(10)
+        if self.copy_fail:
+            raise RuntimeError(self.copy_fail)
+        self.copied_on.append(threading.current_thread().name)
         self.snapshots.append(list(entries))
         self.spares = getattr(self, "spares", []) + [spare]
         return {(e, 0): (0, 10, Buf(10)) for e in entries}
@@ -39,6 +51,7 @@ class View:
         return next(iter(snap.values()))[2] if snap else None
 
     def gather(self, entries, snap, sink, comm):
+        snap.get((entries[0], 0))   # (what MasterView.gather reads first)
         for _ in range(4):
             assert self.release.wait(10)
             if self.fail:
@@ -124,4 +137,40 @@ def test_a_stage_that_never_ends_is_bounded_by_the_timeout():
     with pytest.raises(EngineError, match="did not finish within 0.5s"):
         p.wait_all("the final cut")
     view.release.set()
+    p.close()
+
+
+def test_host_masters_are_copied_beside_training_and_the_next_update_waits_for_the_copy():
+    copy = threading.Event()
+    view, fs = View(host=True, copy_release=copy), frags()
+    view.release.set()
+    p = PushPipeline(view, None, 0, lambda st: Encoder(), timeout_s=0.5)
+    t0 = time.perf_counter()
+    p.submit(fs[0], step=4)
+    assert time.perf_counter() - t0 < 0.2 and view.snapshots == []   # nothing copied on the caller
+    assert "its snapshot copy" in p.behind(0)
+    with pytest.raises(EngineError, match="step 5: the snapshot of fragment 0's push did not finish within 0.5s"):
+        p.wait_snapshots("step 5")
+    copy.set()
+    p.wait_snapshots("step 5")
+    assert view.copied_on == ["yeto-push-snapshot"] and view.snapshots == [[0]]
+    p.wait_all("test")
+    (done,) = p.take_finished()
+    assert done.done[0].size == 20
+    p.close()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_failed_snapshot_copy_fails_the_push_stage(rank):
+    view, fs = View(host=True, copy_fail="page fault storm"), frags()
+    view.release.set()
+    p = PushPipeline(view, None, rank, (lambda st: Encoder()) if rank == 0 else None, timeout_s=10)
+    p.submit(fs[0], step=4)
+    p.wait_snapshots("step 5")              # the copy ended (failed): the update may go on
+    if rank == 0:
+        with pytest.raises(EngineError, match="push stage failed: the snapshot copy failed: page fault storm"):
+            p.wait_all("test")
+    else:
+        p.wait_all("test")
+        assert "page fault storm" in str(p.error)
     p.close()

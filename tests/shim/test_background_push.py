@@ -1,9 +1,11 @@
 """Pushes off the training thread (tau >= 1) end to end on real megatron-core (CPU, gloo, torchrun): at a boundary
-the training thread only snapshots its own shard of the fragment's delta and goes on; the gather to rank 0 and
-the encoding run in the background on a gloo group of their own. A fragment many times the chunk size blocks the
-boundary for about that snapshot plus a small constant; the run ends with both islands holding the syncer's final
-model; merged bases are staged to every holder in the background and installed locally; a failure of a background
-stage (push or base) on any rank ends every rank of the island with that stage's message."""
+the training thread only queues the push; each rank's own shard of the FP32 masters is copied beside training
+(before the next update), and the delta, its gather to rank 0 and the encoding run in the background on a gloo
+group of their own. A fragment many times the chunk size blocks the boundary for no more than about that copy
+plus a small constant; the run ends with both islands holding the syncer's final
+model; merged bases are staged in the background to the ranks with their FP32 masters and installed into those
+inside the optimizer step (Megatron's cast and gather carry them to every param); a failure of a background stage
+(push or base) on any rank ends every rank of the island with that stage's message."""
 import statistics
 
 import numpy as np
@@ -37,11 +39,11 @@ def test_a_boundary_blocks_for_the_own_shard_snapshot_and_the_run_ends_with_the_
         assert len(pushes) >= (STEPS // H) * 2 - 2, pushes        # every boundary but the final cut's went so
         frag_bytes = max(r["own_bytes"] for r in pushes)
         assert frag_bytes >= 16 * 64 * 1024, frag_bytes             # own shard many times the chunk
-        blocked = statistics.median(r["boundary_ms"] for r in pushes)
+        blocked = statistics.median(r["boundary_ms"] + r["snapshot_wait_ms"] for r in pushes)
         snapshot = statistics.median(r["snapshot_ms"] for r in pushes)
         background = statistics.median(r["gather_ms"] + r["encode_ms"] for r in pushes)
-        # the training thread: the snapshot plus the plan's broadcast (generous for a loaded 2-core machine);
-        # the gather and the encoding ran beside it
+        # the training thread: the plan's broadcast, queueing the push and any wait for its snapshot copy before
+        # the next update (generous for a loaded 2-core machine); the copy, gather and encoding ran beside it
         assert blocked <= 2 * snapshot + 60, (name, blocked, snapshot, background, pushes)
         assert all(r["handed_at"] >= r["step"] for r in pushes)
         # the merged bases were staged in the background; the training thread's install is local: about a few
@@ -95,7 +97,9 @@ def test_bases_go_into_the_masters_inside_the_step_and_megatron_carries_them_to_
     recs = P.metrics(str(tmp_path / "a"))
     staged = [r for r in recs if "stage_ms" in r]
     in_step = [r for r in staged if not r["after_step"]]
-    assert len(in_step) >= (STEPS // H) * 2 - 4, [(r["step"], r["after_step"]) for r in staged]
+    # (a base staged in time goes in inside the step; one that comes at the tau bound goes in after it, params and
+    # the replica's refresh included: both routes run here, and the check above covers both)
+    assert len(staged) >= (STEPS // H) * 2 - 4 and len(in_step) >= 3, [(r["step"], r["after_step"]) for r in staged]
     snapshot = statistics.median(r["snapshot_ms"] for r in recs if "snapshot_ms" in r)
     assert statistics.median(r["in_step_ms"] for r in in_step) <= 2 * snapshot + 20, (in_step, snapshot)
     # the staging holds the rank's own masters (and a blend's scaled copy), not the replica's half

@@ -15,7 +15,8 @@ Life of an island:
   boundary the fragment's delta (anchor minus current FP32 masters) is computed where the data lives, streamed
   to rank 0 in bounded chunks, encoded there (``push_encoder.py``, with error feedback if on) and handed to a
   background sender: training goes on without waiting for the network. With tau >= 1 the training thread only
-  snapshots each rank's own shard of the delta; the gather and the encoding run beside the next steps on a gloo
+  queues the push: each rank's own shard of the FP32 masters is copied beside training (done before the next
+  update, which waits for it), then the delta, its gather and the encoding run beside the next steps on a gloo
   group of their own (``push_pipeline.py``), and rank 0 hands the finished push to the sender at a later step.
 - Rank 0 decides and broadcasts a plan before the optimizer step's update (``before_optimizer_step``), only on
   steps where something can happen (a fragment is due, a push awaits its base, or it is the last step), so most
@@ -130,6 +131,8 @@ class Engine(Installs):
             if optimizer is not None and self.optimizer is None:
                 self.optimizer = optimizer
             self._guarded(self._start)
+        if self.pipeline is not None:   # the update changes the masters: last boundary's snapshots first
+            self._guarded(lambda: self.pipeline.wait_snapshots(f"step {self.step + 1}"))
         self._guarded(self._plan_ahead)
 
     def on_optimizer_step(self, update_successful=True, tokens=None):
@@ -269,8 +272,10 @@ class Engine(Installs):
             return None
         from yeto_patch.island.collective import IslandComm
         from yeto_patch.island.push_pipeline import PushPipeline
-        return PushPipeline(self.view, IslandComm(timeout_s=s.timeout + 60.0), self.rank,
-                            self.data.push_encoder if self.rank == 0 else None, s.timeout)
+        pipeline = PushPipeline(self.view, IslandComm(timeout_s=s.timeout + 60.0), self.rank,
+                                self.data.push_encoder if self.rank == 0 else None, s.timeout)
+        pipeline.reserve(max(self.view.own_numel(st.entries) for st in self.frags))
+        return pipeline
 
     def _base_stager(self):
         """Every rank (collective: a gloo group of its own and its holder groups): bases merged during training are
@@ -289,6 +294,7 @@ class Engine(Installs):
             rec = st.start_push(job.step, body, self.settings.push_dtype, gather_s, encode_s, False,
                                 made=(job.base_version, job.steps, job.tokens))
             rec.update(snapshot_ms=round(job.snapshot_s * 1000, 2), own_bytes=job.nbytes,
+                       snapshot_wait_ms=round(job.snapshot_wait_s * 1000, 2),
                        push_cpu_ms=round((job.cpu_s or 0.0) * 1000, 2),
                        boundary_ms=round((job.boundary_s or 0.0) * 1000, 2),
                        queued_ms=round((job.t_start - job.t_submit) * 1000, 2), handed_at=self.step)

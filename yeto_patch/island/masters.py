@@ -266,6 +266,15 @@ class MasterView(StagedInstalls):
             buf[x - x0: y - x0].copy_(self._master_slice(e, r, x, y))   # (device-to-host where it lives there)
         return snap
 
+    def host_masters(self, indices: Sequence[int]) -> bool:
+        """Every FP32 master this rank owns of `indices` is in host memory (its snapshot can be copied beside
+        training, on another thread)."""
+        return all(self._master[(e, r)].master.device.type == "cpu" for e, r, _x, _y in self._owned(list(indices)))
+
+    def own_numel(self, indices: Sequence[int]) -> int:
+        """Elements of `indices` this rank owns (what ``snapshot_delta`` of them copies)."""
+        return sum(y - x for _e, _r, x, y in self._owned(list(indices)))
+
     @staticmethod
     def snapshot_buffer(snap) -> Optional[torch.Tensor]:
         """The flat buffer a ``snapshot_delta`` lives in (None for an empty one)."""
