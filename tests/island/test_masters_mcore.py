@@ -161,3 +161,9 @@ def test_a_base_staged_in_the_background_installs_what_write_installs(mcore_pool
         assert not r["differ"], r["differ"][:5]
         # the staging is one float32 copy of the rank's masters, two for a blend (the scaled values too)
         assert r["staged_bytes"] == r["master_bytes"] * (2 if mode == "blend" else 1), r
+
+
+def test_agree_flags_ors_the_flags_and_raises_the_lowest_failing_ranks_error_everywhere(mcore_pool):
+    res = mcore_pool.run(f"{W}:agree_flags_cases", timeout=120)
+    assert [r["ok"] for r in res] == [[1, 0, 1]] * 4
+    assert [r["err"] for r in res] == ["RuntimeError: install failed on rank 2 [island rank 2]"] * 4

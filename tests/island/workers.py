@@ -598,3 +598,17 @@ def staged_vs_write(cfg_kwargs, mode, updates=0, alpha=0.5, chunk_bytes=1 << 14,
     masters = sum((m.end - m.start) * 4 for m in view._master.values() if m is not None and m.end > m.start)
     return dict(err=err, alive=t.is_alive(), untouched=untouched, differ=differ, staged_bytes=nbytes,
                 master_bytes=masters, pending=left)
+
+
+def agree_flags_cases() -> dict:
+    """IslandComm.agree_flags on every rank: an OR of flags, then one rank's error raised everywhere with the lowest
+    failing rank's message."""
+    comm = IslandComm(timeout_s=60)
+    r = dist.get_rank()
+    ok = comm.agree_flags(None, [int(r == 1), 0, int(r >= 2)], "flags")
+    err = None
+    try:
+        comm.agree_flags(RuntimeError(f"install failed on rank {r}") if r >= 2 else None, [1, 0, 0], "flags")
+    except IslandError as e:
+        err = str(e)
+    return dict(ok=ok, err=err)

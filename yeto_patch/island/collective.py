@@ -137,6 +137,23 @@ class IslandComm:
             msg = f"{msg} [island rank {src}]"
         raise IslandError(msg, src) from (error if isinstance(error, BaseException) else None)
 
+    def agree_flags(self, error, flags, what: str = "agreement") -> list:
+        """``agree`` and an island-wide OR of small non-negative integers in one all-reduce: every rank passes the
+        same number of `flags`; returns their maxima over the ranks, or raises IslandError on every rank with
+        the message of the lowest rank that passed an error."""
+        with self._named(what):
+            t = torch.tensor([self.world - self.rank if error is not None else 0] + [int(x) for x in flags],
+                             dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        if int(t[0]) == 0:
+            return [int(x) for x in t[1:]]
+        src = self.world - int(t[0])
+        msg = self.broadcast_bytes(_message(error).encode() if self.rank == src else None, src,
+                                   what + " (error)").decode()
+        if "[island rank " not in msg:
+            msg = f"{msg} [island rank {src}]"
+        raise IslandError(msg, src) from (error if isinstance(error, BaseException) else None)
+
     @contextlib.contextmanager
     def guard(self, what: str):
         """Run the body on this rank; then agree: any rank's exception is raised on every rank."""

@@ -96,7 +96,6 @@ class Installs:
         Megatron's parameter gather get the owners' params; then the bookkeeping."""
         if not self._armed:
             return
-        from yeto_patch.island.collective import _message
         armed, self._armed = self._armed, {}
         err, self._copy_error = self._copy_error, None
         t0 = time.perf_counter()
@@ -109,12 +108,10 @@ class Installs:
                         late.append(f)
         except Exception as e:  # noqa: BLE001 - agreed below
             err = err or e
-        rows = self.comm.all_gather_json([None if err is None else _message(err), late], "install staged bases")
-        bad = [(r, m) for r, (m, _) in enumerate(rows) if m is not None]
-        if bad:
-            raise EngineError(f"yeto-patch: installing the staged bases of fragments {sorted(armed)} failed: "
-                              f"{bad[0][1]} [island rank {bad[0][0]}]")
-        after = sorted({int(f) for _, fs in rows for f in fs})
+        order = sorted(armed)
+        late_any = self.comm.agree_flags(err, [f in late for f in order],
+                                         f"install the staged bases of fragments {order}")
+        after = [f for f, x in zip(order, late_any) if x]
         if after and self.view.needs_refresh():
             for f in after:
                 self.view.refresh_holders(armed[f]["job"].done.entries)

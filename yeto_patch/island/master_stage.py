@@ -96,7 +96,6 @@ class StagedBase:
         return any(not p.done for p in self.parts)
 
 
-
 class StagedInstalls:
     """Mixed into ``MasterView`` (it uses the view's layout, masters, rounds, transfers and anchors)."""
 
