@@ -148,6 +148,10 @@ def test_relative_write_adds_the_owners_anchor_exactly(mcore_pool):
     ("pp2tp2_bf16_distopt", "replace", 1, "in_step"),
     ("moe_tp2ep2_bf16_chained", "blend", 1, "in_step"),
     ("tp2dp2_bf16_overlap_param_gather", "blend", 0, "in_step"),
+    ("tp2dp2_fp32_distopt", "blend", 0, "in_step"),
+    ("dp4_fp32_fp32opt", "blend", 0, "after_step"),          # (FP32Optimizer never casts: after the step only)
+    pytest.param("tp2dp2_bf16_hybrid_device_optimizer", "blend", 0, "in_step",
+                 marks=pytest.mark.skipif(not hdo_supported(), reason="no HybridDeviceOptimizer here")),
 ])
 def test_a_base_staged_in_the_background_installs_what_write_installs(mcore_pool, layout, mode, updates, route):
     """stage (background group, another thread) + an install against write on the same state, every master,
