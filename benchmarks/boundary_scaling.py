@@ -15,8 +15,9 @@ Per size, on the same model and in the same processes:
 4. a plain memcpy (torch copy_) of each fragment's own-shard bytes on every rank.
 
 Figures, per boundary (the final cut and the start are left out):
-- blocked ms: the time the training thread spent inside the engine's optimizer-step hooks from the push step to
-  the step that installed its answer, minus that many quiet steps' hook time (the slowest rank per step);
+- blocked ms: the time the training thread spent inside the engine's optimizer-step hooks (before the step, at
+  the install point inside it, after it) from the push step to the step that installed its answer, minus that
+  many quiet steps' hook time (the slowest rank per step);
 - own-shard bytes: the FP32 master elements of the fragment in the rank's DistributedOptimizer shard (the part
   a zero-stall boundary copies); memcpy ms: a copy of those bytes on that rank (slowest rank), and the ratio;
 - the stage times the engine writes to its JSONL (gather, encode, send, wait, install: whatever *_ms fields the
@@ -55,62 +56,87 @@ ISLAND_ID = "bench-island"
 
 # ============================================================================== on every rank of the island
 class _RssPeak:
+    """Peak extra RSS of this process over a span: the kernel's high-water mark (VmHWM), reset at the start through
+    /proc/self/clear_refs, so nothing polls beside the steps (a polling thread would itself slow them); where that
+    reset is not allowed, a thread samples RSS every 50 ms."""
+
     def __init__(self):
         import psutil
         self.proc = psutil.Process()
         self.base = self.proc.memory_info().rss
         self.peak = self.base
         self._stop = threading.Event()
-        self.t = threading.Thread(target=self._run, daemon=True)
-        self.t.start()
+        self.t = None
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.hwm = True
+        except OSError:
+            self.hwm = False
+            self.t = threading.Thread(target=self._run, daemon=True)
+            self.t.start()
 
     def _run(self):
         while not self._stop.is_set():
             self.peak = max(self.peak, self.proc.memory_info().rss)
-            self._stop.wait(0.005)
+            self._stop.wait(0.05)
 
     def stop(self) -> int:
+        if self.hwm:
+            with open("/proc/self/status") as f:
+                kb = next(int(x.split()[1]) for x in f if x.startswith("VmHWM:"))
+            return max(kb * 1024, self.proc.memory_info().rss) - self.base
         self._stop.set()
         self.t.join(5)
         return max(self.peak, self.proc.memory_info().rss) - self.base
 
 
 class _TimedEngine:
-    """Wraps the product's engine: times its two optimizer-step hooks (the training thread's boundary work) and,
-    on rank 0, writes `signal` (the wire manifest) once the engine has started, so the scripted island joins
-    after this island (which INITs the run)."""
+    """Wraps the product's engine: stamps every call of its optimizer-step hooks (the training thread's boundary
+    work: before the step, at the install point inside it, after it) with the system-wide monotonic clock, so
+    the benchmark process can line the ranks up; on rank 0 writes `signal` (the wire manifest) once the engine
+    has started, so the scripted island joins after this island (which INITs the run)."""
 
     def __init__(self, inner, rank, signal, manifest):
         self._inner, self._rank, self._signal, self._manifest = inner, rank, signal, manifest
-        self.times = {}          # step (after the update) -> [before_ms, after_ms]
+        self.times = {}          # step (after the update) -> [[enter_s, exit_s] per hook call, in call order]
         self.start_ms = 0.0
-        self._before = 0.0
+        self._calls = []
 
     def __getattr__(self, name):  # finished, started, close, set_resume, ... come from the engine
         return getattr(self._inner, name)
 
+    def _timed(self, fn, *args, **kwargs):
+        t = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._calls.append([t, time.monotonic()])
+
     def before_optimizer_step(self, optimizer=None):
         started = getattr(self._inner, "started", True)
-        t = time.perf_counter()
-        self._inner.before_optimizer_step(optimizer)
-        ms = (time.perf_counter() - t) * 1000
+        self._calls = []
+        self._timed(self._inner.before_optimizer_step, optimizer)
         if not started:
-            self.start_ms = ms
-            ms = 0.0
+            t0, t1 = self._calls.pop()
+            self.start_ms = (t1 - t0) * 1000
             if self._rank == 0 and self._signal:
                 tmp = self._signal + ".tmp"
                 with open(tmp, "w") as f:
                     json.dump([[n, list(s), d] for n, s, d in self._manifest], f)
                 os.replace(tmp, self._signal)
-        self._before = ms
+
+    def before_param_copy(self, optimizer):
+        """Inside the optimizer step (the engine's install point, before Megatron casts masters to params)."""
+        self._timed(self._inner.before_param_copy, optimizer)
 
     def on_optimizer_step(self, update_successful=True, tokens=None):
-        t = time.perf_counter()
         try:
-            self._inner.on_optimizer_step(update_successful=update_successful, tokens=tokens)
+            self._timed(self._inner.on_optimizer_step, update_successful=update_successful, tokens=tokens)
         finally:
             step = int(getattr(self._inner, "step", len(self.times) + 1))
-            self.times[step] = [self._before, (time.perf_counter() - t) * 1000]
+            self.times[step] = self._calls
+            self._calls = []
 
 
 def _own_shard_bytes(ctx, comm, fragments):
@@ -321,31 +347,46 @@ def _boundaries(records, total):
             and int(r["step"]) + int(r.get("pull_lag", 0)) < total]
 
 
+def _step_costs(per_rank):
+    """Per step, in ms: (critical, slowest). critical: for each hook call, from the moment the LAST rank entered
+    it to the moment the last rank left it, summed over the step's calls: what the hooks add to the island's step
+    (every rank meets the others at Megatron's next collective anyway, so a rank that arrived early and waits in
+    a hook for a slower one loses nothing to the hook). slowest: the largest per-rank sum of time inside the
+    hooks, waiting for slower ranks included (on an oversubscribed machine that is mostly scheduling skew)."""
+    out = {}
+    for s in per_rank[0]["hooks"]:
+        calls = [r["hooks"].get(s, []) for r in per_rank]
+        n = min(len(c) for c in calls)
+        crit = sum(max(c[k][1] for c in calls) - max(c[k][0] for c in calls) for k in range(n)) * 1000
+        slow = max(sum(b - a for a, b in c) for c in calls) * 1000
+        out[int(s)] = (max(crit, 0.0), slow)
+    return out
+
+
 def _analyse(per_rank, records, total, fragments):
-    hook = {}
-    for r in per_rank:
-        for s, (b, a) in r["hooks"].items():
-            hook[int(s)] = max(hook.get(int(s), 0.0), b + a)
+    cost = _step_costs(per_rank)
     bnds = _boundaries(records, total)
     busy = set()
     for b in bnds:
         busy.update(range(int(b["step"]), int(b["step"]) + int(b.get("pull_lag", 0)) + 1))
-    quiet = [v for s, v in hook.items() if s not in busy and 1 < s < total]
-    q = statistics.median(quiet) if quiet else 0.0
+    quiet = [v for s, v in cost.items() if s not in busy and 1 < s < total]
+    q = [statistics.median(x[i] for x in quiet) if quiet else 0.0 for i in (0, 1)]
     rows = []
     for b in bnds:
         s0, lag, f = int(b["step"]), int(b.get("pull_lag", 0)), int(b["fragment"])
-        blocked = sum(hook.get(s, 0.0) for s in range(s0, s0 + lag + 1)) - (lag + 1) * q
+        span = range(s0, s0 + lag + 1)
+        blocked, slowest = (sum(cost.get(s, (0.0, 0.0))[i] for s in span) - (lag + 1) * q[i] for i in (0, 1))
         own = max(r["own_bytes"][f] for r in per_rank)
         mc = max(r["memcpy_ms"][f] for r in per_rank)
         stages = {k[:-3]: float(v) for k, v in b.items() if k.endswith("_ms") and isinstance(v, (int, float))}
-        rows.append(dict(step=s0, fragment=f, lag=lag, blocked=blocked, own=own, memcpy=mc, stages=stages))
+        rows.append(dict(step=s0, fragment=f, lag=lag, blocked=blocked, slowest=slowest, own=own, memcpy=mc,
+                         stages=stages))
     r0 = per_rank[0]
     plain = statistics.mean(r0["plain_s"])
     att = statistics.mean(r0["attached_s"][1:-1])
-    return dict(rows=rows, quiet_ms=q, plain_s=plain, attached_s=att, ratio=plain / att,
+    return dict(rows=rows, quiet_ms=q[0], plain_s=plain, attached_s=att, ratio=plain / att,
                 rss=[r["rss_extra"] for r in per_rank], start_ms=max(r["start_ms"] for r in per_rank),
-                final_ms=max(sum(r["hooks"].get(total, [0, 0])) for r in per_rank),
+                final_ms=cost.get(total, (0.0, 0.0))[1],
                 params=sum(r["local_params"] for r in per_rank) / 2)   # TP2 x DP2: each TP half held twice
 
 
@@ -355,15 +396,16 @@ def _print_size(label, a, fragments):
           f"(start {a['start_ms'] / 1000:.1f} s, final cut {a['final_ms'] / 1000:.1f} s, quiet step hooks "
           f"{a['quiet_ms']:.2f} ms)\n")
     stage_keys = sorted({k for r in rows for k in r["stages"]})
-    print("| step | fragment | lag | blocked (ms) | own shard (MB) | memcpy (ms) | blocked / memcpy | "
-          + " | ".join(f"{k} (ms)" for k in stage_keys) + " |")
-    print("|---" * (7 + len(stage_keys)) + "|")
+    print("| step | fragment | lag | blocked (ms) | slowest rank (ms) | own shard (MB) | memcpy (ms) | "
+          "blocked / memcpy | " + " | ".join(f"{k} (ms)" for k in stage_keys) + " |")
+    print("|---" * (8 + len(stage_keys)) + "|")
     for r in rows:
         st = " | ".join(f"{r['stages'].get(k, 0.0):.1f}" for k in stage_keys)
-        print(f"| {r['step']} | {r['fragment']} | {r['lag']} | {r['blocked']:.1f} | {r['own'] / 1e6:.2f} | "
-              f"{r['memcpy']:.2f} | {r['blocked'] / max(r['memcpy'], 1e-6):.1f} | {st} |")
+        print(f"| {r['step']} | {r['fragment']} | {r['lag']} | {r['blocked']:.1f} | {r['slowest']:.1f} | "
+              f"{r['own'] / 1e6:.2f} | {r['memcpy']:.2f} | {r['blocked'] / max(r['memcpy'], 1e-6):.1f} | {st} |")
     bl = [r["blocked"] for r in rows]
-    print(f"\nblocked per boundary: median {statistics.median(bl):.1f} ms, max {max(bl):.1f} ms; "
+    print(f"\nblocked per boundary: median {statistics.median(bl):.1f} ms, max {max(bl):.1f} ms (slowest rank, "
+          f"waits for slower ranks included: median {statistics.median(r['slowest'] for r in rows):.1f} ms); "
           f"own-shard memcpy mean {statistics.mean(r['memcpy'] for r in rows):.2f} ms; peak extra RSS per rank "
           + " / ".join(f"{x / 2**20:.0f}" for x in a["rss"]) + " MiB; "
           f"step {a['plain_s'] * 1000:.0f} ms plain, {a['attached_s'] * 1000:.0f} ms attached -> throughput ratio "
@@ -413,6 +455,8 @@ def run_size(pool, layers, hidden, a, workdir, idx):
         raise SystemExit("the syncer's fragment layout differs from the one the own-shard bytes were counted on")
     with open(metrics) as f:
         records = [json.loads(x) for x in f if x.strip()]
+    with open(os.path.join(d, "hooks.json"), "w") as f:   # every rank's hook stamps and step times, for a closer look
+        json.dump([{k: r[k] for k in ("hooks", "plain_s", "attached_s")} for r in per_rank], f)
     return _analyse(per_rank, records, total, a.fragments)
 
 
@@ -422,9 +466,11 @@ def main(argv=None):
     ap.add_argument("--sizes", default=SIZES, help="comma-separated LAYERSxHIDDEN, smallest first")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--fragments", type=int, default=2)
-    ap.add_argument("--sync-every", type=int, default=8, help="H")
-    ap.add_argument("--tau", type=int, default=4, help="overlap steps (the background's time for a round: the push "
-                    "is handed over a step after its boundary, its base staged a step after it arrived)")
+    ap.add_argument("--sync-every", type=int, default=16, help="H")
+    ap.add_argument("--tau", type=int, default=6, help="overlap steps: the background's time for a round (the push "
+                    "is handed over a step after its boundary, its base staged a step after it arrived); below "
+                    "H / fragments, so that no install shares its step with the next fragment's push (each "
+                    "boundary's span then holds its own snapshot and install only)")
     ap.add_argument("--rounds", type=int, default=2, help="boundaries per fragment (H steps each)")
     ap.add_argument("--push", default="int4")
     ap.add_argument("--seq", type=int, default=32)
@@ -457,22 +503,23 @@ def main(argv=None):
             results.append((label, res))
             _print_size(label, res, a.fragments)
             sys.stdout.flush()
-    print("\n| size | parameters (M) | blocked median (ms) | blocked max (ms) | own shard (MB) | memcpy (ms) | "
-          "ratio | peak extra RSS max (MiB) | throughput ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| size | parameters (M) | blocked median (ms) | blocked max (ms) | slowest rank median (ms) | "
+          "own shard (MB) | memcpy (ms) | ratio | peak extra RSS max (MiB) | throughput ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     summ = []
     for label, r in results:
         bl = [x["blocked"] for x in r["rows"]]
         mc = statistics.mean(x["memcpy"] for x in r["rows"])
         own = statistics.mean(x["own"] for x in r["rows"])
-        med = statistics.median(bl)
-        summ.append((med, mc, r["ratio"]))
-        print(f"| {label} | {r['params'] / 1e6:.1f} | {med:.1f} | {max(bl):.1f} | {own / 1e6:.2f} | {mc:.2f} | "
-              f"{med / max(mc, 1e-6):.1f} | {max(r['rss']) / 2**20:.0f} | {r['ratio']:.3f} |")
-    (b0, m0, _), (b1, m1, _) = summ[0], summ[-1]
+        med, slow = statistics.median(bl), statistics.median(x["slowest"] for x in r["rows"])
+        summ.append((med, mc, r["ratio"], slow))
+        print(f"| {label} | {r['params'] / 1e6:.1f} | {med:.1f} | {max(bl):.1f} | {slow:.1f} | {own / 1e6:.2f} | "
+              f"{mc:.2f} | {med / max(mc, 1e-6):.1f} | {max(r['rss']) / 2**20:.0f} | {r['ratio']:.3f} |")
+    (b0, m0, _, w0), (b1, m1, _, w1) = summ[0], summ[-1]
     slope = (b1 - b0) / (m1 - m0) if m1 != m0 else float("nan")
     ratio = statistics.mean(x[2] for x in summ)
-    print(f"\n(total {time.time() - t0:.0f} s; JSONL in {workdir})")
+    print(f"\n(total {time.time() - t0:.0f} s; JSONL in {workdir}); the slowest rank's slope, waits for slower "
+          f"ranks included: {(w1 - w0) / (m1 - m0) if m1 != m0 else float('nan'):.2f} x memcpy")
     print(f"boundary_scaling: blocked-time slope {slope:.2f} x memcpy over {len(summ)} sizes, "
           f"throughput ratio {ratio:.3f}")
     return 0

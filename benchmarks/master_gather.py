@@ -8,10 +8,10 @@ measures, in the same run:
 - write: rank 0's float32 values installed everywhere (MasterView.write, mode replace),
 - raw gloo broadcast of the same number of bytes from rank 0 to all ranks (chunked like the sync),
 - raw gloo point-to-point gather of the same bytes to rank 0 (each other rank sends its share),
-- snapshot: each rank's own shard of the model's delta copied to host buffers (MasterView.snapshot_delta: what
-  the training thread does at a boundary with tau >= 1, no communication), slowest rank,
-- background gather: that snapshot streamed to rank 0 from a second thread on a gloo group of its own
-  (MasterView.gather: what the push pipeline does beside training),
+- snapshot: each rank's own shard of the model's FP32 masters copied to host buffers (MasterView.snapshot_delta:
+  what the training thread does at a boundary with tau >= 1, no communication), slowest rank,
+- background gather: that snapshot turned into the delta and streamed to rank 0 from a second thread on a gloo
+  group of its own (MasterView.gather: what the push pipeline does beside training),
 and the peak extra resident memory per rank during read and write, next to the chunk size.
 Figures are GB/s of float32 model data (1 GB = 1e9 bytes).
 """
