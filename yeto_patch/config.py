@@ -269,8 +269,8 @@ TABLE = (
     Var("YETO_DILOCO_OVERLAP_STEPS", "overlap_steps", or_auto(integer(0, 10**9, "tau, steps a merged base may "
         "trail its push")), None, "tau: steps a fragment's merged base may trail its push before the island "
         "waits; `0`: synchronous DiLoCo (reproducible bits); must be < H; `>= 1`: pushes and bases leave the "
-        "training thread, bases are blended in with alpha (memory per rank: one own-shard copy per push in "
-        f"flight, one copy of its held part per staged base); `auto`: min({AUTO_TAU_MAX}, H // 2)", int, "auto"),
+        "training thread, bases are blended in with alpha (memory per rank: an own-shard copy per push in "
+        f"flight and a spare, two per staged base, one becoming its anchor); `auto`: min({AUTO_TAU_MAX}, H // 2)", int, "auto"),
     Var("YETO_DILOCO_MERGE_ALPHA", "merge_alpha", number(0.0, 1.0, "weight of the local model when a base is "
         "installed under overlap"), 0.5, "alpha for installs under overlap: installed = alpha * local + "
         "(1 - alpha) * base", float),
