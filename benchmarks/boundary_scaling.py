@@ -1,8 +1,8 @@
 """How the training thread's time at a DiLoCo boundary grows with the model, against a memcpy of the rank's own shard.
 
-    python benchmarks/boundary_scaling.py            # 3 sizes, ~23M / ~109M / ~239M parameters (needs ~14 GB)
-    python benchmarks/boundary_scaling.py --quick    # the two smallest (4.7x apart); minutes on idle cores, but
-                                                     # the 109M size took >30 min on 2 cores at load ~200
+    python benchmarks/boundary_scaling.py            # 3 sizes, ~5M / ~23M / ~109M parameters (20x; ~4 min,
+                                                     # ~12 GB; 8x1536, ~239M, is killed for memory on 24 GB)
+    python benchmarks/boundary_scaling.py --quick    # the two smallest (4.4x apart), about a minute
     python benchmarks/boundary_scaling.py --sizes 2x128,2x256 --rounds 1   # a smoke run (LxH: layers x hidden)
 
 Each size is a 4-rank island (TP2 x DP2, bf16 GPTModel, DistributedOptimizer, real megatron-core) in 4 spawned
@@ -49,7 +49,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-SIZES = "6x512,8x1024,8x1536"     # layers x hidden; vocab 8192, ffn 4h: ~23M, ~109M, ~239M parameters
+SIZES = "4x256,6x512,8x1024"      # layers x hidden; vocab 8192, ffn 4h: ~5M, ~23M, ~109M parameters (20x)
 VOCAB = 8192
 ISLAND_ID = "bench-island"
 
