@@ -188,6 +188,14 @@ class MasterView(StagedInstalls):
                               f"call snapshot_anchor (or write with set_anchor=True) before read_delta")
         return a[2][x - a[0]: y - a[0]]
 
+    def _owned_hulls(self, indices) -> Dict[Tuple[int, int], List[int]]:
+        """(entry, shard) -> [x0, y0]: the hull of what this rank owns of each shard of `indices`."""
+        hull: Dict[Tuple[int, int], List[int]] = {}
+        for e, r, x, y in self._owned(indices):
+            h = hull.setdefault((e, r), [x, y])
+            h[0], h[1] = min(h[0], x), max(h[1], y)
+        return hull
+
     def _owned(self, indices):
         """(e, r, x, y) read-owned by this rank."""
         for e in indices:
@@ -218,11 +226,7 @@ class MasterView(StagedInstalls):
     def _allocate_anchors(self, indices) -> None:
         """An anchor buffer per owned shard range of ``indices`` (the hull of what this rank owns; an existing
         one of the same range is kept, its values unchanged)."""
-        hull: Dict[Tuple[int, int], List[int]] = {}
-        for e, r, x, y in self._owned(indices):
-            h = hull.setdefault((e, r), [x, y])
-            h[0], h[1] = min(h[0], x), max(h[1], y)
-        for (e, r), (x0, y0) in hull.items():
+        for (e, r), (x0, y0) in self._owned_hulls(indices).items():
             a = self.anchors.get((e, r))
             if a is None or a[0] != x0 or a[1] != y0:
                 self.anchors[(e, r)] = (x0, y0, torch.empty(y0 - x0, dtype=torch.float32))
@@ -251,10 +255,7 @@ class MasterView(StagedInstalls):
         snapshot, provided the anchors do not change in between (the engine installs nothing into a fragment
         whose push is in flight)."""
         idx = list(indices)
-        hull: Dict[Tuple[int, int], List[int]] = {}
-        for e, r, x, y in self._owned(idx):
-            h = hull.setdefault((e, r), [x, y])
-            h[0], h[1] = min(h[0], x), max(h[1], y)
+        hull = self._owned_hulls(idx)
         need = sum(y0 - x0 for x0, y0 in hull.values())
         flat = spare if spare is not None and spare.numel() >= need else torch.empty(need, dtype=torch.float32)
         snap, pos = {}, 0

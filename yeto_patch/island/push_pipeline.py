@@ -8,8 +8,8 @@ link's own sender then sends it in the background as before.
 
 Jobs run in boundary order on every rank, and a failure on any rank fails every rank with this stage's message
 (``background.py``: the worker, the ordering and the failure rules). Memory: one own-shard float32 copy per push
-in flight and one spare (the largest spent snapshot, reused by the next push so that the training thread's copy
-does not fault in fresh pages), plus the gather's chunks (``MasterView``'s bound) and, on rank 0, the encoded
+in flight and one spare (the largest spent snapshot buffer, reused by the next push so that its copy does not
+fault in fresh pages), plus the gather's chunks (``MasterView``'s bound) and, on rank 0, the encoded
 body.
 """
 from __future__ import annotations
