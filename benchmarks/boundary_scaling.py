@@ -142,7 +142,7 @@ class _TimedEngine:
 def _own_shard_bytes(ctx, comm, fragments):
     """Per fragment: bytes of FP32 masters in this rank's optimizer shard; and the manifest and layout used."""
     from yeto_patch.island import build_manifest
-    from yeto_patch.island.masters import find_masters
+    from yeto_patch.island.masters.view import find_masters
     from yeto_patch.syncer.layout import partition
     man = build_manifest(ctx["model"], comm=comm)
     wire = man.wire_manifest()
@@ -282,7 +282,7 @@ class ScriptedIsland(threading.Thread):
 
     def _body(self, numel):
         import numpy as np
-        from yeto_patch.island.push_encoder import PushEncoder
+        from yeto_patch.island.boundary.push_encoder import PushEncoder
         enc = PushEncoder("int4", 256, numel, piece_elems=1 << 20)
         z = np.zeros(1 << 20, dtype=np.float32)
         left = numel
@@ -413,8 +413,8 @@ def _print_size(label, a, fragments):
 
 
 def run_size(pool, layers, hidden, a, workdir, idx):
-    from yeto_patch.island.schedule import due_fragments
-    from yeto_patch.syncer.rounds import RoundSettings
+    from yeto_patch.island.boundary.schedule import due_fragments
+    from yeto_patch.syncer.settings import RoundSettings
     from yeto_patch.syncer.server import ServerConfig, SyncerServer
     total = a.rounds * a.sync_every + 3
     pushes = {f: 1 for f in range(a.fragments)}            # + the final push

@@ -48,7 +48,7 @@ EXAMPLES = os.path.join(ROOT, "examples")
 for _p in (ROOT, EXAMPLES):
     if _p not in sys.path:
         sys.path.insert(0, _p)
-from yeto_patch.island.schedule import due_fragments  # noqa: E402
+from yeto_patch.island.boundary.schedule import due_fragments  # noqa: E402
 from yeto_patch.syncer.layout import partition  # noqa: E402
 
 RUNS = ("diloco", "lone", "dp")

@@ -83,7 +83,8 @@ PRE_AUTH = ("header", "oversize", "truncated", "digest", "chunk", "meta", "hello
 # ------------------------------------------------------------------------------------------ the syncer side
 def serve(cfg: dict) -> None:
     """Child mode: run the syncer; answer "state" on stdin with a JSON line (hashes of the committed state)."""
-    from yeto_patch.syncer.rounds import MergeSettings, RoundSettings, capture
+    from yeto_patch.syncer.settings import MergeSettings, RoundSettings
+    from yeto_patch.syncer.snapshot import capture
     from yeto_patch.syncer.server import ServerConfig, SyncerServer
 
     logging.basicConfig(level=cfg["log_level"], stream=sys.stderr,

@@ -29,7 +29,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from yeto_patch.syncer.merge import ChunkRunner  # noqa: E402
-from yeto_patch.syncer.rounds import Coordinator, MergeSettings, Push, RoundSettings  # noqa: E402
+from yeto_patch.syncer.rounds import Coordinator  # noqa: E402
+from yeto_patch.syncer.settings import MergeSettings, Push, RoundSettings  # noqa: E402
 from yeto_patch.wire import codecs  # noqa: E402
 
 

@@ -74,6 +74,6 @@ def test_layers_are_one_way(layer):
 
 def test_the_import_reader_sees_relative_and_absolute_imports(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("from ..wire import frames\nfrom . import rounds\nimport yeto_patch.island.names\n"
+    f.write_text("from ..wire import frames\nfrom . import rounds\nimport yeto_patch.island.masters.names\n"
                  "from yeto_patch import hooks\n")
     assert _our_imports(str(f), "yeto_patch.syncer") == {"wire", "syncer", "island", "hooks"}

@@ -199,7 +199,7 @@ def same_bits(x, y):
 
 
 def due(step, H, P):
-    from yeto_patch.island.schedule import due_fragments
+    from yeto_patch.island.boundary.schedule import due_fragments
     return due_fragments(step, H, P)
 
 

@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from yeto_patch.island.base_stager import BaseStager
+from yeto_patch.island.boundary.base_lane import BaseStager
 from yeto_patch.island.errors import EngineError
-from yeto_patch.island.fragments import Fragments
+from yeto_patch.island.boundary.fragments import Fragments
 
 
 class Comm:

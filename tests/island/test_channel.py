@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from yeto_patch.island.channel import IslandChannel
+from yeto_patch.island.boundary.channel import IslandChannel
 from yeto_patch.island.errors import EngineError
 
 
@@ -82,7 +82,7 @@ def test_broadcast_json_over_gloo_small_and_large():
     code = textwrap.dedent("""
         import socket, types
         import torch.distributed as dist
-        from yeto_patch.island.channel import IslandChannel
+        from yeto_patch.island.boundary.channel import IslandChannel
         s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         ch = IslandChannel(types.SimpleNamespace(rank=0, group=None, timeout_s=30))

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from yeto_patch.island.errors import EngineError
-from yeto_patch.island.fragments import Fragments
+from yeto_patch.island.boundary.fragments import Fragments
 from yeto_patch.wire.client import Base
 
 

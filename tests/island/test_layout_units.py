@@ -1,10 +1,10 @@
-"""Pure layout logic of yeto_patch.island.masters (no megatron, no processes)."""
+"""Pure layout logic of yeto_patch.island.masters.view (no megatron, no processes)."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from yeto_patch.island.collective import IslandError
-from yeto_patch.island.masters import EntryLayout, ShardLayout, _build_items, _cover, _rounds
+from yeto_patch.island.masters.collective import IslandError
+from yeto_patch.island.masters.view import EntryLayout, ShardLayout, _build_items, _cover, _rounds
 
 
 def _megatron_shards(full, dim, T, stride):

@@ -12,9 +12,9 @@ import pytest
 
 from tests.syncer.helpers import KEY, MANIFEST, init_values
 from yeto_patch.island.errors import EngineError
-from yeto_patch.island.fragments import Fragments
-from yeto_patch.island.link import Backoff, SyncerLink, dial
-from yeto_patch.syncer.rounds import MergeSettings, RoundSettings
+from yeto_patch.island.boundary.fragments import Fragments
+from yeto_patch.island.link.syncer import Backoff, SyncerLink, dial
+from yeto_patch.syncer.settings import MergeSettings, RoundSettings
 from yeto_patch.syncer.server import ServerConfig, SyncerServer
 from yeto_patch.wire import codecs
 from yeto_patch.wire.frames import AuthError, PeerError

@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from yeto_patch.island.errors import EngineError
-from yeto_patch.island.fragments import Fragments
-from yeto_patch.island.plan import Plan, install_spec, needs_plan, overdue, plan
-from yeto_patch.island.schedule import due_fragments
+from yeto_patch.island.boundary.fragments import Fragments
+from yeto_patch.island.boundary.plan import Plan, install_spec, needs_plan, overdue, plan
+from yeto_patch.island.boundary.schedule import due_fragments
 from yeto_patch.wire.client import Base
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from yeto_patch.island.errors import EngineError
-from yeto_patch.island.fragments import Fragments
-from yeto_patch.island.push_pipeline import PushPipeline
+from yeto_patch.island.boundary.fragments import Fragments
+from yeto_patch.island.boundary.push_lane import PushPipeline
 
 
 class Buf:

@@ -12,11 +12,11 @@ import pytest
 from tests.island.test_link import free_port, settings
 from tests.syncer.helpers import KEY, MANIFEST, init_values
 from yeto_patch.island.errors import EngineError
-from yeto_patch.island.fragments import Fragments
-from yeto_patch.island.shard_link import ShardedLink
+from yeto_patch.island.boundary.fragments import Fragments
+from yeto_patch.island.link.sharded import ShardedLink
 from yeto_patch.syncer.checkpoint import CheckpointError
 from yeto_patch.syncer.layout import fragment_numels, partition
-from yeto_patch.syncer.rounds import MergeSettings, RoundSettings
+from yeto_patch.syncer.settings import MergeSettings, RoundSettings
 from yeto_patch.syncer.server import ServerConfig, SyncerServer
 from yeto_patch.syncer.shards import ShardSpec, assign, parse_shard
 from yeto_patch.wire import codecs

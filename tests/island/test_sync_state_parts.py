@@ -5,10 +5,10 @@ import types
 import numpy as np
 import pytest
 
-from yeto_patch.island import sync_state
+from yeto_patch.island.boundary import sync_state
 from yeto_patch.island.errors import EngineError
-from yeto_patch.island.fragments import Fragments
-from yeto_patch.island.plan import final_step
+from yeto_patch.island.boundary.fragments import Fragments
+from yeto_patch.island.boundary.plan import final_step
 
 
 def settings(**kw):

@@ -1,8 +1,8 @@
 """Vocabulary rows unlike the run's (pure logic, no megatron): the run's rows beyond this island's padded rows
 are virtual items (no shard parts: read as zeros, never installed); a syncer's manifest refusal that differs only
 in a vocabulary entry's row count is recognised; the start-up message says which rows stay local."""
-from yeto_patch.island.masters import EntryLayout, ShardLayout, _build_items
-from yeto_patch.island.names import Entry, Manifest, run_vocab_rows, vocab_rows_message
+from yeto_patch.island.masters.view import EntryLayout, ShardLayout, _build_items
+from yeto_patch.island.masters.names import Entry, Manifest, run_vocab_rows, vocab_rows_message
 from yeto_patch.syncer.layout import first_difference
 
 EMB = "embedding.word_embeddings.weight"

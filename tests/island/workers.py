@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tests.mcore import harness
 from yeto_patch.island import IslandComm, IslandError, MasterView, build_manifest, collect_arrays, find_masters
-from yeto_patch.island.masters import leaf_optimizers
+from yeto_patch.island.masters.view import leaf_optimizers
 
 
 def _setup(cfg_kwargs, steps=2, real_vocab=None, chunk_bytes=1 << 16):
@@ -38,7 +38,7 @@ def _reference_full_masters(ctx) -> dict:
 
     Uses megatron's own accessors (DistributedOptimizer._get_main_param_and_optimizer_states + all_reduce over
     its data_parallel_group; main params of the non-distributed optimizers) and megatron's TP / expert-TP groups,
-    and names layers / experts from the parallel ranks, not from yeto_patch.island.names."""
+    and names layers / experts from the parallel ranks, not from yeto_patch.island.masters.names."""
     from megatron.core import parallel_state as ps
     cfg = ctx["cfg"]
     opt = ctx["optimizer"]
@@ -236,7 +236,7 @@ def install_island(cfg_kwargs, path, steps=1, real_vocab=None):
         src = {e: np.load(os.path.join(path, f"{e}.npy"), allow_pickle=False) for e in range(len(man))}
     pads = []
     if real_vocab is not None:   # padding rows must be left as they are
-        from yeto_patch.island.names import VOCAB_NAMES
+        from yeto_patch.island.masters.names import VOCAB_NAMES
         for lp in man.local:
             if lp.local_name in VOCAB_NAMES:
                 rows = lp.param.shape[0]
@@ -500,7 +500,7 @@ def relative_write(cfg_kwargs, alpha=0.5):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# staged installs (island/master_stage.py) against write, bit for bit
+# staged installs (island/masters/stage.py) against write, bit for bit
 # ---------------------------------------------------------------------------------------------------------
 def _island_state(view):
     """Clones of everything an install touches on this rank: model params, FP32 masters (and their extra
@@ -536,7 +536,7 @@ def staged_vs_write(cfg_kwargs, mode, updates=0, alpha=0.5, chunk_bytes=1 << 14,
     _copy_main_params_to_model_params and Megatron's parameter all-gather (what the optimizer step does right
     after the engine's install point); route "after_step": install_staged (masters, params, refresh_holders).
     Per rank, every master, anchor and param compared bit for bit: they must all be equal."""
-    from yeto_patch.island.master_refs import leaf_optimizers
+    from yeto_patch.island.masters.refs import leaf_optimizers
     ctx, man, view = _setup(cfg_kwargs, 1, chunk_bytes=chunk_bytes)
     rank0 = dist.get_rank() == 0
     view.snapshot_anchor()

@@ -3,8 +3,8 @@ whole fragment at once, with and without error feedback)."""
 import numpy as np
 import pytest
 
-from yeto_patch.island.push_encoder import PushEncoder
-from yeto_patch.island.schedule import due_fragments, offset
+from yeto_patch.island.boundary.push_encoder import PushEncoder
+from yeto_patch.island.boundary.schedule import due_fragments, offset
 from yeto_patch.wire import codecs
 from yeto_patch.wire.frames import CodecError
 

@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 
-from yeto_patch.syncer.rounds import MergeSettings, RoundSettings
+from yeto_patch.syncer.settings import MergeSettings, RoundSettings
 from yeto_patch.syncer.server import ServerConfig, SyncerServer
 from yeto_patch.wire.client import SyncerClient
 
@@ -104,7 +104,7 @@ def state_of(server):
     ledger, and what is pending (open rounds, carried pushes, accepted keys, islands' final fragments)."""
     import hashlib
 
-    from yeto_patch.syncer.rounds import capture
+    from yeto_patch.syncer.snapshot import capture
 
     snap = capture(server.coord)
     h = hashlib.sha256()

@@ -7,7 +7,9 @@ import pytest
 from yeto_patch.syncer.checkpoint import CheckpointError, CheckpointWriter
 from yeto_patch.syncer.guard import NormGuard
 from yeto_patch.syncer.outer import USABLE_MAX
-from yeto_patch.syncer.rounds import Coordinator, MergeSettings, RoundSettings, capture
+from yeto_patch.syncer.rounds import Coordinator
+from yeto_patch.syncer.settings import MergeSettings, RoundSettings
+from yeto_patch.syncer.snapshot import capture
 from yeto_patch.syncer.server import ServerConfig, SyncerServer
 from yeto_patch.wire import codecs
 from yeto_patch.wire.client import SyncerRefusal

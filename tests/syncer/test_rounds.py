@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 
 from yeto_patch.syncer.merge import ChunkRunner
-from yeto_patch.syncer.rounds import Coordinator, MergeSettings, Push, PushRefused, RoundSettings
+from yeto_patch.syncer.rounds import Coordinator
+from yeto_patch.syncer.settings import MergeSettings, Push, PushRefused, RoundSettings
 from yeto_patch.wire import codecs
 
 from .reference import RefFragment

@@ -8,9 +8,9 @@
 
 Imports torch lazily through its submodules; nothing here touches an accelerator.
 """
-from yeto_patch.island.collective import IslandComm, IslandError
-from yeto_patch.island.masters import DEFAULT_CHUNK_BYTES, MasterView, collect_arrays, find_masters
-from yeto_patch.island.names import Entry, LocalParam, Manifest, ManifestError, build_manifest, local_params
+from yeto_patch.island.masters.collective import IslandComm, IslandError
+from yeto_patch.island.masters.view import DEFAULT_CHUNK_BYTES, MasterView, collect_arrays, find_masters
+from yeto_patch.island.masters.names import Entry, LocalParam, Manifest, ManifestError, build_manifest, local_params
 
 __all__ = ["IslandComm", "IslandError", "MasterView", "DEFAULT_CHUNK_BYTES", "collect_arrays", "find_masters",
            "Entry", "LocalParam", "Manifest", "ManifestError", "build_manifest", "local_params"]

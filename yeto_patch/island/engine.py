@@ -58,7 +58,7 @@ import logging
 import time
 from typing import Optional
 
-from yeto_patch.island.engine_installs import Installs
+from yeto_patch.island.boundary.installs import Installs
 from yeto_patch.island.errors import EngineError  # public here: raised on every rank
 
 log = logging.getLogger("yeto_patch")
@@ -178,12 +178,12 @@ class Engine(Installs):
     # ================================================================================ start
     def _start(self):
         from yeto_patch.island import auto_settings
-        from yeto_patch.island.channel import IslandChannel
-        from yeto_patch.island.collective import IslandComm
-        from yeto_patch.island.data_path import DataPath, model_chunks
-        from yeto_patch.island.masters import MasterView
-        from yeto_patch.island.names import VOCAB_NAMES, build_manifest, vocab_rows_message
-        from yeto_patch.island.plan import final_step
+        from yeto_patch.island.boundary.channel import IslandChannel
+        from yeto_patch.island.masters.collective import IslandComm
+        from yeto_patch.island.boundary.data_path import DataPath, model_chunks
+        from yeto_patch.island.masters.view import MasterView
+        from yeto_patch.island.masters.names import VOCAB_NAMES, build_manifest, vocab_rows_message
+        from yeto_patch.island.boundary.plan import final_step
         s = self.settings
         t0 = time.time()
         chunks = model_chunks(self.model, self.optimizer)
@@ -192,7 +192,7 @@ class Engine(Installs):
         self.channel = IslandChannel(self.comm)
         self.total = final_step(s.total_steps, self.train_iters, self.step)
         if self.rank == 0:
-            from yeto_patch.island.boundary_log import BoundaryLog
+            from yeto_patch.island.boundary.log import BoundaryLog
             self.log = BoundaryLog(s.metrics_path, s.island_id)
         vocab_rows: dict = {}   # every padded row is merged unless the run's manifest has other vocabulary rows
         for _ in range(len(VOCAB_NAMES) + 1):
@@ -249,8 +249,8 @@ class Engine(Installs):
 
     def _connect(self, declared):
         """Rank 0: the link to the syncer, connected (waiting for a syncer not up yet, see ``link.py``)."""
-        from yeto_patch.island.names import run_vocab_rows
-        from yeto_patch.island.shard_link import ShardedLink
+        from yeto_patch.island.masters.names import run_vocab_rows
+        from yeto_patch.island.link.sharded import ShardedLink
         from yeto_patch.wire.frames import PeerError
         self.link = ShardedLink(self.settings, self.manifest.wire_manifest(), held=declared, step=lambda: self.step,
                                 record=self.log.write)
@@ -266,12 +266,12 @@ class Engine(Installs):
 
     def _push_pipeline(self):
         """Every rank (collective: a gloo group of its own): with tau >= 1 pushes leave the training thread after a
-        snapshot of the rank's own shard (island/push_pipeline.py); tau = 0 waits for the base anyway."""
+        snapshot of the rank's own shard (island/boundary/push_lane.py); tau = 0 waits for the base anyway."""
         s = self.settings
         if s.overlap_steps < 1:
             return None
-        from yeto_patch.island.collective import IslandComm
-        from yeto_patch.island.push_pipeline import PushPipeline
+        from yeto_patch.island.masters.collective import IslandComm
+        from yeto_patch.island.boundary.push_lane import PushPipeline
         pipeline = PushPipeline(self.view, IslandComm(timeout_s=s.timeout + 60.0), self.rank,
                                 self.data.push_encoder if self.rank == 0 else None, s.timeout)
         pipeline.reserve(max(self.view.own_numel(st.entries) for st in self.frags))
@@ -279,9 +279,9 @@ class Engine(Installs):
 
     def _base_stager(self):
         """Every rank (collective: a gloo group of its own and its holder groups): bases merged during training are
-        staged in the background and installed locally (island/base_stager.py)."""
-        from yeto_patch.island.base_stager import BaseStager
-        from yeto_patch.island.collective import IslandComm
+        staged in the background and installed locally (island/boundary/base_lane.py)."""
+        from yeto_patch.island.boundary.base_lane import BaseStager
+        from yeto_patch.island.masters.collective import IslandComm
         return BaseStager(self.view, IslandComm(timeout_s=self.settings.timeout + 60.0), self.rank,
                           self.settings.timeout)
 
@@ -314,7 +314,7 @@ class Engine(Installs):
         self.channel.rank0(drain, what)
 
     def _adopt_layout(self, w):
-        from yeto_patch.island.fragments import Fragments
+        from yeto_patch.island.boundary.fragments import Fragments
         self.frags = Fragments(w["layout"], w["numels"], [e.numel for e in self.manifest.entries],
                                announced=w["fragments"])
         if self.link is not None:
@@ -326,7 +326,7 @@ class Engine(Installs):
         beside it (``sync_state.py``); a failure is raised on every rank."""
         if not self.started or self.failed is not None or self.finished or not directory:
             return
-        from yeto_patch.island import sync_state
+        from yeto_patch.island.boundary import sync_state
 
         self._guarded(lambda: self._drain_pushes(f"save the island's sync state for iteration {iteration}"))
 
@@ -342,7 +342,7 @@ class Engine(Installs):
         if self._resume is None:
             return None, {}
         directory, iteration = self._resume
-        from yeto_patch.island import sync_state
+        from yeto_patch.island.boundary import sync_state
         arrays = {}
 
         def read():
@@ -352,7 +352,7 @@ class Engine(Installs):
         return state, arrays
 
     def _restore(self, state, arrays, keep, versions):
-        from yeto_patch.island import sync_state
+        from yeto_patch.island.boundary import sync_state
         for st in sync_state.restore(state, arrays, self.frags, versions, keep, self.rank,
                                      self.settings.error_feedback):
             self.link.send_push(st)
@@ -404,8 +404,8 @@ class Engine(Installs):
     def _make_plan(self, step):
         """Every rank: rank 0's plan of `step` and the seconds it took, or None on a step where nothing can
         happen (no collective)."""
-        from yeto_patch.island.plan import Plan, needs_plan, plan
-        from yeto_patch.island.schedule import due_fragments
+        from yeto_patch.island.boundary.plan import Plan, needs_plan, plan
+        from yeto_patch.island.boundary.schedule import due_fragments
         due = due_fragments(step, self.settings.sync_every, len(self.frags))
         if not needs_plan(step, self.total, due, bool(self.frags.pending())):
             return None
@@ -438,7 +438,7 @@ class Engine(Installs):
             self._begin(made[0])
 
     def _boundary(self):
-        from yeto_patch.island.plan import overdue
+        from yeto_patch.island.boundary.plan import overdue
         s = self.settings
         tau = s.overlap_steps
         mode = "blend" if tau > 0 else "replace"

@@ -20,7 +20,7 @@ from ..wire import auth
 from ..wire.frames import AuthError
 from .checkpoint import CheckpointError
 from .outer import AUTO_LR, OUTER_KINDS
-from .rounds import WEIGHTINGS, MergeSettings, RoundSettings
+from .settings import WEIGHTINGS, MergeSettings, RoundSettings
 
 __all__ = ["build_parser", "main", "config_from_args"]
 

@@ -20,7 +20,7 @@ from ..wire.frames import MAX_PAYLOAD, AuthError, FrameAuthError, MsgType, PeerE
 from ..wire.text import EscapeArgs, check_island_id, printable
 from .layout import first_difference, normalize_manifest
 from .limits import default_max_model_bytes, model_size_error
-from .rounds import PushRefused
+from .settings import PushRefused
 
 __all__ = ["accept_handshake"]
 

@@ -46,8 +46,7 @@ from .shards import ShardSpec, assign
 from .settings import (INT64_MAX, MAX_PUSH_STEPS, MAX_PUSH_TOKENS, WEIGHTINGS, MergeSettings, Push,
                        PushRefused, RoundSettings, bounded_int, shown)
 
-__all__ = ["MergeSettings", "RoundSettings", "PushRefused", "Push", "Coordinator", "MergeRecord",
-           "validate_encoded", "WEIGHTINGS", "RWLock", "capture", "restore"]
+__all__ = ["Coordinator"]
 
 log = logging.getLogger("yeto.syncer")
 _Fragment = Fragment  # (the name this module used before fragments got their own owner)
@@ -598,6 +597,3 @@ class Coordinator:
             self.initialized = True
             self._check_total_rounds()
 
-
-from .rwlock import RWLock  # noqa: E402,F401  (re-exported: names this module used to define)
-from .snapshot import capture, restore  # noqa: E402,F401

@@ -10,7 +10,7 @@ API::
         manifest: ordered [(global name, full shape, dtype)]; key: bytes or None (None needs insecure=True and
         a loopback address).
     c.connect() -> Welcome                   # connect (bounded exponential back-off), authenticated handshake
-                                             # (islands pass connect_retries=0: island/link.py owns their policy)
+                                             # (islands pass connect_retries=0: island/link/syncer.py owns their policy)
         Welcome: island_id, layout (fragment -> manifest indices, ascending), numels, fragments, versions
         (None before INIT), needs_init (fragments this island must INIT), base_wire, heartbeat_s, lease_s,
         islands, quorum, total_rounds, final.  Starts the reader and heartbeat threads.

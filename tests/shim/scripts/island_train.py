@@ -114,7 +114,7 @@ def params_off_masters(ctx) -> list:
     """TEST (every rank, collective over the data-parallel group): what the next forward would see wrongly: a model
     param that is not the cast of this rank's FP32 master of it, or that differs from a DP replica's copy."""
     from megatron.core import parallel_state as ps
-    from yeto_patch.island.master_refs import find_masters
+    from yeto_patch.island.masters.refs import find_masters
     masters = find_masters(ctx["optimizer"])
     group = ps.get_data_parallel_group()   # (gloo: the harness runs on CPU; a dense model)
     out = []
@@ -134,7 +134,7 @@ def params_off_masters(ctx) -> list:
 
 def fail_background_gather():
     """TEST: this rank's snapshots of pushes cannot be read by the background gather (a failed stage there)."""
-    from yeto_patch.island import masters
+    from yeto_patch.island.masters import view as masters
     orig = masters.MasterView.gather
 
     class Unreadable(dict):
@@ -148,7 +148,7 @@ def fail_background_gather():
 
 def fail_background_stage():
     """TEST: this rank's part of staging a merged base fails inside the collective (its peers learn it there)."""
-    from yeto_patch.island import master_stage
+    from yeto_patch.island.masters import stage as master_stage
     orig = master_stage.StagedInstalls._stage_round
 
     def _stage_round(self, rnd, sources, relative, comm, staged, pending_err):

@@ -34,13 +34,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from yeto_patch.island.collective import IslandComm, IslandError
-from yeto_patch.island.master_layout import (EntryLayout, Item, ShardLayout, _build_items, _cover,  # noqa: F401
+from yeto_patch.island.masters.collective import IslandComm, IslandError
+from yeto_patch.island.masters.layout import (EntryLayout, Item, ShardLayout, _build_items, _cover,  # noqa: F401
                                              _rounds)
-from yeto_patch.island.master_stage import StagedInstalls
-from yeto_patch.island.master_refs import (MasterRef, _flat, _same_storage, find_masters,  # noqa: F401
+from yeto_patch.island.masters.stage import StagedInstalls
+from yeto_patch.island.masters.refs import (MasterRef, _flat, _same_storage, find_masters,  # noqa: F401
                                            leaf_optimizers)
-from yeto_patch.island.names import LocalParam, Manifest
+from yeto_patch.island.masters.names import LocalParam, Manifest
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 _F32 = 4

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from yeto_patch.island.background import BackgroundLane
+from yeto_patch.island.boundary.background import BackgroundLane
 from yeto_patch.island.errors import EngineError
 
 

@@ -3,7 +3,7 @@
 Two ways in. Synchronous (``_install``: the start, the final cut, a restart's adoption, a base that is this
 island's own weights): rank 0's base is written through the island by ``MasterView.write``. Staged (every other
 base merged during training): rank 0's plan hands an arrived base to the background stage (``_stage``; every
-rank with a FP32 master of it gets its part on a gloo group of its own, island/base_stager.py). A later plan,
+rank with a FP32 master of it gets its part on a gloo group of its own, island/boundary/base_lane.py). A later plan,
 made before an optimizer step, arms it (``_arm``), and inside that step each leaf optimizer's masters take it
 just before Megatron casts them into the model params and gathers those to the replicas
 (``before_param_copy``): the training thread's install is one pass over the rank's own masters. What no such
@@ -26,7 +26,7 @@ class Installs:
 
     def _install_specs(self, frags, what):
         """Every rank: rank 0's {fragment: [version, updates, held]} for installing the bases it holds."""
-        from yeto_patch.island.plan import install_spec
+        from yeto_patch.island.boundary.plan import install_spec
         return self.channel.rank0(lambda: {str(f): install_spec(self.frags[f])[1:] for f in frags}, what)
 
     def _install(self, f, version, mode, why, updates=0, held=False):
@@ -179,7 +179,7 @@ class Installs:
         """Rank 0: how fragment st's answer is installed: ["staged", []] (already staged), ["stage", [version,
         updates]] (staged now, then installed) or ["install", [version, updates, held]] (synchronously: an
         adoption after a restart, or a base that is this island's own weights)."""
-        from yeto_patch.island.plan import install_spec, stageable
+        from yeto_patch.island.boundary.plan import install_spec, stageable
         if st.staging is not None:
             return ["staged", []]
         spec = install_spec(st)[1:]

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from yeto_patch.island.background import BackgroundLane
+from yeto_patch.island.boundary.background import BackgroundLane
 from yeto_patch.island.errors import EngineError
 
 log = logging.getLogger("yeto_patch")

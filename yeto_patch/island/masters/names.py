@@ -335,7 +335,7 @@ def vocab_mismatch_message(name: str, mine: int, theirs: int, real: Optional[int
 def build_manifest(model_chunks, *, real_vocab_size: Optional[int] = None, vocab_rows: Optional[dict] = None,
                    merge_padding: bool = False, comm=None) -> Manifest:
     """Collective over the island: every rank contributes its local names; all get the same Manifest."""
-    from yeto_patch.island.collective import IslandComm
+    from yeto_patch.island.masters.collective import IslandComm
     comm = comm or IslandComm()
     err, local = None, []
     try:

@@ -3,7 +3,7 @@
 :class:`EntryLayout` (an entry's tensor-parallel sharding and, per shard, its read owners and holders),
 :class:`Item` (a piece of one entry's full tensor moved in one round), :func:`_build_items` / :func:`_rounds`
 (the chunk plan of an operation) and :func:`_cover` (one read owner per local element).  Pure bookkeeping,
-no communication; used by :mod:`yeto_patch.island.masters`.
+no communication; used by :mod:`yeto_patch.island.masters.view`.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from yeto_patch.island.collective import IslandError
+from yeto_patch.island.masters.collective import IslandError
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import types
 from typing import Callable
 
 from yeto_patch.island.errors import EngineError
-from yeto_patch.island.link import SyncerLink
+from yeto_patch.island.link.syncer import SyncerLink
 
 log = logging.getLogger("yeto_patch")
 

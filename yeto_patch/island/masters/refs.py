@@ -8,7 +8,7 @@ from typing import Dict, List
 
 import torch
 
-from yeto_patch.island.collective import IslandError
+from yeto_patch.island.masters.collective import IslandError
 
 __all__ = ["MasterRef", "leaf_optimizers", "find_masters", "_flat", "_same_storage"]
 

@@ -9,8 +9,8 @@ Rank 0 computes the plan and broadcasts it (as JSON) so that every rank runs the
   skip their boundary (merged before this island's restart), and the arrived bases to install first. A fragment
   that pushes now takes a newer base as the push's answer: installing it before the push would throw the local
   progress away (a fragment the syncer is behind on adopts the syncer's base first); so does a fragment whose
-  push is still in the background (island/push_pipeline.py). With a base stager the arrived bases are staged
-  first (every holder gets its part in the background, island/base_stager.py) and installed, locally on every
+  push is still in the background (island/boundary/push_lane.py). With a base stager the arrived bases are staged
+  first (every holder gets its part in the background, island/boundary/base_lane.py) and installed, locally on every
   rank, at the first plan after rank 0's part of the staging ended.
 - ``overdue``: pushes waited on because tau steps passed without their answer.
 """

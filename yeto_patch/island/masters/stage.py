@@ -119,7 +119,7 @@ class StagedInstalls:
         """Collective on `comm`: rank 0's `sources` (a list of ``source(index, offset, count)``: one absolute
         base, or the base updates in order with ``relative``) to every rank with a FP32 master of them; with
         `alpha` (a blend; rank 0's) each part's ``(1 - alpha) * value`` is prepared too."""
-        from yeto_patch.island.collective import IslandError
+        from yeto_patch.island.masters.collective import IslandError
         if self.rank == 0 and not sources:
             raise IslandError("stage: rank 0 needs at least one source")
         if self.rank == 0 and alpha is not None and not 0.0 <= float(alpha) <= 1.0:
@@ -230,7 +230,7 @@ class StagedInstalls:
         return n
 
     def _install_part(self, p: StagedPart, m, alpha: Optional[float], write_param: bool) -> None:
-        from yeto_patch.island.master_refs import _flat, _same_storage
+        from yeto_patch.island.masters.refs import _flat, _same_storage
         master = m.master
         if alpha is None:
             master.copy_(p.value)
@@ -266,7 +266,7 @@ class StagedInstalls:
         """Collective on the view's group (the training thread): each owner's model parameters of `indices` to
         the shard's other holders, where some holder has no FP32 master of them (after an install that came
         after Megatron's own parameter gather)."""
-        from yeto_patch.island.master_refs import _flat
+        from yeto_patch.island.masters.refs import _flat
         plan = self._plan("refresh", indices)
         pending_err = None
         for rnd in self._items(plan):
@@ -299,7 +299,7 @@ class StagedInstalls:
         """Every rank (collective when some rank holds parameters without their master): install `staged` after
         the optimizer step: masters, params, anchors (``install_masters``), then the other holders' params
         (``refresh_holders``). `mode`/`alpha` must be what the base was staged for."""
-        from yeto_patch.island.collective import IslandError
+        from yeto_patch.island.masters.collective import IslandError
         want = None if mode == "replace" else alpha
         if mode not in ("replace", "blend") or (want is None) != (staged.alpha is None) or \
                 (want is not None and float(want) != staged.alpha):

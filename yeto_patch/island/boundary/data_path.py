@@ -47,7 +47,7 @@ class DataPath:
     def push_encoder(self, st):
         """Rank 0: the encoder of fragment `st`'s next push (with error feedback the fragment's residual is
         carried, created here)."""
-        from yeto_patch.island.push_encoder import PushEncoder
+        from yeto_patch.island.boundary.push_encoder import PushEncoder
         s = self.settings
         residual = None
         if s.error_feedback:
