@@ -142,7 +142,7 @@ class _TimedEngine:
 def _own_shard_bytes(ctx, comm, fragments):
     """Per fragment: bytes of FP32 masters in this rank's optimizer shard; and the manifest and layout used."""
     from yeto_patch.island import build_manifest
-    from yeto_patch.island.masters.view import find_masters
+    from yeto_patch.island.masters.refs import find_masters
     from yeto_patch.syncer.layout import partition
     man = build_manifest(ctx["model"], comm=comm)
     wire = man.wire_manifest()

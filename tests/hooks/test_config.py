@@ -210,5 +210,5 @@ def test_markdown_command_prints_the_table(capsys):
 
 def test_island_timeout_is_no_longer_read_from_the_environment():
     import os
-    src = open(os.path.join(os.path.dirname(config.__file__), "island", "collective.py")).read()
+    src = open(os.path.join(os.path.dirname(config.__file__), "island", "masters", "collective.py")).read()
     assert "environ" not in src and "YETO_ISLAND_TIMEOUT_S" not in src

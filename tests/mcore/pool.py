@@ -4,7 +4,7 @@ Start-up of a megatron-core rank costs ~5-15 s (imports, process group), so a mo
 every configuration inside it:
 
     pool = WorkerPool(4)
-    per_rank = pool.run("tests.island.workers:read_full_model", cfg, timeout=120)
+    per_rank = pool.run("tests.island.masters.test_view_mcore:read_vs_reference", cfg, timeout=120)
 
 `run` calls the named function ``module:function`` with the same arguments on every rank (after
 ``torch.distributed`` is initialised over gloo and the CPU patches are applied), returns the per-rank results

@@ -14,20 +14,10 @@ from tests.shim.workers import Recorder, shim
 class FinishingRecorder(Recorder):
     finish_at = None
 
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.started, self.saved, self.resume = False, [], None
-
     def on_train_step_start(self, **facts):
         super().on_train_step_start(**facts)
         self.facts = facts
         self.finished = facts.get("iteration") == self.finish_at
-
-    def save_sync_state(self, directory, iteration):
-        self.saved.append((directory, iteration))
-
-    def set_resume(self, directory, iteration):
-        self.resume = (directory, iteration)
 
 
 def _fake_swift(monkeypatch):

@@ -8,14 +8,22 @@ _ENV = {"YETO_DILOCO_SYNCER": "127.0.0.1:9", "YETO_DILOCO_INSECURE": "1"}
 
 
 class Recorder:
-    """Stands in for the boundary engine: records what the hooks call, in order."""
+    """Stands in for the boundary engine (the whole yeto_patch.island.api.IslandEngine contract): records what the
+    hooks call, in order."""
     instances: list = []
 
     def __init__(self, settings, optimizer=None, model=None):
         self.settings, self.optimizer, self.model = settings, optimizer, model
         self.calls = []
-        self.finished = False
+        self.started = self.finished = False
+        self.saved, self.resume = [], None
         Recorder.instances.append(self)
+
+    def set_resume(self, directory, iteration):
+        self.resume = (directory, iteration)
+
+    def save_sync_state(self, directory, iteration):
+        self.saved.append((directory, iteration))
 
     def on_train_step_start(self, **facts):
         self.calls.append(("train_step_start", facts.get("iteration")))

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from tests.island.test_shard_link import FRAGMENTS, joined, push, until
-from tests.island.test_link import free_port
+from tests.island.link.test_sharded_link import FRAGMENTS, joined, push, until
+from tests.island.link.test_syncer_link import free_port
 from tests.shim import procs as P
 from yeto_patch.syncer.checkpoint import read_checkpoint
 from yeto_patch.syncer.cli import build_parser, config_from_args, resolve_shard
@@ -60,9 +60,9 @@ def test_two_shards_of_one_torchrun_job_serve_an_island_that_knows_only_shard_0(
         assert [lk.address for lk in link.links] == [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]
         for st in frags:
             push(link, st, np.full(st.numel, 0.25, np.float32))
-        until(link, lambda: all(st.answered(0) for st in frags), "merged bases")
+        until(link, lambda: all(st.answered() for st in frags), "merged bases")
         for st in frags:
-            st.installed(st.arrived.version)
+            st.installed(st.side.arrived.version)
         out = None
         while out is None:
             out = link.final_model(3, time.monotonic() + 30, 5.0, drain=True)

@@ -26,7 +26,7 @@ def _default_factory(settings, **facts):
 
 def set_engine_factory(factory: Optional[Callable[..., Any]]) -> None:
     """Use ``factory(settings, optimizer=, model=)`` instead of the island engine (None restores it); resets
-    the runtime."""
+    the runtime. What it makes must implement ``yeto_patch.island.api.IslandEngine`` (checked when made)."""
     global _factory
     _factory = factory
     RUNTIME.reset()
@@ -53,7 +53,7 @@ class Runtime:
             self.in_train_step = False
             self._warned_foreign = False
             self.loaded: Optional[tuple] = None   # (directory, iteration) of the checkpoint Megatron loaded
-        if engine is not None and hasattr(engine, "close"):
+        if engine is not None:
             try:
                 engine.close()
             except Exception:  # pragma: no cover - best effort on reset
@@ -76,9 +76,10 @@ class Runtime:
                     if settings.disable:
                         return None
                     _setup_logging(settings.log_level)
-                    self.engine = (_factory or _default_factory)(settings, optimizer=optimizer, model=model)
+                    self.engine = _checked((_factory or _default_factory)(settings, optimizer=optimizer,
+                                                                           model=model))
                     self.optimizer = optimizer
-                    if self.loaded is not None and hasattr(self.engine, "set_resume"):
+                    if self.loaded is not None:
                         self.engine.set_resume(*self.loaded)
                 except BaseException as err:
                     self.error = err
@@ -108,13 +109,13 @@ class Runtime:
         """Megatron loaded `iteration` from `directory` (before training): the engine restores its sync state."""
         with self._lock:
             self.loaded = (directory, int(iteration)) if directory and iteration else None
-            if self.engine is not None and hasattr(self.engine, "set_resume") and not self.engine.started:
+            if self.engine is not None and not self.engine.started:
                 self.engine.set_resume(*(self.loaded or (None, None)))
 
     def checkpoint_saved(self, directory, iteration) -> None:
         """Megatron saved `iteration` into `directory`: the engine writes its sync state beside it."""
         engine = self.engine
-        if engine is not None and hasattr(engine, "save_sync_state"):
+        if engine is not None:
             engine.save_sync_state(directory, iteration)
 
     # ---------------------------------------------------------------------------------------- optimizer
@@ -133,8 +134,7 @@ class Runtime:
         the engine installs the bases planned for this step into that leaf's masters (it never raises here: a
         failure is raised on every rank after the step)."""
         engine = self.engine
-        if engine is not None and getattr(self._depth, "counting", False) and \
-                hasattr(engine, "before_param_copy"):
+        if engine is not None and getattr(self._depth, "counting", False):
             engine.before_param_copy(optimizer)
 
     def before_outer_step(self, optimizer) -> bool:
@@ -159,6 +159,16 @@ class Runtime:
         ok = update_successful(result)
         tokens = self.pending_tokens if ok else 0
         self.engine.on_optimizer_step(update_successful=ok, tokens=tokens)
+
+
+def _checked(engine):
+    """The engine, if it implements the contract the hooks drive (a stand-in lacking a member fails here)."""
+    from yeto_patch.island import api
+    lacking = api.missing(engine)
+    if lacking:
+        raise TypeError(f"yeto-patch: the engine {type(engine).__name__} does not implement "
+                        f"yeto_patch.island.api.IslandEngine (missing {lacking})")
+    return engine
 
 
 def _agree_across_ranks(bad, settings) -> None:

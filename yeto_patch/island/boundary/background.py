@@ -8,8 +8,8 @@ island's plan (``check``), so every rank fails with that stage's message; anothe
 ``check`` would leave the others waiting in a collective, so it only logs. A rank that waits for its own job
 (``_wait``) raises the failure itself: it does so only where every rank waits for the same job.
 
-Subclasses: ``push_pipeline.PushPipeline`` (a push's gather and encoding) and ``base_stager.BaseStager`` (a merged
-base scattered to the holders' staging buffers).
+Subclasses: ``push_lane.PushLane`` (a push's gather and encoding) and ``base_lane.BaseLane`` (a merged base
+scattered to the holders' staging buffers).
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ log = logging.getLogger("yeto_patch")
 
 
 class BackgroundLane:
-    """Jobs keyed by fragment, run one at a time by a worker thread. A job has ``done`` (None until its work
-    ended: then the work's result), ``t_submit``, ``t_start``, ``work_s`` and ``cpu_s`` (set here). ``stage``:
-    the stage's name in messages ("push", "base")."""
+    """Jobs keyed by fragment, run one at a time by a worker thread. A job has ``result`` (None until its work
+    ended: then the work's result), ``t_submit``, ``t_start``, ``work_s`` and ``cpu_s`` (set here). ``kind``:
+    the lane's name in messages ("push", "base")."""
 
-    stage = "background"
+    kind = "background"
 
     def __init__(self, comm, rank: int, timeout_s: float, thread_name: str):
         self.comm, self.rank, self.timeout_s = comm, rank, timeout_s
@@ -51,10 +51,10 @@ class BackgroundLane:
     def in_flight(self, f: int) -> bool:
         return f in self.jobs
 
-    def done(self, f: int) -> bool:
+    def finished(self, f: int) -> bool:
         """Fragment f's job exists and its work ended."""
         job = self.jobs.get(f)
-        return job is not None and job.done is not None
+        return job is not None and job.result is not None
 
     def take_finished(self) -> list:
         """Jobs whose work ended, in submission order, up to the first one still running; raises a failure of
@@ -63,14 +63,14 @@ class BackgroundLane:
         out = []
         with self._cv:
             for f, job in list(self.jobs.items()):
-                if job.done is None:
+                if job.result is None:
                     break
                 out.append(self.jobs.pop(f))
         return out
 
     def wait_all(self, what: str) -> None:
         """Wait (bounded by the timeout) until every queued job ended."""
-        self._wait(lambda: all(j.done is not None for j in self.jobs.values()), what)
+        self._wait(lambda: all(j.result is not None for j in self.jobs.values()), what)
 
     def _wait(self, ready: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -78,13 +78,13 @@ class BackgroundLane:
             while not ready() and self.error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise EngineError(f"yeto-patch: {what}: the background {self.stage} stage did not finish "
+                    raise EngineError(f"yeto-patch: {what}: the background {self.kind} stage did not finish "
                                       f"within {self.timeout_s:g}s (YETO_DILOCO_TIMEOUT)")
                 self._cv.wait(min(left, 0.5))
         self.check()
 
     def failure(self) -> EngineError:
-        return EngineError(f"yeto-patch: the background {self.stage} stage failed: {self.error}")
+        return EngineError(f"yeto-patch: the background {self.kind} stage failed: {self.error}")
 
     def check(self) -> None:
         """Raise the stage's failure on rank 0 (inside the island's plan: every rank fails with it); log it once
@@ -94,7 +94,7 @@ class BackgroundLane:
         if self.error is not None and not self._said:
             self._said = True
             log.warning("yeto-patch: rank %d: the background %s stage failed (island rank 0 reports it): %s",
-                        self.rank, self.stage, self.error)
+                        self.rank, self.kind, self.error)
 
     def close(self) -> None:
         self._q.put(None)
@@ -123,4 +123,4 @@ class BackgroundLane:
                 self._cv.notify_all()
 
     def _finish(self, job, result) -> None:
-        job.done = result
+        job.result = result

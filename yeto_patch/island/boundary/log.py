@@ -41,15 +41,18 @@ class BoundaryLog:
             self._f.write(line + "\n")
 
     def installed(self, step: int, fragment: int, version: int, mode: str, why: str, ms: float, updates: int,
-                  rec: Optional[dict], **extra) -> None:
-        """A base was installed: completes the boundary record of the push it answered (`rec`, the fragment's
-        pending push) or records an install that answered none (not at start). `extra`: a staged install's
-        figures (stage_ms: the background staging; staged_wait_ms: the training thread's wait for it)."""
-        if rec is not None:
+                  push=None, wire=None, **extra) -> None:
+        """A base was installed: completes the boundary record of the push it answered (`push`: the fragment's
+        ``Push``, `wire`: its ``PushWire`` with the figures measured on the way) or records an install that
+        answered none (not at start). `extra`: a staged install's figures (stage_ms: the background staging;
+        staged_wait_ms: the training thread's wait for it)."""
+        if push is not None:
+            rec = {"step": push.step, "fragment": fragment, "base_version": push.base_version, "steps": push.steps,
+                   "tokens": push.tokens, "final": push.final, "wait_ms": 0.0}
+            if wire is not None:
+                rec.update(wire.figures, codec=wire.codec, send_ms=wire.send_ms)
             rec.update(version=int(version), installed=True, mode=mode, install_ms=round(ms, 2),
-                       pull_lag=step - rec["step"], updates=updates, **extra)
-            rec["send_ms"] = rec.pop("_send", {}).get("ms")
-            rec.pop("_body", None)
+                       pull_lag=step - push.step, updates=updates, **extra)
             self.write("boundary", **rec)
             log.info("yeto-patch: step %d: installed fragment %d v%d (%s, pushed at step %d, lag %d steps, "
                      "waited %.0f ms)", step, fragment, version, mode, rec["step"], rec["pull_lag"],

@@ -112,20 +112,25 @@ def read_state(path: str) -> Tuple[dict, Dict[str, np.ndarray]]:
 
 # ------------------------------------------------------------------------------------------ the island's side
 def capture(settings, iteration: int, step: int, manifest_digest: str, fragments) -> Tuple[dict, Dict]:
-    """Rank 0: (meta, arrays) of what a restart from this step needs (`fragments`: ``island.fragments``)."""
+    """Rank 0: (meta, arrays) of what a restart from this step needs (`fragments`: ``boundary.fragment``'s, every
+    push handed to the link: the engine drains the push lane first)."""
     pending, arrays = {}, {}
-    for st in fragments.pending():
-        rec = st.pending
-        pending[str(st.index)] = {k: v for k, v in rec.items() if not k.startswith("_")}
-        arrays[f"push.{st.index}"] = np.frombuffer(memoryview(rec["_body"]).cast("B"), dtype=np.uint8)
-    for st in fragments:
-        if st.residual is not None:
-            arrays[f"residual.{st.index}"] = st.residual
+    for frag in fragments.pushing():
+        push, wire = frag.push, frag.side.wire
+        if wire is None:
+            raise SyncStateError(f"internal: fragment {frag.index}'s push is still in the background lane")
+        pending[str(frag.index)] = {"step": push.step, "fragment": frag.index, "base_version": push.base_version,
+                                    "steps": push.steps, "tokens": push.tokens, "final": push.final,
+                                    "codec": wire.codec, "bytes": int(wire.body.nbytes)}
+        arrays[f"push.{frag.index}"] = np.frombuffer(memoryview(wire.body).cast("B"), dtype=np.uint8)
+    for frag in fragments:
+        if frag.side.residual is not None:
+            arrays[f"residual.{frag.index}"] = frag.side.residual
     meta = {"format": "yeto-island-sync-state", "island_id": settings.island_id, "iteration": iteration,
             "step": step, "manifest_digest": manifest_digest, "layout": fragments.layout,
             "push_dtype": settings.push_dtype, "block": settings.block, "error_feedback": bool(settings.error_feedback),
-            "anchor_version": fragments.anchors(), "steps_since": [st.steps_since for st in fragments],
-            "tokens_since": [st.tokens_since for st in fragments], "pending": pending}
+            "anchor_version": fragments.anchors(), "steps_since": [frag.steps_since for frag in fragments],
+            "tokens_since": [frag.tokens_since for frag in fragments], "pending": pending}
     return meta, arrays
 
 
@@ -151,36 +156,40 @@ def mismatch(meta: dict, *, manifest_digest: str, layout, iteration: int, island
     return None
 
 
-def restore(state: dict, arrays: Dict[str, np.ndarray], fragments, versions: Dict[str, int], keep, rank: int,
+def restore(state: dict, arrays: Dict[str, np.ndarray], fragments, versions: Dict[int, int], keep, rank: int,
             error_feedback: bool) -> List:
     """Every rank, after the start's installs: counters and unanswered pushes of the fragments in `keep` (their
     anchor is still the syncer's base), the error-feedback residuals (rank 0). A fragment the syncer merged past
     the saved anchor (with this island's pushes made before it died, whose steps it now trains again) skips that
-    many of its next boundaries, so the island's rounds line up with the other islands' again. Returns (rank 0)
-    the fragments whose saved push must be sent again."""
-    for st in fragments:
-        ahead = int(versions[str(st.index)]) - int(state["anchor_version"][st.index])
-        if st.index not in keep and ahead > 0:
-            st.skip = ahead
+    many of its next boundaries, so the island's rounds line up with the other islands' again. The saved pushes
+    are every rank's (the meta is broadcast); only rank 0 holds their bodies. Returns (rank 0) the fragments
+    whose saved push must be sent again."""
+    from yeto_patch.island.boundary.fragment import Push, PushWire
+    for frag in fragments:
+        ahead = int(versions[frag.index]) - int(state["anchor_version"][frag.index])
+        if frag.index not in keep and ahead > 0:
+            frag.skip = ahead
     resend = []
     for f in sorted(keep):
-        st = fragments[f]
-        st.steps_since = int(state["steps_since"][f])
-        st.tokens_since = int(state["tokens_since"][f])
+        frag = fragments[f]
+        frag.steps_since = int(state["steps_since"][f])
+        frag.tokens_since = int(state["tokens_since"][f])
         rec = state["pending"].get(str(f))
         if rec is None:
             continue
-        if rank != 0:
-            st.pending = {"step": int(rec["step"])}
-            continue
-        st.pending = dict(rec, _send={}, _body=arrays[f"push.{f}"])
-        st.repushed.add(int(rec["base_version"]))
-        resend.append(st)
+        push = Push(int(rec["step"]), int(rec["base_version"]), int(rec["steps"]), int(rec["tokens"]),
+                    bool(rec.get("final", False)))
+        wire = None
+        if rank == 0:
+            wire = PushWire(arrays[f"push.{f}"], str(rec["codec"]), {"bytes": int(rec.get("bytes", 0))})
+            frag.side.repushed.add(push.base_version)
+            resend.append(frag)
+        frag.resume_push(push, wire)
     if rank == 0 and error_feedback:
-        for st in fragments:
-            r = arrays.get(f"residual.{st.index}")
-            if r is not None and r.size == st.numel:
-                st.residual = r.astype(np.float32, copy=True)
+        for frag in fragments:
+            r = arrays.get(f"residual.{frag.index}")
+            if r is not None and r.size == frag.numel:
+                frag.side.residual = r.astype(np.float32, copy=True)
     return resend
 
 

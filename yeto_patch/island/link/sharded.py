@@ -24,17 +24,17 @@ log = logging.getLogger("yeto_patch")
 class ShardedLink:
     """The link to every shard of the syncer; the same interface as ``SyncerLink``."""
 
-    def __init__(self, settings, wire_manifest, *, held=None, step: Callable[[], int] = lambda: 0, record=None):
+    def __init__(self, settings, wire_manifest, *, start_digests=None, step: Callable[[], int] = lambda: 0, record=None):
         self.settings = settings
-        self._args = dict(held=held, step=step, record=record)
+        self._args = dict(start_digests=start_digests, step=step, record=record)
         self.manifest = wire_manifest
-        self.bell = threading.Event()
+        self.arrival = threading.Event()
         self.links: list[SyncerLink] = []
         self.owner: dict[int, SyncerLink] = {}
         self._final: dict = {}     # shard index -> its final bases, once complete
 
     def _link(self, address) -> SyncerLink:
-        return SyncerLink(self.settings, self.manifest, address=address, bell=self.bell, **self._args)
+        return SyncerLink(self.settings, self.manifest, address=address, arrival=self.arrival, **self._args)
 
     # ---------------------------------------------------------------------------------------------- connecting
     def open(self):
@@ -126,10 +126,10 @@ class ShardedLink:
         if len(self.links) == 1:
             self.links[0].wait(timeout)
         else:
-            self.bell.wait(max(0.0, min(timeout, 0.5)))
+            self.arrival.wait(max(0.0, min(timeout, 0.5)))
 
     def poll(self) -> None:
-        self.bell.clear()   # (before polling: whatever arrives after this wakes the next wait)
+        self.arrival.clear()   # (before polling: whatever arrives after this wakes the next wait)
         for link in self.links:
             link.poll()
 

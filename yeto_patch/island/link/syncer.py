@@ -78,14 +78,14 @@ class SyncerLink:
     block, key_file / key_from_env; `step()`: the island's step (for log lines); `record(event, **fields)`:
     the boundary log (or None)."""
 
-    def __init__(self, settings, wire_manifest, *, held=None, step: Callable[[], int] = lambda: 0, record=None,
-                 address: Optional[str] = None, bell=None):
+    def __init__(self, settings, wire_manifest, *, start_digests=None, step: Callable[[], int] = lambda: 0,
+                 record=None, address: Optional[str] = None, arrival=None):
         self.settings = settings
         self.address = address or settings.syncer   # (one shard's, for a sharded syncer)
-        self.bell = bell                            # set by the client on every arrival (shard_link.py)
+        self.arrival = arrival                      # an Event the client sets on every arrival (sharded.py)
         self.owned: Optional[list] = None           # the fragments this syncer (shard) owns, from its welcome
         self.manifest = wire_manifest
-        self.held = held
+        self.start_digests = start_digests          # per-tensor digests of this island's start (or None)
         self.step = step
         self.record = record
         self.key = load_key(settings)
@@ -97,17 +97,18 @@ class SyncerLink:
         self.refusals = collections.deque()   # refusals the sender thread met (raised by poll)
 
     # ---------------------------------------------------------------------------------------------- connecting
-    def _client(self, incarnation, timeout, held):
+    def _client(self, incarnation, timeout, start_digests):
         from yeto_patch.wire.client import SyncerClient
         s = self.settings
         return SyncerClient(self.address, self.key, s.island_id, self.manifest, incarnation=incarnation,
-                            timeout=timeout, insecure=s.insecure, connect_retries=0, held=held, bell=self.bell)
+                            timeout=timeout, insecure=s.insecure, connect_retries=0, held=start_digests,
+                            bell=self.arrival)
 
-    def _dial(self, incarnation, timeout, held, deadline, what, on_retry=None):
+    def _dial(self, incarnation, timeout, start_digests, deadline, what, on_retry=None):
         from yeto_patch.wire.sender import BackgroundSender
 
         def attempt():
-            c = self._client(incarnation, timeout, held)
+            c = self._client(incarnation, timeout, start_digests)
             try:
                 return c, c.connect()
             except BaseException:
@@ -129,7 +130,7 @@ class SyncerLink:
                 said.append(True)
                 log.info("yeto-patch: the syncer at %s does not answer yet (%s: %s); trying again for up to %.0fs "
                          "(YETO_DILOCO_TIMEOUT)", self.address, type(e).__name__, e, left)
-        w, n = self._dial(None, s.timeout, self.held, time.monotonic() + s.timeout,
+        w, n = self._dial(None, s.timeout, self.start_digests, time.monotonic() + s.timeout,
                           f"connect to the syncer at {self.address}", on_retry=waiting)
         if n > 1:
             log.info("yeto-patch: connected to the syncer at %s (attempt %d)", self.address, n)
@@ -180,16 +181,16 @@ class SyncerLink:
 
     def _reconcile(self, w, cause, attempts) -> None:
         repush, adopt = [], []
-        for st in (self.fragments[i] for i in self.owned):
-            v = int(w.versions[st.index])
-            rec = st.pending
-            if v < st.anchor_version:
-                adopt.append(st.index)
-                st.adopt = True
-            elif rec is not None and rec["base_version"] == v and "_body" in rec:
-                repush.append(st.index)
-                st.repushed.add(v)
-                self.send_push(st)
+        for frag in (self.fragments[i] for i in self.owned):
+            v = int(w.versions[frag.index])
+            side = frag.side
+            if v < frag.anchor_version:
+                adopt.append(frag.index)
+                side.adopt = True
+            elif frag.push is not None and frag.push.base_version == v and side.wire is not None:
+                repush.append(frag.index)
+                side.repushed.add(v)
+                self.send_push(frag)
         if adopt:
             log.warning("yeto-patch: the syncer at %s is behind this island for fragments %s (it resumed from an "
                         "older checkpoint: run it with --checkpoint-every 1 to lose nothing); adopting its bases",
@@ -202,25 +203,26 @@ class SyncerLink:
                         seconds=round(secs, 3), versions=list(w.versions), repushed=repush, adopted=adopt)
 
     # ---------------------------------------------------------------------------------------------- data
-    def send_push(self, st) -> None:
-        """Queue the push recorded in `st.pending` on the background sender (a lost link: reconnect, which sends
-        it again)."""
+    def send_push(self, frag) -> None:
+        """Queue fragment `frag`'s push (its ``Push`` and rank 0's ``PushWire``) on the background sender (a lost
+        link: reconnect, which sends it again)."""
+        from yeto_patch.island.boundary.plan import InstallRule
         from yeto_patch.wire.client import SyncerRefusal, recoverable
         s = self.settings
-        client, rec = self.client, st.pending
-        body, timing, f = rec["_body"], rec["_send"], st.index
+        client, push, wire, f = self.client, frag.push, frag.side.wire, frag.index
+        body = wire.body
 
         def send():
             t = time.perf_counter()
             while True:
                 try:
-                    client.push(f, base_version=rec["base_version"], local_step=rec["step"], steps=rec["steps"],
-                                tokens=rec["tokens"], codec=rec["codec"], block=s.block, body=body,
-                                final=rec["final"], blend=s.overlap_steps > 0)
+                    client.push(f, base_version=push.base_version, local_step=push.step, steps=push.steps,
+                                tokens=push.tokens, codec=wire.codec, block=s.block, body=body,
+                                final=push.final, blend=InstallRule.of(s).blend)
                     break
                 except SyncerRefusal as e:   # an earlier push's refusal, raised before this one went out:
                     self.refusals.append(e)   # the training thread handles it (poll); send this push still
-            timing["ms"] = round((time.perf_counter() - t) * 1000, 2)
+            wire.send_ms = round((time.perf_counter() - t) * 1000, 2)
         try:
             self.sender.submit(send, int(body.nbytes), timeout=s.timeout)
         except Exception as e:  # noqa: BLE001
@@ -264,19 +266,19 @@ class SyncerLink:
                 self.reconnect(e)
         self.outage = None
         for b in bases:
-            self.fragments[b.fragment].take_base(b)
+            self.fragments[b.fragment].side.take_base(b)
 
     def _expected_refusal(self, e) -> bool:
         """A refusal that needs no action: a push the syncer already holds, or one it merged past."""
         if e.code == "duplicate":   # sent again after a lost link, or by this island before a restart:
-            st = self.fragments[e.fragment] if isinstance(e.fragment, int) and 0 <= e.fragment < len(
+            side = self.fragments[e.fragment].side if isinstance(e.fragment, int) and 0 <= e.fragment < len(
                 self.fragments) else None
-            if st is None or e.base_version not in st.repushed:   # the syncer counts the first once
+            if side is None or e.base_version not in side.repushed:   # the syncer counts the first once
                 log.info("yeto-patch: step %d: the syncer already holds this island's push of fragment %s "
                          "relative to v%s (made before a restart); it counts once", self.step(), e.fragment,
                          e.base_version)
-            if st is not None:
-                st.repushed.discard(e.base_version)
+            if side is not None:
+                side.repushed.discard(e.base_version)
             return True
         if e.code == "stale":   # merged past it without this island: the newer base answers the push
             log.warning("yeto-patch: step %d: the syncer refused the push of fragment %s relative to v%s "

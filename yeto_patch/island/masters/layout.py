@@ -1,8 +1,8 @@
 """Where every element of a manifest entry lives on an island, and how it is moved in bounded rounds.
 
 :class:`EntryLayout` (an entry's tensor-parallel sharding and, per shard, its read owners and holders),
-:class:`Item` (a piece of one entry's full tensor moved in one round), :func:`_build_items` / :func:`_rounds`
-(the chunk plan of an operation) and :func:`_cover` (one read owner per local element).  Pure bookkeeping,
+:class:`Item` (a piece of one entry's full tensor moved in one round), :func:`build_items` / :func:`chunk_rounds`
+(the chunk plan of an operation) and :func:`cover` (one read owner per local element).  Pure bookkeeping,
 no communication; used by :mod:`yeto_patch.island.masters.view`.
 """
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Item:
         return [(r, o0 * s * seg, o1 * s * seg) for r in range(T)]
 
 
-def _build_items(e: int, lay: EntryLayout, chunk: int) -> List[Item]:
+def build_items(e: int, lay: EntryLayout, chunk: int) -> List[Item]:
     outer, s, T, seg = lay.geometry
     row = s * T * seg
     held = outer * row
@@ -104,7 +104,7 @@ def _build_items(e: int, lay: EntryLayout, chunk: int) -> List[Item]:
     return items + tail
 
 
-def _rounds(items: List[Item], chunk: int) -> List[List[Item]]:
+def chunk_rounds(items: List[Item], chunk: int) -> List[List[Item]]:
     rounds, cur, n = [], [], 0
     for it in items:
         if cur and n + it.count > chunk:
@@ -117,7 +117,7 @@ def _rounds(items: List[Item], chunk: int) -> List[List[Item]]:
     return rounds
 
 
-def _cover(name, r, n_local, rows) -> List[Tuple[int, int, int]]:
+def cover(name, r, n_local, rows) -> List[Tuple[int, int, int]]:
     """Pick one read owner per local element: the lowest rank owning it."""
     owners = []
     covered = []   # disjoint sorted intervals already assigned

@@ -10,7 +10,7 @@ import torch
 
 from yeto_patch.island.masters.collective import IslandError
 
-__all__ = ["MasterRef", "leaf_optimizers", "find_masters", "_flat", "_same_storage"]
+__all__ = ["MasterRef", "leaf_optimizers", "find_masters", "flat_view", "same_storage"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -39,11 +39,11 @@ def leaf_optimizers(optimizer) -> list:
     return out
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def flat_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().view(-1)
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     try:
         return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     except Exception:
@@ -86,28 +86,28 @@ def _find_leaf_masters(o, out: Dict[int, MasterRef]) -> None:
                 for cand in (inner.param_to_fp32_param.get(opt_param),
                              inner.gpu_params_map_cpu_copy.get(opt_param),
                              inner.state.get(opt_param, {}).get("master_param")):
-                    if torch.is_tensor(cand) and cand is not master and not _same_storage(cand, master) \
-                            and all(not _same_storage(cand, x) for x in extras):
-                        extras.append(_flat(cand))
-                lowp = [] if _same_storage(opt_param, p) or opt_param is master else [_flat(opt_param)]
-                out[id(p)] = MasterRef(start, end, _flat(master), extras, lowp, "HybridDeviceOptimizer")
+                    if torch.is_tensor(cand) and cand is not master and not same_storage(cand, master) \
+                            and all(not same_storage(cand, x) for x in extras):
+                        extras.append(flat_view(cand))
+                lowp = [] if same_storage(opt_param, p) or opt_param is master else [flat_view(opt_param)]
+                out[id(p)] = MasterRef(start, end, flat_view(master), extras, lowp, "HybridDeviceOptimizer")
             else:
                 if opt_param.numel() != end - start:
                     raise IslandError(f"internal: DistributedOptimizer shard of {tuple(p.shape)} has "
                                       f"{opt_param.numel()} elements, range says {end - start}")
-                out[id(p)] = MasterRef(start, end, _flat(opt_param), [], [], "DistributedOptimizer")
+                out[id(p)] = MasterRef(start, end, flat_view(opt_param), [], [], "DistributedOptimizer")
     elif cls == "Float16OptimizerWithFloat16Params" or hasattr(o, "fp32_from_float16_groups"):
         for g16, g32 in zip(o.float16_groups, o.fp32_from_float16_groups):
             for p, m in zip(g16, g32):
-                out[id(p)] = MasterRef(0, p.numel(), _flat(m), [], [], "Float16Optimizer")
+                out[id(p)] = MasterRef(0, p.numel(), flat_view(m), [], [], "Float16Optimizer")
         for g in o.fp32_from_fp32_groups:
             for p in g:
-                out[id(p)] = MasterRef(0, p.numel(), _flat(p), [], [], "Float16Optimizer(fp32 param)")
+                out[id(p)] = MasterRef(0, p.numel(), flat_view(p), [], [], "Float16Optimizer(fp32 param)")
     elif cls == "FP32Optimizer" or hasattr(o, "optimizer"):
         for g in o.optimizer.param_groups:
             for p in g["params"]:
                 if p.dtype != torch.float32:
                     raise IslandError(f"{cls}: parameter of dtype {p.dtype} has no FP32 master")
-                out[id(p)] = MasterRef(0, p.numel(), _flat(p), [], [], "FP32Optimizer")
+                out[id(p)] = MasterRef(0, p.numel(), flat_view(p), [], [], "FP32Optimizer")
     else:
         raise IslandError(f"unsupported optimizer {cls}: cannot find its FP32 masters")

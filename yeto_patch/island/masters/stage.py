@@ -230,7 +230,7 @@ class StagedInstalls:
         return n
 
     def _install_part(self, p: StagedPart, m, alpha: Optional[float], write_param: bool) -> None:
-        from yeto_patch.island.masters.refs import _flat, _same_storage
+        from yeto_patch.island.masters.refs import flat_view, same_storage
         master = m.master
         if alpha is None:
             master.copy_(p.value)
@@ -244,8 +244,8 @@ class StagedInstalls:
         for c in list(m.extra_fp32) + list(m.extra_lowp):
             c.copy_(master)
         lp = self._local[(p.entry, p.shard)]
-        if write_param and not _same_storage(master, lp.param):
-            _flat(lp.param.data)[p.start: p.end].copy_(master)
+        if write_param and not same_storage(master, lp.param):
+            flat_view(lp.param.data)[p.start: p.end].copy_(master)
         RELEASER.drop([p.scaled, self._set_anchor(p)])
         p.scaled, p.done = None, True
 
@@ -266,7 +266,7 @@ class StagedInstalls:
         """Collective on the view's group (the training thread): each owner's model parameters of `indices` to
         the shard's other holders, where some holder has no FP32 master of them (after an install that came
         after Megatron's own parameter gather)."""
-        from yeto_patch.island.masters.refs import _flat
+        from yeto_patch.island.masters.refs import flat_view
         plan = self._plan("refresh", indices)
         pending_err = None
         for rnd in self._items(plan):
@@ -280,7 +280,7 @@ class StagedInstalls:
                     if self.rank not in sh.holders or not set(sh.holders) - set(sh.master_holders(x, y)):
                         continue
                     try:
-                        param = _flat(self._local[(it.entry, r)].param.data)[x:y]
+                        param = flat_view(self._local[(it.entry, r)].param.data)[x:y]
                         buf = param if param.device.type == "cpu" else param.to("cpu")
                     except Exception as ex:  # noqa: BLE001 - keep the transfers going, agreed below
                         pending_err = pending_err or ex

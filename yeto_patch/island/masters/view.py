@@ -35,11 +35,9 @@ import numpy as np
 import torch
 
 from yeto_patch.island.masters.collective import IslandComm, IslandError
-from yeto_patch.island.masters.layout import (EntryLayout, Item, ShardLayout, _build_items, _cover,  # noqa: F401
-                                             _rounds)
+from yeto_patch.island.masters.layout import EntryLayout, Item, ShardLayout, build_items, chunk_rounds, cover
+from yeto_patch.island.masters.refs import MasterRef, find_masters, flat_view, same_storage
 from yeto_patch.island.masters.stage import StagedInstalls
-from yeto_patch.island.masters.refs import (MasterRef, _flat, _same_storage, find_masters,  # noqa: F401
-                                           leaf_optimizers)
 from yeto_patch.island.masters.names import LocalParam, Manifest
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -112,7 +110,7 @@ class MasterView(StagedInstalls):
             out = []
             for r in range(T):
                 holders = tuple(sorted({x[0] for x in shards[r]}))
-                out.append(ShardLayout(_cover(entry.name, r, n_local, shards[r]), holders,
+                out.append(ShardLayout(cover(entry.name, r, n_local, shards[r]), holders,
                                        sorted((a, b, rk) for rk, a, b in shards[r] if b > a)))
             layout[e] = EntryLayout(padded, kept, T, d, s, out)
             if kept != entry.numel:
@@ -156,8 +154,8 @@ class MasterView(StagedInstalls):
     def _items(self, plan) -> List[List[Item]]:
         items = []
         for e in plan["entries"]:
-            items.extend(_build_items(e, self.layout[e], plan["chunk_elems"]))
-        return _rounds(items, plan["chunk_elems"])
+            items.extend(build_items(e, self.layout[e], plan["chunk_elems"]))
+        return chunk_rounds(items, plan["chunk_elems"])
 
     def _transfers(self, it: Item):
         """[(r, x, y, owner, a)] for the item: owner's local [x, y) of shard r; a = start of the part."""
@@ -548,14 +546,14 @@ class MasterView(StagedInstalls):
         if lp is None:
             raise IslandError(f"internal: rank {self.rank} is a holder of '{self.manifest.entries[e].name}' "
                               f"shard {r} but has no local parameter")
-        _flat(lp.param.data)[x:y].copy_(t)
+        flat_view(lp.param.data)[x:y].copy_(t)
         m = self._master.get((e, r))
         if m is not None:
             lo, hi = max(x, m.start), min(y, m.end)
             if lo < hi:
                 v = t[lo - x: hi - x]
                 sl = slice(lo - m.start, hi - m.start)
-                if not _same_storage(m.master, lp.param):
+                if not same_storage(m.master, lp.param):
                     m.master[sl].copy_(v)
                 for c in m.extra_fp32:
                     c[sl].copy_(v)

@@ -1,38 +1,191 @@
-"""Functions run on every rank of a pool by the island tests (real megatron-core on CPU, gloo)."""
-from __future__ import annotations
-
-import json
-import os
-import threading
-import time
-
+"""FP32 master read / write on real megatron-core (CPU, 4 gloo ranks in one pool for the module)."""
 import numpy as np
-import torch
-import torch.distributed as dist
+import pytest
 
-from tests.mcore import harness
-from yeto_patch.island import IslandComm, IslandError, MasterView, build_manifest, collect_arrays, find_masters
-from yeto_patch.island.masters.view import leaf_optimizers
+from tests.mcore.harness import hdo_supported
+
+W = "tests.island.masters.test_view_mcore"
+
+LAYOUTS = {
+    "tp2dp2_bf16_distopt": dict(tp=2, bf16=True),
+    "pp2tp2_bf16_distopt": dict(tp=2, pp=2, layers=4, micro=4, bf16=True),
+    "dp4_bf16_float16opt": dict(tp=1, bf16=True, dist_opt=False),
+    "dp4_fp32_fp32opt": dict(tp=1, dist_opt=False),
+    "tp2dp2_fp32_distopt": dict(tp=2),
+    "moe_tp2ep2_bf16_chained": dict(tp=2, ep=2, experts=4, bf16=True),
+}
+EXTRA = {
+    "pp2vpp2_bf16": dict(tp=1, pp=2, vpp=2, layers=4, micro=4, bf16=True),
+    "moe_tp2ep2etp2_fp32": dict(tp=2, ep=2, experts=4, etp=2),
+    "tp2dp2_bf16_overlap_param_gather": dict(tp=2, bf16=True, overlap_grad_reduce=True, overlap_param_gather=True),
+}
+if hdo_supported():
+    EXTRA["tp2dp2_bf16_hybrid_device_optimizer"] = dict(tp=2, bf16=True, cpu_offload=True, offload_fraction=0.5)
 
 
-def _setup(cfg_kwargs, steps=2, real_vocab=None, chunk_bytes=1 << 16):
-    cfg = harness.RunCfg(**cfg_kwargs)
-    ctx = harness.build(cfg)
-    if steps:
-        ctx["losses"] = harness.train_steps(ctx, steps)
-    comm = IslandComm(timeout_s=60)
-    man = build_manifest(ctx["model"], real_vocab_size=real_vocab, comm=comm)
-    view = MasterView(ctx["model"], ctx["optimizer"], man, chunk_bytes=chunk_bytes, comm=comm)
-    return ctx, man, view
+def _compare_with_reference(res):
+    got = res[0]["got"]
+    ref = {}
+    for r in res:
+        ref.update(r["ref"])
+    assert sorted(got) == sorted(ref)
+    bad = [k for k in got if not np.array_equal(got[k], ref[k])]
+    assert not bad, f"read differs from the reference for {bad}"
+    names = [n for n, _, _ in res[0]["manifest"]]
+    assert sorted(names) == sorted(got)
 
 
-def _wire(man):
-    return [[n, list(s), d] for n, s, d in man.wire_manifest()]
+@pytest.mark.parametrize("layout", list(LAYOUTS) + list(EXTRA))
+def test_read_equals_megatron_reference(mcore_pool, layout):
+    """(1) rank 0's streamed read == megatron's own DP gathering + TP concatenation, element for element."""
+    cfg = {**LAYOUTS, **EXTRA}[layout]
+    res = mcore_pool.run(f"{W}:read_vs_reference", cfg, timeout=240)
+    _compare_with_reference(res)
+    # chunks of 16 KiB: nothing bigger than a small multiple of the chunk was buffered on any rank
+    assert max(r["peak"] for r in res) <= 2 * (1 << 14)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# independent reference: megatron's own DP state gathering + TP concatenation with megatron's groups
-# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", list(LAYOUTS) + ["tp2dp2_bf16_overlap_param_gather"]
+                         + (["tp2dp2_bf16_hybrid_device_optimizer"] if hdo_supported() else []))
+def test_write_read_plus_c_changes_masters_exactly_keeps_adam_state(mcore_pool, layout):
+    """(3) write(read() + c): masters == old + c, params == cast(masters) on every replica, Adam state
+    bit-identical, and training continues and lowers the loss."""
+    cfg = {**LAYOUTS, **EXTRA}[layout]
+    res = mcore_pool.run(f"{W}:write_plus_constant", cfg, 0.03125, timeout=240)
+    for r in res:
+        assert r["same_states"] and r["n_states"] > 0
+    assert sum(r["n_checked"] for r in res) > 0
+    r0 = res[0]
+    assert r0["eval1"] != pytest.approx(r0["eval0"], abs=1e-4)    # the write changed the model
+    assert r0["eval2"] < r0["eval1"], r0                          # the next steps train from the new values
+
+
+def test_blend_write(mcore_pool):
+    res = mcore_pool.run(f"{W}:write_plus_constant", LAYOUTS["tp2dp2_bf16_distopt"], 0.03125, 2, 1 << 14, 0.25,
+                         timeout=240)
+    assert all(r["same_states"] for r in res)
+    assert res[0]["eval2"] < res[0]["eval1"]
+
+
+def test_blend_with_anchor_at_the_value(mcore_pool):
+    """DiLoCo's overlapped install: masters := alpha*local + (1-alpha)*base, anchor := base."""
+    res = mcore_pool.run(f"{W}:blend_with_anchor_value", LAYOUTS["pp2tp2_bf16_distopt"], 0.25, 0.5, timeout=240)
+    r = res[0]
+    assert r["err_cur"] < 1e-6 and r["err_delta"] < 1e-6
+    assert r["mean_delta"] == pytest.approx(0.125, abs=1e-4)   # (1 - alpha) * c
+
+
+@pytest.mark.parametrize("layout", ["pp2tp2_bf16_distopt", "dp4_bf16_float16opt"])
+def test_read_delta_is_anchor_minus_current(mcore_pool, layout):
+    res = mcore_pool.run(f"{W}:delta_roundtrip", LAYOUTS[layout], timeout=240)
+    assert res[0]["ok"] and res[0]["sub_ok"]
+    # anchors only where the data is owned: together they hold the model once
+    assert sum(r["anchor_bytes"] for r in res) > 0
+
+
+@pytest.mark.parametrize("layout", ["tp2dp2_bf16_distopt", "dp4_bf16_float16opt"])
+def test_a_snapshot_gathered_later_on_its_own_group_is_the_delta_of_its_boundary(mcore_pool, layout):
+    """The background push's data path: each rank snapshots only what it owns; gathered later, beside a
+    read_delta on the view's group, it gives rank 0 the boundary's delta bit for bit."""
+    res = mcore_pool.run(f"{W}:snapshot_gather", LAYOUTS[layout], timeout=240)
+    assert res[0]["ok"] and not any(r["err"] or r["alive"] for r in res), res
+    assert sum(r["own"] for r in res) == res[0]["total"]     # the snapshots hold the model once, split by owner
+
+
+@pytest.mark.parametrize("kind,expect", [
+    ("sink", "injected failure in the rank-0 sink"),
+    ("no_anchor", "no anchor for"),
+    ("mismatched_op", "called write"),
+])
+def test_error_on_one_rank_is_raised_on_every_rank(mcore_pool, kind, expect):
+    """(5) an injected failure on one rank ends every rank with that message, quickly, and the island still works."""
+    res = mcore_pool.run(f"{W}:injected_failure", LAYOUTS["pp2tp2_bf16_distopt"], kind, timeout=120)
+    for r in res:
+        assert r["error"] is not None and expect in r["error"], res
+        assert r["seconds"] < 30
+
+
+def test_non_finite_write_is_refused_everywhere_and_installs_nothing(mcore_pool):
+    res = mcore_pool.run(f"{W}:injected_failure", LAYOUTS["tp2dp2_bf16_distopt"], "bad_source", timeout=120)
+    for r in res:
+        assert r["error"] and "non-finite" in r["error"]
+        assert r["unchanged"]
+
+
+def test_peak_memory_is_bounded_by_the_chunk_not_the_model(mcore_pool):
+    """(6) a model ~130x the chunk: peak sync buffers per rank stay a small multiple of the chunk."""
+    chunk = 1 << 15
+    cfg = dict(tp=2, bf16=True, hidden=192, ffn=768, heads=8, layers=2, vocab=1024)
+    res = mcore_pool.run(f"{W}:bounded_memory", cfg, chunk, timeout=240)
+    model_bytes = res[0]["model_bytes"]
+    assert model_bytes > 100 * chunk
+    print("bounded memory:", res)
+    for r in res:
+        assert r["read_peak"] <= 3 * chunk and r["write_peak"] <= 3 * chunk, r
+        # measured resident memory: far below one model copy (allocator noise allowed)
+        assert r["read_rss"] < model_bytes / 8 and r["write_rss"] < model_bytes / 8, r
+
+
+def test_relative_write_adds_the_owners_anchor_exactly(mcore_pool):
+    """Quantized base updates from the syncer: value = anchor + change on the owner, bit for bit, for the
+    anchor-only pass, a replace and a blended install; without anchors every rank refuses."""
+    res = mcore_pool.run(f"{W}:relative_write", LAYOUTS["tp2dp2_bf16_distopt"], 0.5, timeout=480)
+    for r in res:
+        assert r["err"] and "no anchor for" in r["err"], res
+    r = res[0]
+    assert r["changed"] and r["keep_masters"] and r["keep_anchor"]
+    assert r["replace"] and r["replace_anchor"] and r["blend_anchor"]
+    assert r["blend_err"] < 1e-6
+
+
+@pytest.mark.parametrize("layout,mode,updates,route", [
+    ("tp2dp2_bf16_distopt", "replace", 0, "in_step"),
+    ("tp2dp2_bf16_distopt", "blend", 0, "in_step"),
+    ("tp2dp2_bf16_distopt", "blend", 2, "after_step"),
+    ("tp2dp2_bf16_distopt", "blend", 0, "after_step"),
+    ("dp4_bf16_float16opt", "blend", 0, "in_step"),
+    ("dp4_bf16_float16opt", "replace", 0, "after_step"),
+    ("pp2tp2_bf16_distopt", "replace", 1, "in_step"),
+    ("moe_tp2ep2_bf16_chained", "blend", 1, "in_step"),
+    ("tp2dp2_bf16_overlap_param_gather", "blend", 0, "in_step"),
+    ("tp2dp2_fp32_distopt", "blend", 0, "in_step"),
+    ("dp4_fp32_fp32opt", "blend", 0, "after_step"),          # (FP32Optimizer never casts: after the step only)
+    pytest.param("tp2dp2_bf16_hybrid_device_optimizer", "blend", 0, "in_step",
+                 marks=pytest.mark.skipif(not hdo_supported(), reason="no HybridDeviceOptimizer here")),
+])
+def test_a_base_staged_in_the_background_installs_what_write_installs(mcore_pool, layout, mode, updates, route):
+    """stage (background group, another thread) + an install against write on the same state, every master,
+    anchor and param on every rank bit for bit: installed into the masters only, before each leaf optimizer's
+    own cast and Megatron's parameter gather (in_step: what the engine does inside the optimizer step), or after
+    the step with the params and the replicas' refresh (after_step)."""
+    cfg = {**LAYOUTS, **EXTRA}[layout]
+    res = mcore_pool.run(f"{W}:staged_vs_write", cfg, mode, updates, 0.5, 1 << 14, route, timeout=240)
+    for r in res:
+        assert not r["err"] and not r["alive"] and r["untouched"] and not r["pending"], r
+        assert not r["differ"], r["differ"][:5]
+        # the staging is one float32 copy of the rank's masters, two for a blend (the scaled values too)
+        assert r["staged_bytes"] == r["master_bytes"] * (2 if mode == "blend" else 1), r
+
+
+def test_agree_flags_ors_the_flags_and_raises_the_lowest_failing_ranks_error_everywhere(mcore_pool):
+    res = mcore_pool.run(f"{W}:agree_flags_cases", timeout=120)
+    assert [r["ok"] for r in res] == [[1, 0, 1]] * 4
+    assert [r["err"] for r in res] == ["RuntimeError: install failed on rank 2 [island rank 2]"] * 4
+
+# ================================================================================================ workers
+# Run on every rank of the module's pool (pool.run(f"{W}:<name>", ...)): real megatron-core on CPU, gloo.
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tests.island.masters.mcore_setup import _setup, _wire  # noqa: E402
+from tests.mcore import harness  # noqa: E402
+from yeto_patch.island import IslandComm, IslandError, collect_arrays, find_masters  # noqa: E402
+from yeto_patch.island.masters.refs import leaf_optimizers  # noqa: E402
+
+
 def _reference_full_masters(ctx) -> dict:
     """{global name: full fp32 array} for the parameters whose TP-rank-0 / DP-rank-0 copy lives here.
 
@@ -117,33 +270,6 @@ def read_vs_reference(cfg_kwargs, steps=2, chunk_bytes=1 << 14):
     return res
 
 
-def manifest_of(cfg_kwargs, real_vocab=None):
-    cfg = harness.RunCfg(**cfg_kwargs)
-    ctx = harness.build(cfg)
-    comm = IslandComm(timeout_s=60)
-    man = build_manifest(ctx["model"], real_vocab_size=real_vocab, comm=comm)
-    return _wire(man)
-
-
-def manifest_error_without_expert_index(cfg_kwargs):
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    ctx = harness.build(harness.RunCfg(**cfg_kwargs))
-    for c in ctx["model"]:
-        for m in harness.unwrap(c).modules():
-            if isinstance(m, MoELayer):
-                for obj in (m, m.experts):
-                    if hasattr(obj, "local_expert_indices"):
-                        delattr(obj, "local_expert_indices")
-    try:
-        build_manifest(ctx["model"], comm=IslandComm(timeout_s=60))
-    except IslandError as e:
-        return str(e)
-    return None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# write(read() + c)
-# ---------------------------------------------------------------------------------------------------------
 def _opt_states(optimizer):
     out = []
     for o in leaf_optimizers(optimizer):
@@ -210,70 +336,6 @@ def write_plus_constant(cfg_kwargs, c=0.125, steps=2, chunk_bytes=1 << 14, blend
                 eval2=eval2, losses=losses)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# two islands of different layouts
-# ---------------------------------------------------------------------------------------------------------
-def save_island(cfg_kwargs, path, steps=3, real_vocab=None):
-    ctx, man, view = _setup(cfg_kwargs, steps, real_vocab=real_vocab)
-    full = collect_arrays(view)
-    ev = harness.eval_loss(ctx)
-    if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-        for e, a in full.items():
-            np.save(os.path.join(path, f"{e}.npy"), a, allow_pickle=False)
-        with open(os.path.join(path, "manifest.json"), "w") as f:
-            json.dump(_wire(man), f)
-    return dict(eval=ev, manifest=_wire(man))
-
-
-def install_island(cfg_kwargs, path, steps=1, real_vocab=None):
-    ctx, man, view = _setup(cfg_kwargs, steps, real_vocab=real_vocab)
-    ev_before = harness.eval_loss(ctx)
-    src = None
-    if dist.get_rank() == 0:
-        with open(os.path.join(path, "manifest.json")) as f:
-            man.check_matches(json.load(f))
-        src = {e: np.load(os.path.join(path, f"{e}.npy"), allow_pickle=False) for e in range(len(man))}
-    pads = []
-    if real_vocab is not None:   # padding rows must be left as they are
-        from yeto_patch.island.masters.names import VOCAB_NAMES
-        for lp in man.local:
-            if lp.local_name in VOCAB_NAMES:
-                rows = lp.param.shape[0]
-                first = max(0, real_vocab - lp.shard * rows)
-                pads.append((lp, first, lp.param.detach()[first:].clone()))
-    view.write(None, src, set_anchor=True)
-    padding_untouched = all(torch.equal(lp.param.detach()[first:], old) for lp, first, old in pads)
-    n_padding_rows = sum(old.shape[0] for _, _, old in pads)
-    back = collect_arrays(view)
-    same = None
-    if dist.get_rank() == 0:
-        same = all(np.array_equal(back[e], src[e]) for e in range(len(man)))
-    # anchors were set to the installed values: the delta is exactly zero
-    zero = collect_arrays(view, delta=True)
-    zero_ok = None if dist.get_rank() != 0 else all(not np.any(a) for a in zero.values())
-    ev_after = harness.eval_loss(ctx)
-    losses = harness.train_steps(ctx, 2)
-    return dict(eval_before=ev_before, eval_after=ev_after, same=same, zero_delta=zero_ok, losses=losses,
-                padding_untouched=padding_untouched, n_padding_rows=n_padding_rows)
-
-
-def manifest_mismatch_message(cfg_kwargs, path):
-    ctx, man, view = _setup(cfg_kwargs, 0)
-    if dist.get_rank() != 0:
-        return None
-    with open(os.path.join(path, "manifest.json")) as f:
-        other = json.load(f)
-    try:
-        man.check_matches(other)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# deltas and anchors
-# ---------------------------------------------------------------------------------------------------------
 def delta_roundtrip(cfg_kwargs, chunk_bytes=1 << 14):
     ctx, man, view = _setup(cfg_kwargs, 1, chunk_bytes=chunk_bytes)
     view.snapshot_anchor()
@@ -323,9 +385,6 @@ def snapshot_gather(cfg_kwargs, chunk_bytes=1 << 14):
     return dict(ok=ok, err=err, alive=t.is_alive(), own=own, total=sum(e.numel for e in man.entries))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# failures
-# ---------------------------------------------------------------------------------------------------------
 def injected_failure(cfg_kwargs, kind, chunk_bytes=1 << 12):
     ctx, man, view = _setup(cfg_kwargs, 0, chunk_bytes=chunk_bytes)
     calls = [0]
@@ -373,9 +432,6 @@ def injected_failure(cfg_kwargs, kind, chunk_bytes=1 << 12):
     return dict(error=None)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# bounded memory
-# ---------------------------------------------------------------------------------------------------------
 class _RssPeak:
     def __init__(self):
         import psutil
@@ -426,17 +482,6 @@ def bounded_memory(cfg_kwargs, chunk_bytes):
     write_peak = view.stats["peak_buffer_bytes"]
     return dict(model_bytes=model_bytes, read_peak=read_peak, write_peak=write_peak, read_rss=read_rss,
                 write_rss=write_rss, rounds=view.stats["rounds"])
-
-
-def frozen_roundtrip(cfg_kwargs):
-    """Frozen parameters are not in the manifest; the others read and write back unchanged."""
-    ctx, man, view = _setup(cfg_kwargs, 1)
-    full = collect_arrays(view)
-    view.write(None, full if dist.get_rank() == 0 else None)
-    back = collect_arrays(view)
-    same = None if dist.get_rank() != 0 else all(np.array_equal(back[e], full[e]) for e in full)
-    frozen = sorted({n for c in ctx["model"] for n, p in harness.unwrap(c).named_parameters() if not p.requires_grad})
-    return dict(names=man.names, same=same, frozen_local=frozen)
 
 
 def blend_with_anchor_value(cfg_kwargs, c=0.25, alpha=0.5):
@@ -499,9 +544,6 @@ def relative_write(cfg_kwargs, alpha=0.5):
         blend_anchor=all(np.array_equal(delta3[e], a3[e] - after3[e]) for e in anchor))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# staged installs (island/masters/stage.py) against write, bit for bit
-# ---------------------------------------------------------------------------------------------------------
 def _island_state(view):
     """Clones of everything an install touches on this rank: model params, FP32 masters (and their extra
     copies), anchors (test-only: reads the view's tables)."""

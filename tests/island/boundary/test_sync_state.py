@@ -7,7 +7,7 @@ import pytest
 
 from yeto_patch.island.boundary import sync_state
 from yeto_patch.island.errors import EngineError
-from yeto_patch.island.boundary.fragments import Fragments
+from yeto_patch.island.boundary.fragment import Fragments, PushWire
 from yeto_patch.island.boundary.plan import final_step
 
 
@@ -23,8 +23,9 @@ def island(anchors=(3, 5)):
         st.installed(v)
     fs.count_step(7)
     fs.count_step(5)
-    fs[1].start_push(12, np.arange(10, dtype=np.uint8), "int8", 0.001, 0.002, False)
-    fs[0].residual = np.full(4, 0.5, np.float32)
+    fs[1].begin_push(12)
+    fs[1].push_handed(PushWire(np.arange(10, dtype=np.uint8), "int8", {"bytes": 10}))
+    fs[0].side.residual = np.full(4, 0.5, np.float32)
     return fs
 
 
@@ -35,7 +36,9 @@ def test_save_then_load_round_trips_the_state(tmp_path):
     state = sync_state.load(sync_state.state_path(str(tmp_path), 40), 40, arrays, settings(), manifest_digest="d1",
                             layout=fs.layout)
     assert state["anchor_version"] == [3, 5] and state["steps_since"] == [2, 2] and state["tokens_since"] == [12, 12]
-    assert state["pending"]["1"]["base_version"] == 5 and "_body" not in state["pending"]["1"]
+    assert state["pending"]["1"]["base_version"] == 5 and state["pending"]["1"]["steps"] == 2
+    assert set(state["pending"]["1"]) == {"step", "fragment", "base_version", "steps", "tokens", "final", "codec",
+                                          "bytes"}
     np.testing.assert_array_equal(arrays["push.1"], np.arange(10, dtype=np.uint8))
     np.testing.assert_array_equal(arrays["residual.0"], np.full(4, 0.5, np.float32))
 
@@ -75,16 +78,32 @@ def test_restore_keeps_progress_where_the_anchor_is_current_and_skips_where_merg
     state = sync_state.load(sync_state.state_path(str(tmp_path), 40), 40, arrays, settings(), manifest_digest="d1",
                             layout=old.layout)
     fs = Fragments(old.layout, old.numels, [4, 3, 3])
-    versions = {"0": 5, "1": 5}   # fragment 0 was merged twice past its saved anchor v3; fragment 1 is current
+    versions = {0: 5, 1: 5}   # fragment 0 was merged twice past its saved anchor v3; fragment 1 is current
     resend = sync_state.restore(state, arrays, fs, versions, keep={1}, rank=0, error_feedback=True)
     assert [st.index for st in resend] == [1]
     assert fs[0].skip == 2 and fs[1].skip == 0
     assert (fs[1].steps_since, fs[1].tokens_since) == (2, 12) and fs[0].steps_since == 0
-    assert fs[1].pending["base_version"] == 5 and fs[1].repushed == {5}
-    np.testing.assert_array_equal(fs[0].residual, np.full(4, 0.5, np.float32))
-    other = Fragments(old.layout, old.numels, [4, 3, 3])   # another rank: only the pending push's step
+    assert (fs[1].push.step, fs[1].push.base_version, fs[1].push.phase.value) == (12, 5, "at syncer")
+    assert fs[1].side.repushed == {5} and fs[1].side.wire.codec == "int8"
+    np.testing.assert_array_equal(fs[1].side.wire.body, np.arange(10, dtype=np.uint8))
+    np.testing.assert_array_equal(fs[0].side.residual, np.full(4, 0.5, np.float32))
+    other = Fragments(old.layout, old.numels, [4, 3, 3], rank0=False)   # another rank: the same push, no body
     assert sync_state.restore(state, arrays, other, versions, keep={1}, rank=1, error_feedback=True) == []
-    assert other[1].pending == {"step": 12} and other[0].residual is None
+    assert other[1].push == fs[1].push and other[1].rank0 is None
+
+
+def test_a_state_saved_by_the_previous_version_loads(tmp_path):
+    """A sync state written before the fragments became state machines (its pending record has more keys)."""
+    fs = island()
+    meta, arrays = sync_state.capture(settings(), 40, 40, "d1", fs)
+    meta["pending"]["1"].update(gather_ms=1.0, encode_ms=2.0, wait_ms=0.0, installed=False)
+    sync_state.write_state(sync_state.state_path(str(tmp_path), 40), meta, arrays)
+    got = {}
+    state = sync_state.load(sync_state.state_path(str(tmp_path), 40), 40, got, settings(), manifest_digest="d1",
+                            layout=fs.layout)
+    new = Fragments(fs.layout, fs.numels, [4, 3, 3])
+    sync_state.restore(state, got, new, {0: 3, 1: 5}, keep={0, 1}, rank=0, error_feedback=True)
+    assert new[1].push.tokens == 12
 
 
 def test_final_step():

@@ -3,7 +3,7 @@ import pytest
 
 from tests.mcore.pool import WorkerPool
 
-W = "tests.island.workers"
+W = "tests.island.masters.test_names_mcore"
 DENSE = dict(layers=4, global_batch=8, bf16=True)
 LAYOUTS = {
     "tp2dp2": dict(tp=2, **DENSE),
@@ -105,3 +105,109 @@ def test_frozen_parameters_are_excluded(mcore_pool):
     assert not [n for n in names if "final_layernorm" in n]
     assert "decoder.layers.2.self_attention.linear_proj.weight" in names   # layer 2 = local layer 0 of stage 1
     assert res[0]["same"] is True
+
+# ================================================================================================ workers
+# Run on every rank of the module's pools (pool.run(f"{W}:<name>", ...)): real megatron-core on CPU, gloo.
+import json  # noqa: E402
+import os  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tests.island.masters.mcore_setup import _setup, _wire  # noqa: E402
+from tests.mcore import harness  # noqa: E402
+from yeto_patch.island import IslandComm, IslandError, build_manifest, collect_arrays  # noqa: E402
+
+
+def manifest_of(cfg_kwargs, real_vocab=None):
+    cfg = harness.RunCfg(**cfg_kwargs)
+    ctx = harness.build(cfg)
+    comm = IslandComm(timeout_s=60)
+    man = build_manifest(ctx["model"], real_vocab_size=real_vocab, comm=comm)
+    return _wire(man)
+
+
+def manifest_error_without_expert_index(cfg_kwargs):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    ctx = harness.build(harness.RunCfg(**cfg_kwargs))
+    for c in ctx["model"]:
+        for m in harness.unwrap(c).modules():
+            if isinstance(m, MoELayer):
+                for obj in (m, m.experts):
+                    if hasattr(obj, "local_expert_indices"):
+                        delattr(obj, "local_expert_indices")
+    try:
+        build_manifest(ctx["model"], comm=IslandComm(timeout_s=60))
+    except IslandError as e:
+        return str(e)
+    return None
+
+
+def save_island(cfg_kwargs, path, steps=3, real_vocab=None):
+    ctx, man, view = _setup(cfg_kwargs, steps, real_vocab=real_vocab)
+    full = collect_arrays(view)
+    ev = harness.eval_loss(ctx)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        for e, a in full.items():
+            np.save(os.path.join(path, f"{e}.npy"), a, allow_pickle=False)
+        with open(os.path.join(path, "manifest.json"), "w") as f:
+            json.dump(_wire(man), f)
+    return dict(eval=ev, manifest=_wire(man))
+
+
+def install_island(cfg_kwargs, path, steps=1, real_vocab=None):
+    ctx, man, view = _setup(cfg_kwargs, steps, real_vocab=real_vocab)
+    ev_before = harness.eval_loss(ctx)
+    src = None
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, "manifest.json")) as f:
+            man.check_matches(json.load(f))
+        src = {e: np.load(os.path.join(path, f"{e}.npy"), allow_pickle=False) for e in range(len(man))}
+    pads = []
+    if real_vocab is not None:   # padding rows must be left as they are
+        from yeto_patch.island.masters.names import VOCAB_NAMES
+        for lp in man.local:
+            if lp.local_name in VOCAB_NAMES:
+                rows = lp.param.shape[0]
+                first = max(0, real_vocab - lp.shard * rows)
+                pads.append((lp, first, lp.param.detach()[first:].clone()))
+    view.write(None, src, set_anchor=True)
+    padding_untouched = all(torch.equal(lp.param.detach()[first:], old) for lp, first, old in pads)
+    n_padding_rows = sum(old.shape[0] for _, _, old in pads)
+    back = collect_arrays(view)
+    same = None
+    if dist.get_rank() == 0:
+        same = all(np.array_equal(back[e], src[e]) for e in range(len(man)))
+    # anchors were set to the installed values: the delta is exactly zero
+    zero = collect_arrays(view, delta=True)
+    zero_ok = None if dist.get_rank() != 0 else all(not np.any(a) for a in zero.values())
+    ev_after = harness.eval_loss(ctx)
+    losses = harness.train_steps(ctx, 2)
+    return dict(eval_before=ev_before, eval_after=ev_after, same=same, zero_delta=zero_ok, losses=losses,
+                padding_untouched=padding_untouched, n_padding_rows=n_padding_rows)
+
+
+def manifest_mismatch_message(cfg_kwargs, path):
+    ctx, man, view = _setup(cfg_kwargs, 0)
+    if dist.get_rank() != 0:
+        return None
+    with open(os.path.join(path, "manifest.json")) as f:
+        other = json.load(f)
+    try:
+        man.check_matches(other)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def frozen_roundtrip(cfg_kwargs):
+    """Frozen parameters are not in the manifest; the others read and write back unchanged."""
+    ctx, man, view = _setup(cfg_kwargs, 1)
+    full = collect_arrays(view)
+    view.write(None, full if dist.get_rank() == 0 else None)
+    back = collect_arrays(view)
+    same = None if dist.get_rank() != 0 else all(np.array_equal(back[e], full[e]) for e in full)
+    frozen = sorted({n for c in ctx["model"] for n, p in harness.unwrap(c).named_parameters() if not p.requires_grad})
+    return dict(names=man.names, same=same, frozen_local=frozen)

@@ -1,7 +1,7 @@
 """Vocabulary rows unlike the run's (pure logic, no megatron): the run's rows beyond this island's padded rows
 are virtual items (no shard parts: read as zeros, never installed); a syncer's manifest refusal that differs only
 in a vocabulary entry's row count is recognised; the start-up message says which rows stay local."""
-from yeto_patch.island.masters.view import EntryLayout, ShardLayout, _build_items
+from yeto_patch.island.masters.layout import EntryLayout, ShardLayout, build_items
 from yeto_patch.island.masters.names import Entry, Manifest, run_vocab_rows, vocab_rows_message
 from yeto_patch.syncer.layout import first_difference
 
@@ -13,7 +13,7 @@ def test_run_rows_beyond_the_local_padding_are_virtual_items():
     for chunk in (4, 100):
         lay = EntryLayout((V_pad, H), run_rows * H, T, 0, 1,
                           [ShardLayout([(0, V_pad // T * H, 0)], (0,)) for _ in range(T)])
-        items = _build_items(0, lay, chunk)
+        items = build_items(0, lay, chunk)
         real = [i for i in items if not i.virtual]
         virtual = [i for i in items if i.virtual]
         assert sum(i.count for i in real) == V_pad * H and max(i.offset + i.count for i in real) == V_pad * H

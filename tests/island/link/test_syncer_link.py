@@ -12,7 +12,7 @@ import pytest
 
 from tests.syncer.helpers import KEY, MANIFEST, init_values
 from yeto_patch.island.errors import EngineError
-from yeto_patch.island.boundary.fragments import Fragments
+from yeto_patch.island.boundary.fragment import Fragments, PushWire
 from yeto_patch.island.link.syncer import Backoff, SyncerLink, dial
 from yeto_patch.syncer.settings import MergeSettings, RoundSettings
 from yeto_patch.syncer.server import ServerConfig, SyncerServer
@@ -45,7 +45,7 @@ def settings(tmp_path, port, timeout=30.0, key=KEY):
         os.chmod(path, 0o600)
     return types.SimpleNamespace(syncer=f"127.0.0.1:{port}", island_id="a", timeout=timeout, insecure=key is None,
                                  send_queue_bytes=1 << 20, block=256, key_file=path, key_from_env=False,
-                                 overlap_steps=0)
+                                 overlap_steps=0, merge_alpha=0.5)
 
 
 def test_backoff_doubles_to_its_cap_with_bounded_jitter():
@@ -153,26 +153,28 @@ def _joined(tmp_path, port):
     for f in w.needs_init:
         link.send_init(f, [values[i] for i in w.layout[f]])
     deadline = time.monotonic() + 20
-    while not all(st.arrived is not None for st in frags):
+    while not all(st.side.arrived is not None for st in frags):
         assert time.monotonic() < deadline, "no initial bases"
         link.wait(0.5)
         link.poll()
     for st in frags:
-        st.installed(st.arrived.version)
-        st.arrived = None
+        st.installed(st.side.arrived.version)
+        st.side.arrived = None
     return link, frags, values
 
 
 def _push(link, st, step, delta):
     body = codecs.encode("f32", delta, 256)
-    st.pending = {"step": step, "fragment": st.index, "base_version": st.anchor_version, "bytes": int(body.nbytes),
-                  "codec": "f32", "steps": 2, "tokens": 10, "final": False, "_send": {}, "_body": body}
+    st.count(5)
+    st.count(5)
+    st.begin_push(step)
+    st.push_handed(PushWire(body, "f32"))
     link.send_push(st)
 
 
 def _await(link, st, version):
     deadline = time.monotonic() + 20
-    while not st.answered(version):
+    while not st.answered():
         assert time.monotonic() < deadline, "no answer"
         link.wait(0.5)
         link.poll()
@@ -188,8 +190,8 @@ def test_a_push_is_answered_by_the_merged_base(tmp_path):
         delta = np.full(st.numel, 0.25, np.float32)
         _push(link, st, 2, delta)
         _await(link, st, 0)
-        assert st.arrived.version == 1 and st.pending["_send"]["ms"] >= 0
-        np.testing.assert_array_equal(st.arrived.values, flat - delta)   # one island, plain averaging: base - delta
+        assert st.side.arrived.version == 1 and st.side.wire.send_ms >= 0
+        np.testing.assert_array_equal(st.side.arrived.values, flat - delta)   # one island, plain averaging: base - delta
         link.close()
     finally:
         s.stop()
@@ -211,8 +213,8 @@ def test_a_cut_link_is_replaced_and_the_unanswered_push_sent_again(tmp_path):
         _push(link, st, 2, delta)
         _await(link, st, 0)
         assert link.client is not first and link.client.incarnation == first.incarnation
-        assert st.arrived.version == 1
-        np.testing.assert_array_equal(st.arrived.values, flat - delta)   # merged once
+        assert st.side.arrived.version == 1
+        np.testing.assert_array_equal(st.side.arrived.values, flat - delta)   # merged once
         assert [e for e, _ in records] == ["reconnect"] and records[0][1]["step"] == 7
         link.close()
     finally:

@@ -1,12 +1,11 @@
-"""The island's data path: fragment values between the FP32 masters (``MasterView``) and the syncer's link.
+"""A fragment's values between the FP32 masters (``MasterView``) and the syncer's link.
 
-- push: read the fragment's delta (anchor minus current masters) where the data lives, stream it to rank 0 in
-  bounded chunks and encode it there (``push_encoder.py``, with error feedback if on): ``encode_delta``;
+- push: the encoder of a fragment's delta on rank 0 (``push_encoder.py``, with error feedback if on); the delta
+  itself is gathered by the push lane (push_lane.py);
 - INIT: stream the fragment's masters to the syncer from rank 0 without holding the fragment (``send_init``);
 - install: write a base (or the quantized updates of the anchor, --base-wire int8/int4) into masters, model
   parameters and anchors (``install``: at start, the final cut and restarts); bases merged during training are
-  staged in the background (``base_stager.py``, ``base_sources``) and installed by the engine
-  (``engine_installs.py``);
+  staged in the background (``base_lane.py``, ``base_sources``) and installed by ``installs.Installer``;
 - the start digests of every tensor (the syncer skips initial bases this island already holds).
 
 Every function runs on every rank (the view's reads and writes are collectives); only rank 0 sees values.
@@ -40,76 +39,65 @@ def model_chunks(model, optimizer) -> list:
     return list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
 
 
-class DataPath:
+class FragmentIO:
     def __init__(self, view, manifest, settings, rank: int):
         self.view, self.manifest, self.settings, self.rank = view, manifest, settings, rank
 
-    def push_encoder(self, st):
-        """Rank 0: the encoder of fragment `st`'s next push (with error feedback the fragment's residual is
+    def push_encoder(self, frag):
+        """Rank 0: the encoder of fragment `frag`'s next push (with error feedback the fragment's residual is
         carried, created here)."""
         from yeto_patch.island.boundary.push_encoder import PushEncoder
         s = self.settings
         residual = None
         if s.error_feedback:
-            if st.residual is None:
-                st.residual = np.zeros(st.numel, dtype=np.float32)
-            residual = st.residual
-        return PushEncoder(s.push_dtype, s.block, st.numel, piece_elems=max(s.chunk_bytes // 4, s.block),
-                           residual=residual, what=f"fragment {st.index} delta", entry_starts=st.starts,
-                           entry_names=[self.manifest.entries[e].name for e in st.entries])
+            side = frag.side
+            if side.residual is None:
+                side.residual = np.zeros(frag.numel, dtype=np.float32)
+            residual = side.residual
+        return PushEncoder(s.push_dtype, s.block, frag.numel, piece_elems=max(s.chunk_bytes // 4, s.block),
+                           residual=residual, what=f"fragment {frag.index} delta", entry_starts=frag.shape.starts,
+                           entry_names=[self.manifest.entries[e].name for e in frag.entries])
 
-    def encode_delta(self, st):
-        """Every rank: fragment `st`'s delta to rank 0, encoded there; returns (body, gather_s, encode_s) on rank
-        0 (None elsewhere)."""
+    def send_init(self, frag, send) -> None:
+        """Every rank: read fragment `frag`'s FP32 masters; rank 0 streams them to `send(iterator of arrays)`."""
         if self.rank != 0:
-            self.view.read_delta(st.entries, None)
-            return None
-        enc = self.push_encoder(st)
-        t0 = time.perf_counter()
-        self.view.read_delta(st.entries, lambda e, off, arr: enc.feed(arr))
-        body = enc.finish()
-        return body, time.perf_counter() - t0 - enc.encode_s, enc.encode_s
-
-    def send_init(self, st, send) -> None:
-        """Every rank: read fragment `st`'s FP32 masters; rank 0 streams them to `send(iterator of arrays)`."""
-        if self.rank != 0:
-            self.view.read(st.entries, None)
+            self.view.read(frag.entries, None)
             return
-        bridge = StreamBridge(send, self.settings.timeout, f"INIT of fragment {st.index}")
+        bridge = StreamBridge(send, self.settings.timeout, f"INIT of fragment {frag.index}")
         try:
-            self.view.read(st.entries, lambda e, off, arr: bridge.put(arr))
+            self.view.read(frag.entries, lambda e, off, arr: bridge.put(arr))
         except BaseException:
             bridge.abort()
             raise
         bridge.close()
-        log.info("yeto-patch: sent INIT of fragment %d (%.1f M values)", st.index, st.numel / 1e6)
+        log.info("yeto-patch: sent INIT of fragment %d (%.1f M values)", frag.index, frag.numel / 1e6)
 
-    def install(self, st, base, mode: str, updates: int, held: bool) -> None:
-        """Every rank: install `base` (rank 0; None elsewhere) into fragment `st`. With `updates` > 0 the base
+    def install(self, frag, base, alpha, updates: int, own_weights: bool) -> None:
+        """Every rank: install `base` (rank 0; None elsewhere) into fragment `frag`; the base becomes the anchor.
+        `alpha` None: the base replaces the masters; else masters := alpha * local + (1 - alpha) * base (1.0
+        keeps the local masters: a restart where the syncer is still at this anchor). With `updates` > 0 the base
         holds that many quantized changes of the anchor: each owner adds them to its anchor, the first ones to
-        the anchor only, the last one as the install. `held`: the island's weights are the base (digests
-        matched): they become the anchor first. mode: replace, blend (masters := alpha * local + (1 - alpha) *
-        base, anchor := base) or keep (a restart where the syncer is still at this anchor: local masters stay)."""
-        idx = st.entries
-        sources = self.base_sources(st, base, updates) if base is not None else [None] * max(1, updates)
-        if held:
+        the anchor only, the last one as the install. `own_weights`: the island's weights are the base (digests
+        matched): they become the anchor first."""
+        idx = frag.entries
+        sources = self.base_sources(frag, base, updates) if base is not None else [None] * max(1, updates)
+        if own_weights:
             self.view.snapshot_anchor(idx)
             sources = sources if updates else []
         rel = {"relative": True} if updates else {}
         for src in sources[:-1]:   # intermediate updates: anchors only (alpha 1 keeps every master as it is)
             self.view.write(idx, src, mode="blend", alpha=1.0, set_anchor=True, anchor="value", **rel)
         if sources:
-            if mode == "replace":
+            if alpha is None:
                 self.view.write(idx, sources[-1], mode="replace", set_anchor=True, **rel)
             else:
-                alpha = 1.0 if mode == "keep" else self.settings.merge_alpha
                 self.view.write(idx, sources[-1], mode="blend", alpha=alpha, set_anchor=True, anchor="value", **rel)
 
     @staticmethod
-    def base_sources(st, base, updates: int) -> list:
-        """Rank 0: ``source(index, offset, count)`` callables of `base` for fragment `st`: one per base update
+    def base_sources(frag, base, updates: int) -> list:
+        """Rank 0: ``source(index, offset, count)`` callables of `base` for fragment `frag`: one per base update
         (`updates` of them), or the one absolute base."""
-        offs = st.offsets
+        offs = frag.shape.offsets
         if base.relative:
             def update(i):
                 return lambda e, off, n: base.delta_range(i, offs[e] + off, n)

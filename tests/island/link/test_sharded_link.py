@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from tests.island.test_link import free_port, settings
+from tests.island.link.test_syncer_link import free_port, settings
 from tests.syncer.helpers import KEY, MANIFEST, init_values
 from yeto_patch.island.errors import EngineError
-from yeto_patch.island.boundary.fragments import Fragments
+from yeto_patch.island.boundary.fragment import Fragments, PushWire
 from yeto_patch.island.link.sharded import ShardedLink
 from yeto_patch.syncer.checkpoint import CheckpointError
 from yeto_patch.syncer.layout import fragment_numels, partition
@@ -56,10 +56,10 @@ def joined(tmp_path, syncer):
     link.attach(frags)
     for f in w.needs_init:
         link.send_init(f, [values[i] for i in w.layout[f]])
-    until(link, lambda: all(st.arrived is not None for st in frags), "initial bases")
+    until(link, lambda: all(st.side.arrived is not None for st in frags), "initial bases")
     for st in frags:
-        st.installed(st.arrived.version)
-        st.arrived = None
+        st.installed(st.side.arrived.version)
+        st.side.arrived = None
     return link, frags, values
 
 
@@ -73,8 +73,10 @@ def until(link, ready, what, timeout=20.0):
 
 def push(link, st, delta, final=False):
     body = codecs.encode("f32", delta, 256)
-    st.pending = {"step": 2, "fragment": st.index, "base_version": st.anchor_version, "bytes": int(body.nbytes),
-                  "codec": "f32", "steps": 2, "tokens": 10, "final": final, "_send": {}, "_body": body}
+    st.count(5)
+    st.count(5)
+    st.begin_push(2, final)
+    st.push_handed(PushWire(body, "f32"))
     link.send_push(st)
 
 
@@ -110,11 +112,11 @@ def test_pushes_go_to_each_fragments_owner_and_the_final_model_comes_from_every_
             assert [f.index for f in s.coord.frags if f.has_base] == s.coord.owned
         for st in frags:
             push(link, st, np.full(st.numel, 0.5 + st.index, np.float32))
-        until(link, lambda: all(st.answered(0) for st in frags), "merged bases")
+        until(link, lambda: all(st.answered() for st in frags), "merged bases")
         for st in frags:
             flat = np.concatenate([values[i].reshape(-1) for i in st.entries])
-            np.testing.assert_array_equal(st.arrived.values, flat - (0.5 + st.index))
-            st.installed(st.arrived.version)
+            np.testing.assert_array_equal(st.side.arrived.values, flat - (0.5 + st.index))
+            st.installed(st.side.arrived.version)
         assert [s.coord.versions() for s in servers] == [
             [1 if f in own else None for f in range(FRAGMENTS)] for own in owned]
         out = None

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from yeto_patch.island.masters.collective import IslandError
-from yeto_patch.island.masters.view import EntryLayout, ShardLayout, _build_items, _cover, _rounds
+from yeto_patch.island.masters.layout import EntryLayout, ShardLayout, build_items, chunk_rounds, cover
 
 
 def _megatron_shards(full, dim, T, stride):
@@ -27,7 +27,7 @@ def test_items_reassemble_megatron_shards(outer, inner, T, s, B, dim_first, chun
                       [ShardLayout([(0, shards[r].size, 0)], (0,)) for r in range(T)])
     if T == 1:
         lay = EntryLayout(shape, full.size, 1, -1, 1, [ShardLayout([(0, full.size, 0)], (0,))])
-    items = _build_items(0, lay, chunk)
+    items = build_items(0, lay, chunk)
     out = np.full(full.size, np.nan, dtype=np.float32)
     for it in items:
         assert it.count <= max(chunk, 1)
@@ -44,7 +44,7 @@ def test_items_reassemble_megatron_shards(outer, inner, T, s, B, dim_first, chun
         assert np.all(np.isnan(out[it.offset: it.offset + it.count]))   # no overlaps
         out[it.offset: it.offset + it.count] = piece
     np.testing.assert_array_equal(out, full.reshape(-1))
-    for rnd in _rounds(items, chunk):
+    for rnd in chunk_rounds(items, chunk):
         assert len(rnd) == 1 or sum(i.count for i in rnd) <= chunk
 
 
@@ -52,7 +52,7 @@ def test_truncated_vocab_items_stop_at_real_rows():
     V_pad, H, T, real = 8, 3, 2, 5
     lay = EntryLayout((V_pad, H), real * H, T, 0, 1,
                       [ShardLayout([(0, V_pad // T * H, 0)], (0,)) for _ in range(T)])
-    items = _build_items(0, lay, 4)
+    items = build_items(0, lay, 4)
     assert sum(i.count for i in items) == real * H
     assert max(i.offset + i.count for i in items) == real * H
     assert all(i.rows is None for i in items)
@@ -60,9 +60,9 @@ def test_truncated_vocab_items_stop_at_real_rows():
 
 def test_cover_picks_lowest_rank_and_requires_full_coverage():
     # two replicas owning everything (non-distributed optimizer): the lowest rank reads all
-    assert _cover("w", 0, 10, [(3, 0, 10), (1, 0, 10)]) == [(0, 10, 1)]
+    assert cover("w", 0, 10, [(3, 0, 10), (1, 0, 10)]) == [(0, 10, 1)]
     # distributed optimizer ranges + a tied copy owning everything on a higher rank
-    assert _cover("w", 0, 10, [(2, 0, 4), (0, 4, 10), (5, 0, 10)]) == [(0, 4, 2), (4, 10, 0)]
+    assert cover("w", 0, 10, [(2, 0, 4), (0, 4, 10), (5, 0, 10)]) == [(0, 4, 2), (4, 10, 0)]
     # holders without masters (0, 0) are fine; a gap is an error that names the parameter
     with pytest.raises(IslandError, match="'w' shard 1: local elements \\[4"):
-        _cover("w", 1, 10, [(0, 0, 4), (1, 0, 0), (2, 6, 10)])
+        cover("w", 1, 10, [(0, 0, 4), (1, 0, 0), (2, 6, 10)])

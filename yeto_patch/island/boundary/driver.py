@@ -1,0 +1,256 @@
+"""The boundary's step loop: plans, pushes and answers of an island's fragments, on every rank.
+
+Per optimizer step the engine calls ``plan_ahead`` (before the update: rank 0's plan of the step, broadcast;
+its staged bases are armed so that they go into the masters inside the step) and ``after_step`` (after the
+update: what the plan says about pushes, skips and synchronous installs; waits at the tau bound). ONE push
+route: at a fragment's boundary every rank snapshots its own shard of the fragment's masters into the
+background push lane (push_lane.py), whose gather and encoding run beside training; rank 0 hands the finished
+push to the link at a later plan, or at once when something waits for it (tau = 0 waits for the answer in the
+same step, the final cut for every push).
+
+Collective order (the rule every method here keeps): every rank calls the same channel and view collectives in
+the same order, because a gloo collective that one rank skips leaves the others waiting in it until the timeout.
+So every decision that changes what happens next is rank 0's and reaches the other ranks through one broadcast
+(``channel.rank0``): the plan, the pushes rank 0 handed to the link (``Plan.handed`` and ``Answers.handed``: the
+other ranks mark them too, so every rank's fragments have the same state), and how each awaited answer is
+installed. Code that only rank 0 can run (the link, the log) runs inside those broadcasts' functions; no branch
+on the rank may contain a collective. ``tests/island/boundary/test_collective_order.py`` drives these plans on
+several ranks with recording fakes and fails if the ranks' sequences of collectives differ.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import List, Optional
+
+from yeto_patch.island.boundary.fragment import PushPhase, PushWire
+from yeto_patch.island.boundary.installs import Installer
+from yeto_patch.island.boundary.parts import IslandParts
+from yeto_patch.island.boundary.plan import BaseSpec, Plan, base_spec, needs_plan, overdue, plan, stageable
+from yeto_patch.island.boundary.schedule import due_fragments
+from yeto_patch.island.errors import EngineError
+
+log = logging.getLogger("yeto_patch")
+
+
+@dataclass
+class PlannedStep:
+    """The plan made before a step's update (``plan_ahead``), kept for the rest of that step."""
+    step: int
+    plan: Plan
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Answer:
+    """How one awaited answer is installed (rank 0's decision, broadcast): "staged" (already in the lane),
+    "stage" (staged now, then installed) or "now" (synchronously: an adoption after a restart, or the island's
+    own weights)."""
+    route: str
+    spec: Optional[BaseSpec] = None
+
+    def as_json(self) -> dict:
+        return {"route": self.route, "spec": None if self.spec is None else asdict(self.spec)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Answer":
+        if d["route"] not in ("staged", "stage", "now"):
+            raise EngineError(f"internal: unknown install route {d['route']!r}")
+        return cls(d["route"], None if d["spec"] is None else BaseSpec.from_json(d["spec"]))
+
+
+class Boundaries:
+    """The fragments' boundaries on one rank (see the module docstring)."""
+    __slots__ = ("parts", "installer", "planned")
+
+    def __init__(self, parts: IslandParts, installer: Installer):
+        self.parts = parts
+        self.installer = installer
+        self.planned: Optional[PlannedStep] = None
+
+    # ------------------------------------------------------------------------------------- pushes
+    def push(self, f: int, final: bool = False) -> None:
+        """Every rank: fragment f's boundary: its push goes into the background push lane (a snapshot of this
+        rank's own shard; the rest runs beside training)."""
+        p = self.parts
+        frag = p.frags[f]
+        push = frag.begin_push(p.step(), final)
+        p.pushes.submit(frag, push)
+
+    def handover(self) -> List[int]:
+        """Rank 0: the pushes whose background stage ended go to the link, in boundary order; returns their
+        fragments (announced to the other ranks by the caller's broadcast)."""
+        p = self.parts
+        handed = []
+        for job in p.pushes.take_finished():
+            frag, enc = job.fragment, job.result
+            frag.push_handed(PushWire(enc.body, p.settings.push_dtype, job.figures(enc, p.step())))
+            p.link.send_push(frag)
+            handed.append(frag.index)
+        return handed
+
+    def mark_handed(self, fragments: List[int]) -> None:
+        """Every rank but 0: rank 0 handed these pushes to the link; this rank's lane lets their jobs go."""
+        if self.parts.rank == 0:
+            return
+        for f in fragments:
+            self.parts.pushes.release(f, f"the push of fragment {f}")
+            self.parts.frags[f].push_handed(None)
+
+    def drain(self, what: str, fragments: Optional[List[int]] = None) -> None:
+        """Every rank: wait for the pushes in the lane (of `fragments` and those before them, or all); rank 0
+        hands them to the link."""
+        p = self.parts
+
+        def handed():
+            p.pushes.wait_for(fragments, what)
+            return self.handover()
+        self.mark_handed(p.channel.rank0(handed, what))
+
+    # ------------------------------------------------------------------------------------- plans
+    def make_plan(self, step: int):
+        """Every rank: rank 0's plan of `step` and the seconds it took, or None on a step where nothing can
+        happen (no collective)."""
+        p = self.parts
+        due = due_fragments(step, p.settings.sync_every, len(p.frags))
+        if not needs_plan(step, p.total, due, bool(p.frags.pushing())):
+            return None
+        t0 = time.perf_counter()
+
+        def decide():
+            handed = self.handover()
+            p.bases.check()
+            p.link.poll()
+            ready = {frag.index for frag in p.frags if p.bases.finished(frag.index)}
+            out = plan(step, p.total, due, p.frags, p.link.final_cut, p.rule, ready)
+            return {"plan": out.as_json(), "handed": handed}
+        made = p.channel.rank0(decide, f"plan step {step}")
+        self.mark_handed(made["handed"])
+        return Plan.from_json(made["plan"]), time.perf_counter() - t0
+
+    def begin(self, plan_: Plan) -> None:
+        """Every rank: the plan's staged bases are armed for this step's install points, and its arrived bases
+        handed to the background lane."""
+        for f in plan_.arm:
+            self.installer.arm(f, "arrived")
+        for spec in plan_.stage:
+            self.installer.stage(spec)
+
+    def plan_ahead(self) -> None:
+        """Every rank, before the optimizer step's update: the step's plan, so that its staged bases are
+        installed inside the step (``Installer.into_leaf``); the rest of the plan runs after the step."""
+        self.planned = None
+        step = self.parts.step() + 1
+        made = self.make_plan(step)
+        if made is not None:
+            self.planned = PlannedStep(step, made[0], made[1])
+            self.begin(made[0])
+
+    def take_plan(self):
+        """Every rank, after the optimizer step: the step's plan (made before the update, or now for a loop
+        without the step hook's before-call), or None."""
+        planned, self.planned = self.planned, None
+        if planned is not None and planned.step == self.parts.step():
+            return planned
+        self.installer.finish()
+        made = self.make_plan(self.parts.step())
+        if made is None:
+            return None
+        self.begin(made[0])
+        return PlannedStep(self.parts.step(), made[0], made[1])
+
+    def after_step(self, planned: PlannedStep) -> None:
+        """Every rank, after the optimizer step (not the final cut): skips, synchronous installs, the
+        installs left from inside the step, the due pushes, and the waits at the tau bound."""
+        p, pl = self.parts, planned.plan
+        for f in pl.skip:
+            self.skip(f)
+        for spec in pl.install:
+            self.installer.now(spec, p.rule.mode, why="arrived")
+        self.installer.finish()
+        for f in pl.push:
+            if p.frags[f].push is not None:   # its previous base never came within H steps (tau < H)
+                self.await_answers([f], f"the base answering fragment {f}'s previous push")
+            t0 = time.perf_counter()
+            self.push(f)
+            p.pushes.note_boundary(f, planned.seconds + time.perf_counter() - t0)
+        late = overdue(p.step(), p.rule, p.frags)
+        if late:
+            self.await_answers(late, None)
+
+    def skip(self, f: int) -> None:
+        """Every rank: fragment f's round at this boundary was merged with this island's push before it
+        restarted (the steps since were trained again): pushing again would count that progress twice."""
+        self.parts.frags[f].skip -= 1
+        if self.parts.rank == 0:
+            log.info("yeto-patch: step %d: fragment %d's round at this boundary was merged before the restart "
+                     "(with this island's push of then); not pushing it again", self.parts.step(), f)
+
+    # ------------------------------------------------------------------------------------- answers
+    def await_answers(self, frags: List[int], what: Optional[str]) -> None:
+        """Every rank: wait until rank 0 holds a base answering each fragment's push (its push handed to the link
+        first: a base may not overtake it), then install it after the step."""
+        p = self.parts
+        in_lane = [f for f in frags if p.frags[f].push_phase is PushPhase.IN_LANE]
+        if in_lane:   # our own background work first (tau = 0 waits here for the push it just made)
+            if p.rank == 0:
+                self._say_waiting(in_lane)
+            self.drain(f"the pushes of fragments {in_lane}", in_lane)
+        desc = what or self._waiting_for(frags)
+        t0 = time.perf_counter()
+        handed: List[int] = []
+
+        def ready():
+            handed.extend(self.handover())
+            p.bases.check()
+            p.link.poll()
+            return all(p.frags[f].push is None or (p.frags[f].push.phase is PushPhase.AT_SYNCER
+                                                   and p.frags[f].answered()) for f in frags)
+        p.await_ready(ready, desc)
+        waited_ms = round((time.perf_counter() - t0) * 1000, 2)
+
+        def routes():
+            return {"handed": handed, "routes": {str(f): self._answer_route(f, waited_ms).as_json()
+                                                 for f in frags}}
+        out = p.channel.rank0(routes, "answered versions")
+        self.mark_handed(out["handed"])
+        for f in frags:
+            self._install_answer(f, Answer.from_json(out["routes"][str(f)]))
+
+    def _waiting_for(self, frags) -> str:
+        """The wait's description (every rank can make it: pushes are the same on every rank)."""
+        p = self.parts
+        return ", ".join(f"the base of fragment {f} newer than v{p.frags[f].push.base_version} (pushed at step "
+                         f"{p.frags[f].push.step})" for f in frags if p.frags[f].push is not None) + \
+            f" [tau={p.rule.tau}]"
+
+    def _say_waiting(self, frags) -> None:
+        """Rank 0: a wait at the tau bound for a push still in the background lane is worth a warning."""
+        p = self.parts
+        if p.rule.tau == 0:
+            return
+        for f in frags:
+            push = p.frags[f].push
+            if push is not None:
+                log.warning("yeto-patch: step %d: waiting at the tau bound (tau=%d) for fragment %d's push of "
+                            "step %d, still in %s", p.step(), p.rule.tau, f, push.step, p.pushes.behind(f))
+
+    def _answer_route(self, f: int, waited_ms: float) -> Answer:
+        """Rank 0: how fragment f's answer is installed (see ``Answer``)."""
+        frag = self.parts.frags[f]
+        if frag.side.wire is not None:
+            frag.side.wire.figures["wait_ms"] = waited_ms
+        if frag.staging is not None:
+            return Answer("staged")
+        return Answer("stage" if stageable(frag) else "now", base_spec(frag))
+
+    def _install_answer(self, f: int, answer: Answer) -> None:
+        """Every rank: install fragment f's answer after the step, by the route rank 0 chose."""
+        if answer.route == "now":
+            self.installer.now(answer.spec, self.parts.rule.mode, why="answer")
+            return
+        if answer.route == "stage":
+            self.installer.stage(answer.spec)
+        self.installer.arm(f, "answer")
+        self.installer.finish()
