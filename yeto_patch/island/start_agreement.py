@@ -20,7 +20,6 @@ def agree(local_error: Optional[str], timeout_s: float = 120.0) -> Optional[str]
     calls it the same number of times (once per process in a training job)."""
     global _generation
     _generation += 1
-    _PREFIX = f"yeto_patch/start/{_generation}/"
     try:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
@@ -29,6 +28,13 @@ def agree(local_error: Optional[str], timeout_s: float = 120.0) -> Optional[str]
         rank, world = dist.get_rank(), dist.get_world_size()
     except Exception:  # no default store to talk through: each rank decides alone
         return local_error
+    return agree_through(store, rank, world, local_error, timeout_s, f"yeto_patch/start/{_generation}/")
+
+
+def agree_through(store, rank: int, world: int, local_error: Optional[str], timeout_s: float,
+                  prefix: str) -> Optional[str]:
+    """``agree`` over a given key-value store (torch.distributed.Store) under the keys `prefix`*."""
+    _PREFIX = prefix
     if world == 1:
         return local_error
     if local_error is not None:

@@ -548,27 +548,27 @@ def _island_state(view):
     """Clones of everything an install touches on this rank: model params, FP32 masters (and their extra
     copies), anchors (test-only: reads the view's tables)."""
     out = {}
-    for k, lp in view._local.items():
+    for k, lp in view.local_params().items():
         out[("param",) + k] = lp.param.data.clone()
-    for k, m in view._master.items():
+    for k, m in view.master_refs().items():
         if m is not None:
             out[("master",) + k] = m.master.clone()
             for i, c in enumerate(list(m.extra_fp32) + list(m.extra_lowp)):
                 out[("extra", i) + k] = c.clone()
-    for k, (_, _, a) in view.anchors.items():
+    for k, (_, _, a) in view.anchors().items():
         out[("anchor",) + k] = a.clone()
     return out
 
 
 def _restore_state(view, state):
-    for k, lp in view._local.items():
+    for k, lp in view.local_params().items():
         lp.param.data.copy_(state[("param",) + k])
-    for k, m in view._master.items():
+    for k, m in view.master_refs().items():
         if m is not None:
             m.master.copy_(state[("master",) + k])
             for i, c in enumerate(list(m.extra_fp32) + list(m.extra_lowp)):
                 c.copy_(state[("extra", i) + k])
-    for k, (_, _, a) in view.anchors.items():
+    for k, (_, _, a) in view.anchors().items():
         a.copy_(state[("anchor",) + k])
 
 
@@ -637,7 +637,7 @@ def staged_vs_write(cfg_kwargs, mode, updates=0, alpha=0.5, chunk_bytes=1 << 14,
     untouched = untouched and all(np.array_equal(src[e], k[e]) for src, k in zip(srcs, kept) for e in src)
     by_stage = _island_state(view)
     differ = [str(k) for k, a in by_write.items() if not torch.equal(a, by_stage[k])]
-    masters = sum((m.end - m.start) * 4 for m in view._master.values() if m is not None and m.end > m.start)
+    masters = sum((m.end - m.start) * 4 for m in view.master_refs().values() if m is not None and m.end > m.start)
     return dict(err=err, alive=t.is_alive(), untouched=untouched, differ=differ, staged_bytes=nbytes,
                 master_bytes=masters, pending=left)
 

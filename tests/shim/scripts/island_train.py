@@ -149,12 +149,12 @@ def fail_background_gather():
 def fail_background_stage():
     """TEST: this rank's part of staging a merged base fails inside the collective (its peers learn it there)."""
     from yeto_patch.island.masters import stage as master_stage
-    orig = master_stage.StagedInstalls._stage_round
+    orig = master_stage.MasterStage._stage_round
 
     def _stage_round(self, rnd, sources, relative, comm, staged, pending_err):
         err = RuntimeError(f"injected failure in the background base stage on rank {dist.get_rank()}")
         return orig(self, rnd, sources, relative, comm, staged, pending_err or err)
-    master_stage.StagedInstalls._stage_round = _stage_round
+    master_stage.MasterStage._stage_round = _stage_round
 
 
 if __name__ == "__main__":

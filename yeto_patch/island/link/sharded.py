@@ -107,8 +107,8 @@ class ShardedLink:
             link.resilient = value
 
     # ---------------------------------------------------------------------------------------------- data
-    def send_push(self, st) -> None:
-        self.owner[st.index].send_push(st)
+    def send_push(self, frag) -> None:
+        self.owner[frag.index].send_push(frag)
 
     def send_init(self, f: int, arrays) -> None:
         self.owner[f].send_init(f, arrays)

@@ -1,5 +1,5 @@
-"""Installs in two halves, so that the training thread only touches the FP32 masters it holds (part of
-``MasterView``).
+"""Installs in two halves, so that the training thread only touches the FP32 masters it holds (``MasterStage``,
+owned by a ``MasterView`` and using its public interface: layout, rounds, transfers, slices, anchors).
 
 - ``stage(indices, sources, comm, alpha=)`` (collective on a background group, off the training thread): rank 0's
   values of a merged base go, in the view's chunked rounds, to each element's owner, which (for a base update,
@@ -96,20 +96,25 @@ class StagedBase:
         return any(not p.done for p in self.parts)
 
 
-class StagedInstalls:
-    """Mixed into ``MasterView`` (it uses the view's layout, masters, rounds, transfers and anchors)."""
+class MasterStage:
+    """The staged installs of one ``MasterView`` (see the module docstring); the view delegates to it."""
+    __slots__ = ("view", "_needs_refresh")
+
+    def __init__(self, view):
+        self.view = view
+        self._needs_refresh: Optional[bool] = None
 
     def holder_sets(self) -> list:
         """Rank sets that hold a tensor-parallel shard together (a background comm needs their gloo groups:
         ``comm.subgroups(view.holder_sets())``, collective)."""
-        return [sh.holders for lay in self.layout.values() for sh in lay.shards]
+        return [sh.holders for lay in self.view.layout.values() for sh in lay.shards]
 
     def needs_refresh(self) -> bool:
         """Some rank holds a model parameter it has no FP32 master of (a DistributedOptimizer's replica): a base
         installed after Megatron's parameter gather must be sent to it (``refresh_holders``). Same on every rank."""
-        if getattr(self, "_needs_refresh", None) is None:
+        if self._needs_refresh is None:
             self._needs_refresh = any(set(sh.holders) - set(sh.master_holders(x, y))
-                                      for lay in self.layout.values() for sh in lay.shards
+                                      for lay in self.view.layout.values() for sh in lay.shards
                                       for x, y, _o in sh.owners)
         return self._needs_refresh
 
@@ -120,19 +125,19 @@ class StagedInstalls:
         base, or the base updates in order with ``relative``) to every rank with a FP32 master of them; with
         `alpha` (a blend; rank 0's) each part's ``(1 - alpha) * value`` is prepared too."""
         from yeto_patch.island.masters.collective import IslandError
-        if self.rank == 0 and not sources:
+        if self.view.rank == 0 and not sources:
             raise IslandError("stage: rank 0 needs at least one source")
-        if self.rank == 0 and alpha is not None and not 0.0 <= float(alpha) <= 1.0:
+        if self.view.rank == 0 and alpha is not None and not 0.0 <= float(alpha) <= 1.0:
             raise IslandError(f"stage: blend needs 0 <= alpha <= 1, got {alpha!r}")
-        plan = self._plan("stage", indices, comm=comm, relative=None if relative is None else bool(relative),
+        plan = self.view.plan_op("stage", indices, comm=comm, relative=None if relative is None else bool(relative),
                           updates=len(sources) if sources else None,
                           alpha=None if alpha is None else float(alpha))
         relative, k = bool(plan["relative"]), int(plan["updates"])
         if relative:   # value = anchor + changes: every owner needs the anchor of what it owns (agreed first)
-            self._agree_anchors(plan["entries"], comm, "stage: anchors of a base update")
+            self.view.agree_anchors(plan["entries"], comm, "stage: anchors of a base update")
         parts, pending_err = self._staging_parts(plan["entries"], relative)
-        sources = list(sources) if self.rank == 0 else [None] * k
-        for rnd in self._items(plan):
+        sources = list(sources) if self.view.rank == 0 else [None] * k
+        for rnd in self.view.rounds(plan):
             pending_err = self._stage_round(rnd, sources, relative, comm, parts, pending_err)
         comm.agree(pending_err, "stage: values")
         out = StagedBase(list(parts.values()), plan["alpha"], list(plan["entries"]))
@@ -146,16 +151,16 @@ class StagedInstalls:
         anchor on the owned ranges. Returns (parts, error to agree on)."""
         parts, err = {}, None
         for e in entries:
-            for r, sh in enumerate(self.layout[e].shards):
-                m = self._master.get((e, r))
+            for r, sh in enumerate(self.view.layout[e].shards):
+                m = self.view.master_ref(e, r)
                 if m is None or m.end <= m.start:
                     continue
-                owned = [(x, y) for x, y, o in sh.owners if o == self.rank]
+                owned = [(x, y) for x, y, o in sh.owners if o == self.view.rank]
                 part = StagedPart(e, r, m.start, m.end, torch.empty(m.end - m.start, dtype=torch.float32), owned)
                 if relative:
                     try:
                         for x, y in owned:
-                            part.value[x - m.start: y - m.start].copy_(self._anchor_slice(e, r, x, y))
+                            part.value[x - m.start: y - m.start].copy_(self.view.anchor_slice(e, r, x, y))
                     except Exception as ex:  # noqa: BLE001 - agreed at the end of the stage
                         err = err or ex
                 parts[(e, r)] = part
@@ -170,14 +175,14 @@ class StagedInstalls:
             return None if p is None or relative else p.value[x - p.start: y - p.start]
 
         for source in sources:
-            vals, works, nbytes, pending_err = self._scatter_round(rnd, source, False, pending_err, comm=comm,
+            vals, works, nbytes, pending_err = self.view.scatter_round(rnd, source, False, pending_err, comm=comm,
                                                                    holders=False, into=into)
-            self._note(nbytes)
+            self.view.note_buffer(nbytes)
             comm.wait_all(works, "stage: scatter to owners")
             if relative:
                 for it, r, x, y, o, t in vals:
                     p = parts.get((it.entry, r))
-                    if o != self.rank or p is None:
+                    if o != self.view.rank or p is None:
                         continue
                     p.value[x - p.start: y - p.start].add_(t)
         return self._stage_to_master_holders(rnd, comm, parts, pending_err)
@@ -189,17 +194,17 @@ class StagedInstalls:
         for it in rnd:
             if it.virtual:
                 continue
-            lay = self.layout[it.entry]
-            for r, x, y, o, _a in self._transfers(it):
+            lay = self.view.layout[it.entry]
+            for r, x, y, o, _a in self.view.transfers(it):
                 sh = lay.shards[r]
-                if self.rank not in sh.holders or len(sh.master_holders(x, y)) <= 1:
+                if self.view.rank not in sh.holders or len(sh.master_holders(x, y)) <= 1:
                     continue
                 p = parts.get((it.entry, r))
                 if p is not None and p.start <= x and y <= p.end:
                     buf = p.value[x - p.start: y - p.start]
                 else:
                     buf = torch.empty(y - x, dtype=torch.float32)
-                    self._note((y - x) * _F32)
+                    self.view.note_buffer((y - x) * _F32)
                     if p is not None:   # part of [x, y) only: copied out after the broadcast
                         copies.append((p, x, y, buf))
                 w = comm.broadcast(buf, o, sh.holders, async_op=True)
@@ -218,11 +223,11 @@ class StagedInstalls:
         optimizer with id `leaf`, if given). ``params=False``: the model parameter is left to Megatron's cast
         where it makes one (the pre-copy point); otherwise every part's parameter range is written (cast).
         Returns the number of parts installed now."""
-        self._quiesce_param_gather()
-        self._allocate_anchors(sorted({p.entry for p in staged.parts if p.owned}))   # (existing ones kept)
+        self.view.quiesce_param_gather()
+        self.view.allocate_anchors(sorted({p.entry for p in staged.parts if p.owned}))   # (existing ones kept)
         n = 0
         for p in staged.parts:
-            m = self._master[(p.entry, p.shard)]
+            m = self.view.master_ref(p.entry, p.shard)
             if p.done or (leaf is not None and m.leaf != leaf):
                 continue
             self._install_part(p, m, staged.alpha, params or not m.cast_by_megatron)
@@ -237,13 +242,13 @@ class StagedInstalls:
         elif master.device.type == "cpu":
             torch.add(p.scaled, master, alpha=alpha, out=master)
         else:   # a chunk at a time: no device allocation beyond a chunk
-            step = self.chunk_elems
+            step = self.view.chunk_elems
             for i in range(0, master.numel(), step):
                 seg = master[i: i + step]
                 torch.add(p.scaled[i: i + step].to(master.device), seg, alpha=alpha, out=seg)
         for c in list(m.extra_fp32) + list(m.extra_lowp):
             c.copy_(master)
-        lp = self._local[(p.entry, p.shard)]
+        lp = self.view.local_param(p.entry, p.shard)
         if write_param and not same_storage(master, lp.param):
             flat_view(lp.param.data)[p.start: p.end].copy_(master)
         RELEASER.drop([p.scaled, self._set_anchor(p)])
@@ -254,12 +259,12 @@ class StagedInstalls:
         (returns the old anchor's buffer, to free), else the value is copied in."""
         if not p.owned:
             return None
-        x0, y0, old = self.anchors[(p.entry, p.shard)]
+        x0, y0, old = self.view.anchor_range(p.entry, p.shard)
         if p.owned == [(p.start, p.end)] and (x0, y0) == (p.start, p.end):
-            self.anchors[(p.entry, p.shard)] = (x0, y0, p.value)
+            self.view.replace_anchor(p.entry, p.shard, p.value)
             return old
         for x, y in p.owned:
-            self._anchor_slice(p.entry, p.shard, x, y).copy_(p.value[x - p.start: y - p.start])
+            self.view.anchor_slice(p.entry, p.shard, x, y).copy_(p.value[x - p.start: y - p.start])
         return None
 
     def refresh_holders(self, indices: Sequence[int]) -> None:
@@ -267,33 +272,33 @@ class StagedInstalls:
         the shard's other holders, where some holder has no FP32 master of them (after an install that came
         after Megatron's own parameter gather)."""
         from yeto_patch.island.masters.refs import flat_view
-        plan = self._plan("refresh", indices)
+        plan = self.view.plan_op("refresh", indices)
         pending_err = None
-        for rnd in self._items(plan):
+        for rnd in self.view.rounds(plan):
             works, copies = [], []
             for it in rnd:
                 if it.virtual:
                     continue
-                sh_all = self.layout[it.entry].shards
-                for r, x, y, o, _a in self._transfers(it):
+                sh_all = self.view.layout[it.entry].shards
+                for r, x, y, o, _a in self.view.transfers(it):
                     sh = sh_all[r]
-                    if self.rank not in sh.holders or not set(sh.holders) - set(sh.master_holders(x, y)):
+                    if self.view.rank not in sh.holders or not set(sh.holders) - set(sh.master_holders(x, y)):
                         continue
                     try:
-                        param = flat_view(self._local[(it.entry, r)].param.data)[x:y]
+                        param = flat_view(self.view.local_param(it.entry, r).param.data)[x:y]
                         buf = param if param.device.type == "cpu" else param.to("cpu")
                     except Exception as ex:  # noqa: BLE001 - keep the transfers going, agreed below
                         pending_err = pending_err or ex
                         param = buf = torch.zeros(y - x)
-                    if buf is not param and self.rank != o:
+                    if buf is not param and self.view.rank != o:
                         copies.append((param, buf))
-                    w = self.comm.broadcast(buf, o, sh.holders, async_op=True)
+                    w = self.view.comm.broadcast(buf, o, sh.holders, async_op=True)
                     if w is not None:
                         works.append(w)
-            self.comm.wait_all(works, "refresh: parameters to holders")
+            self.view.comm.wait_all(works, "refresh: parameters to holders")
             for param, buf in copies:
                 param.copy_(buf)
-        self.comm.agree(pending_err, "refresh: parameters")
+        self.view.comm.agree(pending_err, "refresh: parameters")
 
     def install_staged(self, staged: StagedBase, mode: str, alpha: Optional[float] = None) -> None:
         """Every rank (collective when some rank holds parameters without their master): install `staged` after
@@ -308,7 +313,3 @@ class StagedInstalls:
         self.install_masters(staged, params=True)
         if self.needs_refresh():
             self.refresh_holders(staged.entries)
-
-    def staged_bytes(self, staged: StagedBase) -> int:
-        return staged.nbytes
-
