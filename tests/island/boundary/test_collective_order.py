@@ -87,7 +87,7 @@ class Comm:
 
 class Staged:
     def __init__(self, entries):
-        self.entries, self.pending, self.alpha = entries, True, None
+        self.entries, self.uninstalled, self.alpha = entries, True, None
 
 
 class View:
@@ -104,7 +104,7 @@ class View:
 
     def install_masters(self, staged, leaf=None, params=True):
         if leaf is None or self.rank % 2 == 0:   # (ranks hold different leaves: some install in the step)
-            staged.pending = False
+            staged.uninstalled = False
 
     def needs_refresh(self):
         return True

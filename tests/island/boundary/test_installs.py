@@ -18,7 +18,7 @@ from yeto_patch.wire.values import Base
 
 class Staged:
     def __init__(self, entries, leaves):
-        self.entries, self.leaves, self.pending = entries, set(leaves), True
+        self.entries, self.leaves, self.uninstalled = entries, set(leaves), True
 
 
 class View:
@@ -31,7 +31,7 @@ class View:
             raise RuntimeError(self.fail_in_step)
         if leaf is None or leaf in staged.leaves:
             staged.leaves.discard(leaf)
-            staged.pending = bool(staged.leaves) and leaf is not None
+            staged.uninstalled = bool(staged.leaves) and leaf is not None
         return 1
 
     def needs_refresh(self):

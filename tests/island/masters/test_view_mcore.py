@@ -628,11 +628,11 @@ def staged_vs_write(cfg_kwargs, mode, updates=0, alpha=0.5, chunk_bytes=1 << 14,
         for leaf in leaf_optimizers(ctx["optimizer"]):
             view.install_masters(staged[0], leaf=id(leaf), params=False)
             leaf._copy_main_params_to_model_params()
-        left = staged[0].pending
+        left = staged[0].uninstalled
         megatron_param_gather()
     else:
         view.install_staged(staged[0], mode, blend_alpha)
-        left = staged[0].pending
+        left = staged[0].uninstalled
         megatron_param_gather()
     untouched = untouched and all(np.array_equal(src[e], k[e]) for src, k in zip(srcs, kept) for e in src)
     by_stage = _island_state(view)

@@ -109,8 +109,8 @@ class Boundaries:
         self.mark_handed(p.channel.rank0(handed, what))
 
     # ------------------------------------------------------------------------------------- plans
-    def make_plan(self, step: int):
-        """Every rank: rank 0's plan of `step` and the seconds it took, or None on a step where nothing can
+    def make_plan(self, step: int) -> Optional[PlannedStep]:
+        """Every rank: rank 0's plan of `step` (with the seconds it took), or None on a step where nothing can
         happen (no collective)."""
         p = self.parts
         due = due_fragments(step, p.settings.sync_every, len(p.frags))
@@ -125,9 +125,9 @@ class Boundaries:
             ready = {frag.index for frag in p.frags if p.bases.finished(frag.index)}
             out = plan(step, p.total, due, p.frags, p.link.final_cut, p.rule, ready)
             return {"plan": out.as_json(), "handed": handed}
-        made = p.channel.rank0(decide, f"plan step {step}")
-        self.mark_handed(made["handed"])
-        return Plan.from_json(made["plan"]), time.perf_counter() - t0
+        decided = p.channel.rank0(decide, f"plan step {step}")
+        self.mark_handed(decided["handed"])
+        return PlannedStep(step, Plan.from_json(decided["plan"]), time.perf_counter() - t0)
 
     def begin(self, plan_: Plan) -> None:
         """Every rank: the plan's staged bases are armed for this step's install points, and its arrived bases
@@ -140,12 +140,9 @@ class Boundaries:
     def plan_ahead(self) -> None:
         """Every rank, before the optimizer step's update: the step's plan, so that its staged bases are
         installed inside the step (``Installer.into_leaf``); the rest of the plan runs after the step."""
-        self.planned = None
-        step = self.parts.step() + 1
-        made = self.make_plan(step)
-        if made is not None:
-            self.planned = PlannedStep(step, made[0], made[1])
-            self.begin(made[0])
+        self.planned = self.make_plan(self.parts.step() + 1)
+        if self.planned is not None:
+            self.begin(self.planned.plan)
 
     def take_plan(self):
         """Every rank, after the optimizer step: the step's plan (made before the update, or now for a loop
@@ -154,11 +151,10 @@ class Boundaries:
         if planned is not None and planned.step == self.parts.step():
             return planned
         self.installer.finish()
-        made = self.make_plan(self.parts.step())
-        if made is None:
-            return None
-        self.begin(made[0])
-        return PlannedStep(self.parts.step(), made[0], made[1])
+        planned = self.make_plan(self.parts.step())
+        if planned is not None:
+            self.begin(planned.plan)
+        return planned
 
     def after_step(self, planned: PlannedStep) -> None:
         """Every rank, after the optimizer step (not the final cut): skips, synchronous installs, the

@@ -123,7 +123,7 @@ class Installer:
         try:
             if err is None:
                 for frag in armed:
-                    if frag.staging.job.result.pending:
+                    if frag.staging.job.result.uninstalled:
                         view.install_masters(frag.staging.job.result, params=True)
                         late.add(frag.index)
         except Exception as e:  # noqa: BLE001 - agreed below

@@ -92,7 +92,7 @@ class StagedBase:
         return sum(int(p.value.numel()) * _F32 * (2 if p.scaled is not None else 1) for p in self.parts)
 
     @property
-    def pending(self) -> bool:
+    def uninstalled(self) -> bool:
         return any(not p.done for p in self.parts)
 
 
