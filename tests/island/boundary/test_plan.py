@@ -186,3 +186,12 @@ def test_install_rule_is_the_one_place_for_blend_and_alpha():
     with pytest.raises(EngineError):
         TAU2.alpha_for("merge")
     assert TAU2.install_step(10) == 12 and PushPhase.AT_SYNCER.value == "at syncer"
+
+
+def test_an_answer_installed_synchronously_also_waits_for_the_push_step_plus_tau():
+    fs = states()
+    pushed(fs[1], 10)
+    fs[1].side.arrived = Base(1, 2, "held", None, False, (), 1, 2, held=True)   # the island's own weights
+    assert [bool(plan(s, 100, [], fs, False, TAU2).install) for s in (11, 12)] == [False, True]
+    fs[1].side.adopt = True   # an adoption after a restart goes in at once
+    assert plan(11, 100, [], fs, False, TAU2).install == [BaseSpec(1, 2, 0, True)]

@@ -121,17 +121,17 @@ def stageable(fragment) -> bool:
     return not side.adopt and not (side.arrived.relative and side.arrived.held)
 
 
-def armable(fragment, step: int, rule: InstallRule, ready: AbstractSet[int]) -> bool:
-    """Rank 0: fragment's staged base goes into the masters at `step`: rank 0's part of the staging ended, its
-    push (if any) is at the syncer, and a base answering that push waits for the push's step + tau."""
-    if fragment.index not in ready:
-        return False
+def install_due(fragment, step: int, rule: InstallRule) -> bool:
+    """A base held for `fragment` may go in at `step`: it answers no push of this island, or `step` is the push's
+    step + tau or later (the step the plan fixes for it, whenever the base arrived)."""
     p = fragment.push
-    if p is None:
-        return True
-    if p.phase is not PushPhase.AT_SYNCER:
-        return False
-    return fragment.staging.version <= p.base_version or step >= rule.install_step(p.step)
+    return p is None or (p.phase is PushPhase.AT_SYNCER and step >= rule.install_step(p.step))
+
+
+def armable(fragment, step: int, rule: InstallRule, ready: AbstractSet[int]) -> bool:
+    """Rank 0: fragment's staged base goes into the masters at `step`: rank 0's part of the staging ended and the
+    install is due."""
+    return fragment.index in ready and install_due(fragment, step, rule)
 
 
 def plan(step: int, total: int, due: Sequence[int], frags, by_syncer: bool, rule: InstallRule,
@@ -157,8 +157,8 @@ def plan(step: int, total: int, due: Sequence[int], frags, by_syncer: bool, rule
         b = s.side.arrived
         if b is not None and (s.side.adopt or (b.version > s.anchor_version and s.index not in pushing)):
             if not final and stageable(s):
-                p.stage.append(base_spec(s))
-            else:
+                p.stage.append(base_spec(s))   # staged at once, armed when due
+            elif s.side.adopt or final or install_due(s, step, rule):
                 p.install.append(base_spec(s))
     return p
 
