@@ -489,8 +489,10 @@ class SyncerServer:
         coord = self.coord
         tensors = coord.layout[frag]
         sizes = [int(np.prod(coord.manifest[i][1], dtype=np.int64)) for i in tensors]
+        rec = next((r for r in list(self.records)[::-1] if r.fragment == frag and r.ok), None)
+        merge = None if rec is None else (rec.version, rec.figures_for(s.island))
         n = s.stream_base(coord.frags[frag], lambda d: d == [s.declared[i] for i in tensors], sizes,
-                          coord.down_block, dtype, final)
+                          coord.down_block, dtype, final, merge=merge)
         if n is not None:
             self.metrics.bytes_out.labels("final" if final else "base").inc(n)
 
