@@ -6,6 +6,9 @@
   step) and raises ``ConfigError`` there on every rank; until then nothing is read, imported or connected.
 - Creates the engine lazily (``yeto_patch.island.engine.Engine``) and keeps the first failure sticky: once the
   engine failed to start, every later step raises the same error rather than training on without DiLoCo.
+- Hands the island's boundary figures to the launcher's own TensorBoard / W&B writers (``figures``: an
+  ``island.figures.Relay``): the hook of a launcher passes ``writers`` (a function returning the writers it
+  opened on this rank); the rank holding them writes rank 0's figures at its training steps.
 - Tests replace the engine with ``set_engine_factory``.
 """
 from __future__ import annotations
@@ -45,6 +48,8 @@ class Runtime:
 
     def reset(self):
         with self._lock:
+            self._generation = getattr(self, "_generation", -1) + 1
+            self._figures = None   # island.figures.Relay, made when the process first trains
             engine = getattr(self, "engine", None)
             self.engine = None
             self.error: Optional[BaseException] = None
@@ -58,6 +63,14 @@ class Runtime:
                 engine.close()
             except Exception:  # pragma: no cover - best effort on reset
                 log.exception("yeto-patch: closing the engine on reset failed")
+
+    @property
+    def figures(self):
+        """The relay of the island's figures to the launcher's writers (``island.figures.Relay``)."""
+        if self._figures is None:
+            from yeto_patch.island.figures import Relay   # (imports torch: only once the process trains)
+            self._figures = Relay(self._generation)
+        return self._figures
 
     # ---------------------------------------------------------------------------------------- engine
     def _engine(self, optimizer=None, model=None):
@@ -87,7 +100,12 @@ class Runtime:
 
     # ---------------------------------------------------------------------------------------- train_step
     def train_step_start(self, *, model, optimizer, iteration=None, train_iters=None, tokens=None,
-                         vocab_size=None):
+                         vocab_size=None, writers=None):
+        """`writers`: a function returning the TensorBoard / W&B writers the launcher opened on this rank (None
+        entries for those it did not open), or None when the launcher has none."""
+        if self.engine is None and self.error is None:
+            self.figures.enabled = _figures_on()
+        self.figures.see_writers(writers)   # before the island starts: its rank 0 then knows who writes
         engine = self._engine(optimizer=optimizer, model=model)
         if engine is None:
             return
@@ -95,13 +113,20 @@ class Runtime:
         self.pending_tokens = tokens
         engine.on_train_step_start(iteration=iteration, train_iters=train_iters, tokens=tokens,
                                    vocab_size=vocab_size)
+        if getattr(engine, "rank", None) == 0:
+            self.figures.attach(getattr(engine, "log", None))
+        self.figures.drain()
 
     def train_step_end(self) -> bool:
         """True when the run reached its final cut (the wrapper then tells Megatron to save and exit)."""
         self.in_train_step = False
         self.pending_tokens = None
         engine = self.engine
-        return bool(engine is not None and engine.finished)
+        finished = bool(engine is not None and engine.finished)
+        if finished:   # rank 0's last figures, before the launcher saves, stops and closes its writers
+            self.figures.drain(final=True, wait_s=min(30.0, getattr(getattr(engine, "settings", None),
+                                                                    "timeout", 30.0)))
+        return finished
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def checkpoint_loaded(self, directory, iteration) -> None:
@@ -169,6 +194,16 @@ def _agree_across_ranks(bad, settings) -> None:
     msg = agree(None if bad is None else str(bad), timeout_s=settings.timeout if settings else 120.0)
     if msg is not None:
         raise config.ConfigError(msg) from bad
+
+
+def _figures_on() -> bool:
+    """YETO_DILOCO_FIGURES (a bad configuration is reported when the engine starts, not here)."""
+    try:
+        from yeto_patch import config
+        s = config.get()
+        return bool(s.figures and not s.disable)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def update_successful(result) -> bool:
