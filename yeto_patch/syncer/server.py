@@ -431,9 +431,10 @@ class SyncerServer:
         try:
             p = parse_push(s.island, s.incarnation, meta, body)
         except PushRefused as e:
+            self.metrics.record_push(s.island, {"status": "refused", "code": e.code})
             s.post(MsgType.PUSH_REPLY, refusal(meta.get("fragment"), meta.get("base_version"), e.code, e.message))
             return
-        self.metrics.bytes_in.labels("push").inc(memoryview(body).nbytes)
+        self.metrics.record_push_bytes(s.island, memoryview(body).nbytes)
         # validate/decode/fold on the fold pool so this connection's reader goes on (heartbeats, the next
         # push); at most MAX_PUSHES_IN_FLIGHT per connection (back-pressure bounds the memory held)
         with s.cv:
@@ -450,7 +451,7 @@ class SyncerServer:
     def _process_push(self, s: _Session, p: Push) -> None:
         try:
             reply = accept_push(self.coord, p, s.island)
-            self.metrics.pushes.labels(reply["status"]).inc()
+            self.metrics.record_push(s.island, reply)
         except Exception:  # noqa: BLE001 - a bug must not take the syncer down
             log.exception("internal error while accepting a push from island %s", s.island)
             reply = refusal(p.fragment, p.base_version, "internal", "internal error in the syncer (see its log)")
