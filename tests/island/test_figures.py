@@ -163,3 +163,14 @@ def test_the_backlog_is_bounded_when_the_writer_rank_reads_nothing(monkeypatch, 
     assert r["consumer"].drain() == 8
     r["blog"].write("boundary", step=21, bytes=1)             # room again
     assert r["consumer"].drain() == 1
+
+
+def test_a_store_that_fails_turns_the_figures_off_and_never_training(monkeypatch, caplog):
+    class Broken:
+        def compare_set(self, *a):
+            raise RuntimeError("store gone")
+    monkeypatch.setattr(F, "_store", lambda: (Broken(), 1, 2))
+    relay = F.Relay(0)
+    relay.see_writers(lambda: [TensorBoardLike()])      # no exception reaches the training step
+    assert not relay.enabled and relay.drain(final=True) == 0
+    assert any("store gone" in r.getMessage() for r in caplog.records)

@@ -167,12 +167,16 @@ class Relay:
         if self.writers and not self._registered:
             self._registered = True
             self._store, self.rank, _ = _store()
-            if self._store is not None:
-                key = self.keys + "consumer"
-                self._store.compare_set(key, "", str(self.rank))
-                self.is_consumer = self._store.get(key).decode() == str(self.rank)
-            else:
-                self.is_consumer = self.rank == 0
+            try:
+                if self._store is not None:
+                    key = self.keys + "consumer"
+                    self._store.compare_set(key, "", str(self.rank))
+                    self.is_consumer = self._store.get(key).decode() == str(self.rank)
+                else:
+                    self.is_consumer = self.rank == 0
+            except Exception as e:  # noqa: BLE001 - a figure never stops training
+                self._give_up("registering this rank as the one that writes them", e)
+                return
             if not self.is_consumer:
                 return
             log.info("yeto-patch: the boundary figures go to this rank's %s under %s*",
@@ -189,10 +193,19 @@ class Relay:
         else:
             store, _, _ = _store()
             key = self.keys + "consumer"
-            if store is None or not store.check([key]):
-                return   # no rank holds a writer: nothing to do
-            self._store, self.consumer = store, int(store.get(key).decode())
+            try:
+                if store is None or not store.check([key]):
+                    return   # no rank holds a writer: nothing to do
+                self._store, self.consumer = store, int(store.get(key).decode())
+            except Exception as e:  # noqa: BLE001
+                self._give_up("finding the rank that writes them", e)
+                return
         boundary_log.add_sink(self.publish)
+
+    def _give_up(self, what: str, err: BaseException) -> None:
+        self.enabled = False
+        log.warning("yeto-patch: no boundary figures in the launcher's writers: %s failed (%s: %s)", what,
+                    type(err).__name__, err)
 
     def publish(self, rec: dict) -> None:
         """Rank 0, a boundary-log sink: the record's figures to the consumer."""
@@ -253,7 +266,5 @@ class Relay:
                     self._closed = True
                 return done
             except Exception as e:  # noqa: BLE001 - a figure never stops training
-                self.enabled = False
-                log.warning("yeto-patch: reading the boundary figures from the job's store failed (%s: %s); no "
-                            "more figures", type(e).__name__, e)
+                self._give_up("reading them from the job's store", e)
                 return 0
