@@ -28,20 +28,12 @@ import time
 import urllib.request
 
 from benchmarks import promql
+from tests.shim.procs import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DASHBOARD = os.path.join(ROOT, "docs", "grafana", "yeto-syncer.json")
 COLORS = ("#73BF69", "#F2CC0C", "#8AB8FF", "#FF780A", "#F2495C", "#5794F2", "#B877D9", "#FADE2A", "#96D98D")
 COL_W, ROW_H = 56, 30   # px per grid column / grid row
-
-
-def free_port() -> int:
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def record(out: str, every: float, demo_args: list) -> str:
