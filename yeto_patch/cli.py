@@ -100,6 +100,7 @@ def _print_launchers(out, surveyed: bool) -> None:
     for name, t, st in (hooks.survey(import_targets=False) if surveyed else ()):
         status.setdefault(name, []).append(f"{t.name} {st}")
     print("\nlaunchers (recognised here, and the hooks that attach for each):", file=out)
+    writers = hooks.writers()
     for launcher, dist, version, names in hooks.launchers():
         if version is None:
             print(f"  {launcher:36s} not installed ({dist})", file=out)
@@ -107,6 +108,42 @@ def _print_launchers(out, surveyed: bool) -> None:
         print(f"  {launcher:36s} recognised: {dist} {version}", file=out)
         for name in names:
             print(f"    {name:34s} {'; '.join(status.get(name, ['not surveyed (--no-import)']))}", file=out)
+        for writer, package, where in writers.get(launcher, ()):
+            have = "installed" if _findable(package) else "not installed here"
+            print(f"    {'writer ' + writer:34s} {where}; {package} {have}", file=out)
+
+
+def _findable(package) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _print_figures(out, settings) -> None:
+    on = settings is None or settings.figures
+    print("\nfigures (the island's yeto/* scalars in the launcher's TensorBoard / W&B, written on the rank that "
+          "holds the launcher's writer):", file=out)
+    print(f"  {'YETO_DILOCO_FIGURES':30s} {'on' if on else 'off (YETO_DILOCO_FIGURES=0)'}"
+          f"{'; into the writers listed under each launcher, when it opens them (none opened: none written)' if on else ''}",
+          file=out)
+
+
+def _print_name_mappings(out) -> None:
+    """The names every island's manifest maps to megatron-core's local spec (island/masters/builds.py)."""
+    from yeto_patch.island.masters import builds
+    te = _version("transformer-engine")
+    if te == "not installed":
+        te = _version("transformer_engine")
+    print("\nname mappings (any build to megatron-core's local-spec names, applied to islands built with "
+          "Transformer Engine" + (f"; here: transformer-engine {te}" if te != "not installed" else
+                                  "; none here: this environment builds the local spec's names") + "):", file=out)
+    for b in builds.BUILD_NAMES:
+        print(f"  {b.build:56s} -> {b.canonical}", file=out)
+    print("  mlp.experts.local_experts.<j>.<rest> (SequentialMLP) and mlp.experts.<rest><j> (TEGroupedMLP) "
+          "-> mlp.experts.<global expert>.<rest>", file=out)
+    print("  linear_fc1 of a SwiGLU MLP (dense, shared or expert): [gate; up] across tensor-parallel ranks, "
+          "whatever its partition_stride says", file=out)
 
 
 def doctor(argv) -> int:
@@ -148,6 +185,8 @@ def doctor(argv) -> int:
     ok = _doctor_hooks(out, import_targets=not a.no_import) and ok
 
     _print_launchers(out, surveyed=not a.no_import)
+    _print_figures(out, settings)
+    _print_name_mappings(out)
 
     print("\nsyncer handshake:", file=out)
     if a.no_handshake:

@@ -291,6 +291,8 @@ TABLE = (
         "JSONL file rank 0 appends one record per boundary to (bytes, timings, pull lag); `{island}` expands "
         "to the island id", Optional[str],
         "(unset)"),
+    Var("YETO_DILOCO_FIGURES", "figures", boolean(), True,
+        "`0`: no `yeto/*` figures in the launcher's TensorBoard / W&B", bool),
     Var("YETO_DILOCO_LOG_LEVEL", "log_level", choice(LOG_LEVELS), "INFO", "log level of logger `yeto_patch`", str),
 )
 _BY_NAME = {v.name: v for v in TABLE}

@@ -44,6 +44,22 @@ def test_doctor_unattached_says_how_to_attach():
     assert p.returncode == 1   # no syncer address: nothing to attach to
 
 
+def test_doctor_shows_the_launchers_writers_the_figures_and_the_name_mappings():
+    p = doctor("--no-handshake", "--no-import", env_extra={"YETO_DILOCO_SYNCER": "127.0.0.1:7640",
+                                                           "YETO_DILOCO_INSECURE": "1", "YETO_DILOCO_FIGURES": "0"})
+    out = p.stdout
+    section = out[out.index("launchers (recognised here"):]
+    if re.search(r"Megatron-LM\s+recognised", section):   # megatron-core >= 0.17 ships megatron.training
+        assert re.search(r"writer TensorBoard\s+get_tensorboard_writer\(\), with --tensorboard-dir; tensorboard "
+                         r"(installed|not installed here)", section), section
+        assert "writer W&B" in section
+    assert "YETO_DILOCO_FIGURES            off (YETO_DILOCO_FIGURES=0)" in out
+    mappings = out[out.index("name mappings"):]
+    assert re.search(r"self_attention\.linear_qkv\.layer_norm_weight +-> input_layernorm\.weight", mappings)
+    assert re.search(r"mlp\.linear_fc1\.layer_norm_weight +-> pre_mlp_layernorm\.weight", mappings)
+    assert "mlp.experts.<global expert>.<rest>" in mappings and "[gate; up]" in mappings
+
+
 def test_cli_dispatch():
     from yeto_patch import cli
     assert cli.main(["--help"]) == 0

@@ -29,7 +29,7 @@ def tiny_qwen2(dir_path) -> str:
     """Writes a tiny random Qwen2 (HF format) and a local chat jsonl under dir_path (once); returns dir_path."""
     if not os.path.exists(os.path.join(dir_path, "model", "config.json")):
         subprocess.run([sys.executable, os.path.join(HERE, "scripts", "make_tiny_qwen2.py"), str(dir_path)],
-                       check=True, timeout=300, capture_output=True, env=P.base_env(**OFFLINE))
+                       check=True, timeout=900, capture_output=True, env=P.base_env(**OFFLINE))
     return str(dir_path)
 
 

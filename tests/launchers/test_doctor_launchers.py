@@ -20,3 +20,10 @@ def test_doctor_recognises_the_launchers_and_their_hooks():
     assert re.search(r"Megatron-LM\s+recognised: megatron-core 0\.19\.\d", section), section
     for hook in ("swift_megatron", "bridge_train", "bridge_checkpointing", "mlm_training", "mcore_optimizer"):
         assert hook in section, (hook, section)
+    # the writers each launcher opens, where the island's yeto/* figures go (tensorboard is installed here)
+    assert re.search(r"writer TensorBoard\s+TensorboardCallback\.writer, with --report_to tensorboard "
+                     r"\(default\); tensorboard installed", section), section
+    assert re.search(r"writer TensorBoard\s+GlobalState\.tensorboard_logger, with cfg\.logger\.tensorboard_dir; "
+                     r"tensorboard installed", section), section
+    assert re.search(r"writer W&B\s+get_wandb_writer\(\), with --wandb-project; wandb not installed here",
+                     section), section

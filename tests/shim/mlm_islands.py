@@ -17,7 +17,12 @@ from tests.shim import procs as P
 
 SCRIPT = os.path.join(P.ROOT, "tests", "shim", "scripts", "pretrain_gpt_cpu.py")
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"],
-           "dp2": []}
+           "dp2": [], "ep2": ["--expert-model-parallel-size", "2"]}
+# a small MoE GPT (every layer: 4 experts, top-2, alltoall dispatcher, SequentialMLP; no linear biases, which
+# SequentialMLP with TP1 cannot train on: an in-place-on-view autograd error in megatron-core's mlp.py)
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+       "--moe-ffn-hidden-size", "64", "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff",
+       "1e-2", "--disable-bias-linear"]
 VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.weight(tied)")
 TIED = "output_layer.weight(tied)"
 

@@ -147,3 +147,32 @@ def test_bridge_checkpoints_carry_the_sync_state():
         save(state=_gs(9), model=[], optimizer=None, opt_param_scheduler=None,
              num_floating_point_operations_so_far=0, non_persistent_ckpt=True)
         assert rec.saved == [("/ck", 8)]
+
+
+def test_each_launcher_hands_its_own_writers_to_the_figures(monkeypatch):
+    """The writers the island's yeto/* figures go to: Bridge's GlobalState loggers, ms-swift's TensorBoard / W&B
+    callbacks' writers, Megatron-LM's global writers (None where the launcher opened none)."""
+    tb, wb = object(), object()
+    gs = _gs(1)
+    gs.tensorboard_logger, gs.wandb_logger = tb, None
+    assert bridge_train._facts({"global_state": gs})["writers"]() == [tb, None]
+
+    class TensorboardCallback:
+        writer = tb
+
+    class WandbCallback:
+        writer = wb
+
+    class PrintCallback:
+        writer = "not a writer of ours"
+    trainer = types.SimpleNamespace(callbacks=[PrintCallback(), TensorboardCallback(), WandbCallback()])
+    assert swift_megatron.facts(trainer)["writers"]() == [tb, wb]
+    assert swift_megatron.facts(types.SimpleNamespace())["writers"]() == []
+    try:
+        from megatron.training import global_vars
+    except ImportError:   # megatron-core < 0.17 ships no megatron.training
+        return
+    from yeto_patch.hooks import mlm_training
+    monkeypatch.setattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", tb)
+    monkeypatch.setattr(global_vars, "_GLOBAL_WANDB_WRITER", None)
+    assert mlm_training.writers() == [tb, None]

@@ -16,6 +16,7 @@ class Recorder:
         self.settings, self.optimizer, self.model = settings, optimizer, model
         self.calls = []
         self.started = self.finished = False
+        self.boundary_log = None
         self.saved, self.resume = [], None
         Recorder.instances.append(self)
 

@@ -36,7 +36,8 @@ Declaring a hook module (add its name to ``HOOK_MODULES``)::
 A target is defined when its owner has the attribute in its own namespace. After ``patch()`` ran on an import,
 every REQUIRED target that the module does not define is recorded in ``errors()`` and logged once (a release that
 renamed ``save_checkpoint`` would otherwise silently break island restart). ``survey()`` walks the declarations
-for ``yeto-patch doctor``: every target as patched / not patched / missing / not imported.
+for ``yeto-patch doctor``: every target as patched / not patched / missing / not imported. A launcher's hook
+module may declare ``WRITERS``: the TensorBoard / W&B writers it hands to the island's figures (``writers()``).
 tests/hooks/test_declarations.py checks, for every hook module, that ``patch()`` wraps exactly what it declares.
 
 ``install()`` registers a wrapt post-import hook per target module: one already imported is patched at once, the
@@ -216,6 +217,19 @@ def _lookup(module, dotted):
         if obj is None:
             return None
     return obj
+
+
+def writers() -> dict:
+    """For `yeto-patch doctor`: launcher -> [(writer, Python package, where the launcher keeps it)] from each hook
+    module's WRITERS (the writers the island's figures go to). Imports nothing of Megatron."""
+    out: dict = {}
+    for hook_name in HOOK_MODULES:
+        mod = _hook(hook_name)
+        for w in getattr(mod, "WRITERS", ()):
+            rows = out.setdefault(getattr(mod, "LAUNCHER", None) or "any loop (megatron-core optimizers)", [])
+            if tuple(w) not in rows:
+                rows.append(tuple(w))
+    return out
 
 
 def launchers() -> list:

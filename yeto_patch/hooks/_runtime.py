@@ -6,6 +6,9 @@
   step) and raises ``ConfigError`` there on every rank; until then nothing is read, imported or connected.
 - Creates the engine lazily (``yeto_patch.island.engine.Engine``) and keeps the first failure sticky: once the
   engine failed to start, every later step raises the same error rather than training on without DiLoCo.
+- Hands the island's boundary figures to the launcher's own TensorBoard / W&B writers (``figures``: an
+  ``island.figures.Relay``): the hook of a launcher passes ``writers`` (a function returning the writers it
+  opened on this rank); the rank holding them writes rank 0's figures at its training steps.
 - Tests replace the engine with ``set_engine_factory``.
 """
 from __future__ import annotations
@@ -45,6 +48,8 @@ class Runtime:
 
     def reset(self):
         with self._lock:
+            self._generation = getattr(self, "_generation", -1) + 1
+            self._figures = None   # island.figures.Relay, made when the process first trains
             engine = getattr(self, "engine", None)
             self.engine = None
             self.error: Optional[BaseException] = None
@@ -53,11 +58,20 @@ class Runtime:
             self.in_train_step = False
             self._warned_foreign = False
             self.loaded: Optional[tuple] = None   # (directory, iteration) of the checkpoint Megatron loaded
+            self.timeout_s = 30.0                 # YETO_DILOCO_TIMEOUT once read (bounds the last figures' drain)
         if engine is not None:
             try:
                 engine.close()
             except Exception:  # pragma: no cover - best effort on reset
                 log.exception("yeto-patch: closing the engine on reset failed")
+
+    @property
+    def figures(self):
+        """The relay of the island's figures to the launcher's writers (``island.figures.Relay``)."""
+        if self._figures is None:
+            from yeto_patch.island.figures import Relay   # (imports torch: only once the process trains)
+            self._figures = Relay(self._generation)
+        return self._figures
 
     # ---------------------------------------------------------------------------------------- engine
     def _engine(self, optimizer=None, model=None):
@@ -73,6 +87,7 @@ class Runtime:
                     except config.ConfigError as e:
                         bad = e
                     _agree_across_ranks(bad, settings)
+                    self.timeout_s = float(settings.timeout)
                     if settings.disable:
                         return None
                     _setup_logging(settings.log_level)
@@ -88,7 +103,12 @@ class Runtime:
 
     # ---------------------------------------------------------------------------------------- train_step
     def train_step_start(self, *, model, optimizer, iteration=None, train_iters=None, tokens=None,
-                         vocab_size=None):
+                         vocab_size=None, writers=None):
+        """`writers`: a function returning the TensorBoard / W&B writers the launcher opened on this rank (None
+        entries for those it did not open), or None when the launcher has none."""
+        if self.engine is None and self.error is None:
+            self.figures.enabled = _figures_on()
+        self.figures.see_writers(writers)   # before the island starts: its rank 0 then knows who writes
         engine = self._engine(optimizer=optimizer, model=model)
         if engine is None:
             return
@@ -96,13 +116,18 @@ class Runtime:
         self.pending_tokens = tokens
         engine.on_train_step_start(iteration=iteration, train_iters=train_iters, tokens=tokens,
                                    vocab_size=vocab_size)
+        self.figures.attach(engine.boundary_log)   # (rank 0's; None elsewhere)
+        self.figures.drain()
 
     def train_step_end(self) -> bool:
         """True when the run reached its final cut (the wrapper then tells Megatron to save and exit)."""
         self.in_train_step = False
         self.pending_tokens = None
         engine = self.engine
-        return bool(engine is not None and engine.finished)
+        finished = bool(engine is not None and engine.finished)
+        if finished:   # rank 0's last figures, before the launcher saves, stops and closes its writers
+            self.figures.drain(final=True, wait_s=min(30.0, self.timeout_s))
+        return finished
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def checkpoint_loaded(self, directory, iteration) -> None:
@@ -179,6 +204,16 @@ def _agree_across_ranks(bad, settings) -> None:
     msg = agree(None if bad is None else str(bad), timeout_s=settings.timeout if settings else 120.0)
     if msg is not None:
         raise config.ConfigError(msg) from bad
+
+
+def _figures_on() -> bool:
+    """YETO_DILOCO_FIGURES (a bad configuration is reported when the engine starts, not here)."""
+    try:
+        from yeto_patch import config
+        s = config.get()
+        return bool(s.figures and not s.disable)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def update_successful(result) -> bool:

@@ -16,6 +16,17 @@ LAUNCHER = "Megatron-Bridge"
 DISTRIBUTION = "megatron-bridge"
 TARGETS = (Target(TARGET, None, "train_step"),)
 SUPPORTED_VERSIONS = {"megatron-bridge": ">=0.6.2,<0.7"}   # tested here: 0.6.2 (megatron-core 0.19.2)
+# the writers Bridge opens (on the last rank), where the island's figures go (yeto/*; YETO_DILOCO_FIGURES)
+WRITERS = (("TensorBoard", "tensorboard", "GlobalState.tensorboard_logger, with cfg.logger.tensorboard_dir"),
+           ("W&B", "wandb", "GlobalState.wandb_logger, with cfg.logger.wandb_project"))
+
+
+def writers_of(gs):
+    """A function returning the TensorBoard and W&B loggers of Bridge's GlobalState on this rank (Bridge makes
+    them when first asked, on the last rank, when its configuration names them)."""
+    def writers() -> list:
+        return [getattr(gs, "tensorboard_logger", None), getattr(gs, "wandb_logger", None)]
+    return writers
 
 
 def _facts(bound) -> dict:
@@ -24,6 +35,7 @@ def _facts(bound) -> dict:
     gs = bound.get("global_state", bound.get("state"))
     if gs is None:
         return facts
+    facts["writers"] = writers_of(gs)
     try:
         facts["iteration"] = int(gs.train_state.step)
     except Exception:

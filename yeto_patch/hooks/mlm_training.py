@@ -14,11 +14,20 @@ TARGETS = (Target(TARGET, None, "train_step"),
            Target(TARGET, None, "save_checkpoint"),   # island restart: sync state saved beside the checkpoint
            Target(TARGET, None, "load_checkpoint"))   # ... and restored from it
 SUPPORTED_VERSIONS = {"megatron-core": ">=0.17"}   # megatron.training ships in megatron-core wheels from 0.17
+# the writers Megatron-LM opens (on the last rank), where the island's figures go (yeto/*; YETO_DILOCO_FIGURES)
+WRITERS = (("TensorBoard", "tensorboard", "get_tensorboard_writer(), with --tensorboard-dir"),
+           ("W&B", "wandb", "get_wandb_writer(), with --wandb-project"))
+
+
+def writers() -> list:
+    """The TensorBoard and W&B writers Megatron-LM opened on this rank (None for those it did not)."""
+    from megatron.training import global_vars
+    return [getattr(global_vars, name, lambda: None)() for name in ("get_tensorboard_writer", "get_wandb_writer")]
 
 
 def _facts(bound) -> dict:
     facts = dict(model=bound.get("model"), optimizer=bound.get("optimizer"), iteration=bound.get("iteration"),
-                 train_iters=None, tokens=None, vocab_size=None)
+                 train_iters=None, tokens=None, vocab_size=None, writers=writers)
     try:
         from megatron.training.global_vars import get_args
         args = get_args()

@@ -23,6 +23,19 @@ CLASS = "BaseMegatronTrainer"
 METHODS = ("train_step", "save_checkpoint", "_load_checkpoint")
 TARGETS = tuple(Target(TARGET, CLASS, m) for m in METHODS)
 SUPPORTED_VERSIONS = {"ms-swift": ">=4.6.0,<4.7"}   # tested here: 4.6.0 (mcore-bridge 1.6.5, megatron-core 0.19.2)
+# the writers ms-swift opens (on the last rank, --report_to; tensorboard is its default), where the island's
+# figures go (yeto/*; YETO_DILOCO_FIGURES)
+WRITERS = (("TensorBoard", "tensorboard", "TensorboardCallback.writer, with --report_to tensorboard (default)"),
+           ("W&B", "wandb", "WandbCallback.writer, with --report_to wandb"))
+_WRITER_CALLBACKS = ("TensorboardCallback", "WandbCallback")
+
+
+def writers_of(trainer):
+    """A function returning the writers of ms-swift's TensorBoard and W&B callbacks on this rank."""
+    def writers() -> list:
+        return [getattr(cb, "writer", None) for cb in getattr(trainer, "callbacks", None) or ()
+                if type(cb).__name__ in _WRITER_CALLBACKS]
+    return writers
 
 
 def _int(v):
@@ -34,7 +47,7 @@ def facts(trainer) -> dict:
     args, state = getattr(trainer, "args", None), getattr(trainer, "state", None)
     out = dict(model=getattr(trainer, "wrapped_models", None), optimizer=getattr(trainer, "optimizer", None),
                iteration=_int(getattr(state, "iteration", None)), train_iters=_int(getattr(args, "train_iters", None)),
-               tokens=None, vocab_size=None)
+               tokens=None, vocab_size=None, writers=writers_of(trainer))
     seq = _int(getattr(args, "seq_length", None)) or _int(getattr(args, "max_length", None))
     gbs = _int(getattr(args, "global_batch_size", None))
     if seq and gbs:

@@ -6,11 +6,28 @@
     view.read(indices, sink)          # rank 0: sink(index, offset, float32 array); others: view.read()
     view.write(indices, source)       # rank 0: source(index, offset, count) -> float32 array; others: view.write()
 
-Imports torch lazily through its submodules; nothing here touches an accelerator.
+Imports torch lazily: the names below are imported on first use (PEP 562), so a torch-free submodule
+(``masters.builds``, ``boundary.log``) can be imported without torch (``yeto-patch doctor``); nothing here
+touches an accelerator.
 """
-from yeto_patch.island.masters.collective import IslandComm, IslandError
-from yeto_patch.island.masters.view import DEFAULT_CHUNK_BYTES, MasterView, collect_arrays, find_masters
-from yeto_patch.island.masters.names import Entry, LocalParam, Manifest, ManifestError, build_manifest, local_params
+import importlib
+
+_EXPORTS = {
+    "yeto_patch.island.masters.collective": ("IslandComm", "IslandError"),
+    "yeto_patch.island.masters.view": ("DEFAULT_CHUNK_BYTES", "MasterView", "collect_arrays", "find_masters"),
+    "yeto_patch.island.masters.names": ("Entry", "LocalParam", "Manifest", "ManifestError", "build_manifest",
+                                        "local_params"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = ["IslandComm", "IslandError", "MasterView", "DEFAULT_CHUNK_BYTES", "collect_arrays", "find_masters",
            "Entry", "LocalParam", "Manifest", "ManifestError", "build_manifest", "local_params"]
+
+
+def __getattr__(name):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

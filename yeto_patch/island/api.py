@@ -12,6 +12,7 @@ from typing import Optional, Protocol, runtime_checkable
 class IslandEngine(Protocol):
     started: bool     # joined the syncer (the first training step did it)
     finished: bool    # the final model is installed: the training loop stops
+    boundary_log: Optional[object]   # island rank 0's boundary log once started (its records feed the figures)
 
     def set_resume(self, directory: Optional[str], iteration: Optional[int]) -> None:
         """Megatron loaded `iteration` from `directory` before training (None, None: nothing loaded)."""

@@ -88,6 +88,11 @@ class Engine:
         self._warned_tokens = False
         _current = self
 
+    @property
+    def boundary_log(self):
+        """Island rank 0's boundary log once started (None on the other ranks and before the start)."""
+        return None if self.parts is None else self.parts.log
+
     def set_resume(self, directory, iteration):
         """Megatron loaded the checkpoint of `iteration` from `directory` (before the first step): the island's
         sync state saved beside it is restored at start."""

@@ -1,4 +1,10 @@
-"""Prometheus metrics (prometheus-client, own registry) and the JSONL merge tape."""
+"""Prometheus metrics (prometheus-client, own registry) and the JSONL merge tape.
+
+The operator's dashboard over them is ``docs/grafana/yeto-syncer.json`` (tests/syncer/test_dashboard.py checks
+that every metric and label it queries is one exported here). Island ids become label values only for islands
+that authenticated (``record_push`` / ``record_merge``), at most ``MAX_ISLAND_LABELS`` of them; the others are
+counted under ``island="other"``.
+"""
 from __future__ import annotations
 
 import json
@@ -7,7 +13,9 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-__all__ = ["Metrics", "Tape"]
+__all__ = ["Metrics", "Tape", "MAX_ISLAND_LABELS"]
+
+MAX_ISLAND_LABELS = 256
 
 
 class Metrics:
@@ -32,6 +40,22 @@ class Metrics:
                                         registry=r)
         self.shard = Gauge("yeto_syncer_shard", "1 for this process's shard index and the shard count "
                            "(--shard; a whole syncer: 0 of 1)", ["shard", "shards"], registry=r)
+        # by island (the dashboard's per-island panels)
+        self.island_pushes = Counter("yeto_syncer_island_pushes", "Pushes by island and outcome (accepted, "
+                                     "carried, closed, refused) and refusal code", ["island", "outcome", "code"],
+                                     registry=r)
+        self.island_bytes = Counter("yeto_syncer_island_bytes_received", "Push payload bytes received by island",
+                                    ["island"], registry=r)
+        self.push_lag = Histogram("yeto_syncer_push_lag_versions", "Versions a merged push was behind the "
+                                  "fragment (its staleness; 0: on time)", ["island"], registry=r,
+                                  buckets=(0, 1, 2, 3, 5, 10))
+        self.island_weight = Gauge("yeto_syncer_island_merge_weight", "An island's share of the weight of the "
+                                   "last merge it was in", ["island"], registry=r)
+        self.responders = Gauge("yeto_syncer_merge_pushes", "Pushes folded into the last merge", ["fragment"],
+                                registry=r)
+        self.outer_lr = Gauge("yeto_syncer_outer_lr", "Outer learning rate of the last merge", ["fragment"],
+                              registry=r)
+        self._islands: set = set()
         self.server = None
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
@@ -47,12 +71,39 @@ class Metrics:
             self.server.server_close()
             self.server = None
 
+    def _island(self, island) -> str:
+        island = str(island)
+        if island not in self._islands and len(self._islands) >= MAX_ISLAND_LABELS:
+            return "other"
+        self._islands.add(island)
+        return island
+
+    def record_push(self, island, reply: dict) -> None:
+        """A push's outcome (the PUSH_REPLY sent: status, and code when refused)."""
+        status = str(reply.get("status", "?"))
+        self.pushes.labels(status).inc()
+        code = str(reply.get("code", "")) if status == "refused" else ""
+        self.island_pushes.labels(self._island(island), status, code[:32]).inc()
+
+    def record_push_bytes(self, island, nbytes: int) -> None:
+        self.bytes_in.labels("push").inc(nbytes)
+        self.island_bytes.labels(self._island(island)).inc(nbytes)
+
     def record_merge(self, rec) -> None:
         frag = str(rec.fragment)
         if rec.ok:
             self.merges.labels(frag).inc()
             self.version.labels(frag).set(rec.version)
             self.grad_norm.labels(frag).set(rec.grad_norm)
+            self.responders.labels(frag).set(len(rec.responders))
+            if rec.outer_lr is not None:
+                self.outer_lr.labels(frag).set(rec.outer_lr)
+            total = float(rec.total_weight or 0.0)
+            for r in rec.responders:
+                island = self._island(r.get("island"))
+                self.push_lag.labels(island).observe(int(r.get("lag", 0)))
+                if total > 0:
+                    self.island_weight.labels(island).set(float(r.get("weight", 0.0)) / total)
         else:
             self.merge_refusals.inc()
         self.merge_seconds.observe(rec.merge_s)

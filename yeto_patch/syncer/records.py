@@ -33,6 +33,23 @@ class MergeRecord:
                 "expected": self.expected, "outer_lr": self.outer_lr,
                 **({"reason": self.reason} if self.reason else {})}
 
+    def figures_for(self, island: str) -> dict:
+        """What island `island` learns with this merge's base (BASE meta ``merge``; wire.values.merge_info): its
+        share of the merge weight and its push's lag in versions (when it pushed), the pushes merged, the outer
+        learning rate and gradient norm."""
+        out = {"islands": len(self.responders)}
+        if self.outer_lr is not None and np.isfinite(self.outer_lr):
+            out["outer_lr"] = float(self.outer_lr)
+        if np.isfinite(self.grad_norm):
+            out["outer_grad_norm"] = float(self.grad_norm)
+        me = next((r for r in self.responders if r.get("island") == island), None)
+        total = float(self.total_weight or 0.0)
+        out["weight"] = float(me["weight"]) / total if me is not None and total > 0 else 0.0
+        out["weight"] = min(1.0, max(0.0, out["weight"]))
+        if me is not None:
+            out["lag"] = int(me["lag"])
+        return out
+
     def line(self) -> str:
         who = " ".join(f"{r['island']}(lag {r['lag']}{', carried' if r['carried'] else ''}, w {r['weight']:g})"
                        for r in self.responders)

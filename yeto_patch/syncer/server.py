@@ -431,9 +431,10 @@ class SyncerServer:
         try:
             p = parse_push(s.island, s.incarnation, meta, body)
         except PushRefused as e:
+            self.metrics.record_push(s.island, {"status": "refused", "code": e.code})
             s.post(MsgType.PUSH_REPLY, refusal(meta.get("fragment"), meta.get("base_version"), e.code, e.message))
             return
-        self.metrics.bytes_in.labels("push").inc(memoryview(body).nbytes)
+        self.metrics.record_push_bytes(s.island, memoryview(body).nbytes)
         # validate/decode/fold on the fold pool so this connection's reader goes on (heartbeats, the next
         # push); at most MAX_PUSHES_IN_FLIGHT per connection (back-pressure bounds the memory held)
         with s.cv:
@@ -450,7 +451,7 @@ class SyncerServer:
     def _process_push(self, s: _Session, p: Push) -> None:
         try:
             reply = accept_push(self.coord, p, s.island)
-            self.metrics.pushes.labels(reply["status"]).inc()
+            self.metrics.record_push(s.island, reply)
         except Exception:  # noqa: BLE001 - a bug must not take the syncer down
             log.exception("internal error while accepting a push from island %s", s.island)
             reply = refusal(p.fragment, p.base_version, "internal", "internal error in the syncer (see its log)")
@@ -489,8 +490,10 @@ class SyncerServer:
         coord = self.coord
         tensors = coord.layout[frag]
         sizes = [int(np.prod(coord.manifest[i][1], dtype=np.int64)) for i in tensors]
+        rec = next((r for r in list(self.records)[::-1] if r.fragment == frag and r.ok), None)
+        merge = None if rec is None else (rec.version, rec.figures_for(s.island))
         n = s.stream_base(coord.frags[frag], lambda d: d == [s.declared[i] for i in tensors], sizes,
-                          coord.down_block, dtype, final)
+                          coord.down_block, dtype, final, merge=merge)
         if n is not None:
             self.metrics.bytes_out.labels("final" if final else "base").inc(n)
 

@@ -132,11 +132,13 @@ class Session:
 
     # ------------------------------------------------------------------------------------------ bases
     def stream_base(self, f: Fragment, declared_ok: Callable[[list], bool], sizes: list, down_block: int,
-                    dtype: str, final: bool) -> Optional[int]:
+                    dtype: str, final: bool, merge: Optional[tuple] = None) -> Optional[int]:
         """(writer thread) Send fragment ``f``'s current base as BASE (or FINAL_BASE) in ``dtype``: "f32",
         "bf16", a base update codec (when this connection holds the previous version, else f32) or "check"
         ("held" without a body when ``declared_ok(digests)`` says the island declared exactly this base, else
-        f32). ``sizes``: the fragment's tensor sizes. Returns the body bytes sent (None: nothing to send)."""
+        f32). ``sizes``: the fragment's tensor sizes. ``merge``: (version, this island's figures of the merge that
+        made it), sent as meta ``merge`` when the base streamed is that version. Returns the body bytes sent
+        (None: nothing to send)."""
         frag = f.index
         with f.reading():
             if not final and self.held.get(frag) == f.version:
@@ -150,6 +152,8 @@ class Session:
             if dtype in BASE_UPDATES and down is None:
                 dtype = "f32"   # the island does not hold the previous version: the full shadow
             meta = {"fragment": frag, "version": f.version, "dtype": dtype, "numel": n, "final": final}
+            if merge is not None and merge[0] == f.version:   # (version, figures) of the merge that made it
+                meta["merge"] = merge[1]
             if down is not None:
                 meta.update(delta_from=f.version - 1, block=down_block)
             meta = aligned_meta(meta)

@@ -45,6 +45,7 @@ API::
         array) or, for a base update (--base-wire int8/int4), values None and `deltas`: encoded changes to apply
         in order to the island's base of version `start` (base.delta_range(i, start, count) decodes a piece),
         with `held` True when that base is the weights the island already holds (declared in its MANIFEST);
+        `merge`: the syncer's figures of the merge that made it (values.merge_info), or None;
         base_a.then(base_b) composes a base with the updates that follow it (exactly as the syncer did), final
     PushReply: fragment, base_version, status ("accepted" | "carried" | "closed"), lag, version, message
 
@@ -73,7 +74,8 @@ from .handshake import _RESUME, _RESUME_LOCK, _handshake, probe  # noqa: F401 - 
 from .message import encode_meta
 from .text import check_island_id
 from .transport import Connection, connect
-from .values import DELTA_CODECS, Base, PushReply, SyncerRefusal, Welcome, recoverable, shard_fields  # noqa: F401 - re-exported
+from .values import (DELTA_CODECS, Base, PushReply, SyncerRefusal, Welcome, merge_info,  # noqa: F401 - re-exported
+                     recoverable, shard_fields)
 
 __all__ = ["SyncerClient", "SyncerRefusal", "Welcome", "Base", "PushReply", "probe", "recoverable"]
 
@@ -244,7 +246,7 @@ class SyncerClient:
                         or frag in self._held:
                     raise ProtocolError(f"unexpected 'held' base for fragment {frag} (this island declared no "
                                         f"digests, or it is not the first base of the fragment, or it has a body)")
-                b = Base(frag, version, "held", None, False, (), version, numel, held=True)
+                b = Base(frag, version, "held", None, False, (), version, numel, held=True, merge=merge_info(meta))
                 with self._cv:
                     self._bases.pop(frag, None)
                     self._bases[frag] = b
@@ -263,7 +265,8 @@ class SyncerClient:
                         raise ProtocolError(f"base of fragment {frag} has non-finite values")
             else:
                 values = codecs.decode(dtype, body, numel)
-            b = Base(frag, version, dtype, values, final=(t == MsgType.FINAL_BASE) or bool(meta.get("final")))
+            b = Base(frag, version, dtype, values, final=(t == MsgType.FINAL_BASE) or bool(meta.get("final")),
+                     merge=merge_info(meta))
             with self._cv:
                 if b.final:
                     self._final[frag] = b
@@ -312,7 +315,8 @@ class SyncerClient:
             codecs.check_encoded(dtype, body, numel, block)
         except CodecError as e:
             raise ProtocolError(f"base update of fragment {frag} to v{version}: {e}") from None
-        b = Base(frag, version, dtype, None, False, ((dtype, block, np.frombuffer(body, np.uint8)),), start, numel)
+        b = Base(frag, version, dtype, None, False, ((dtype, block, np.frombuffer(body, np.uint8)),), start, numel,
+                 merge=merge_info(meta))
         with self._cv:
             cur = self._bases.pop(frag, None)
             self._bases[frag] = b if cur is None else cur.then(b)

@@ -14,7 +14,8 @@ import numpy as np
 from . import codecs
 from .frames import AuthError, CodecError, PeerError, ProtocolError
 
-__all__ = ["SyncerRefusal", "Welcome", "Base", "PushReply", "recoverable", "DELTA_CODECS", "shard_fields"]
+__all__ = ["SyncerRefusal", "Welcome", "Base", "PushReply", "recoverable", "DELTA_CODECS", "shard_fields",
+           "merge_info"]
 
 
 class SyncerRefusal(PeerError):
@@ -83,6 +84,7 @@ class Base:
     start: Optional[int] = None     # the base version the first delta applies to
     size: int = 0                   # values of the fragment (when values is None)
     held: bool = False              # start from the weights the island holds (they equal the base of `start`)
+    merge: Optional[dict] = None    # the syncer's figures of the merge that made this version (merge_info)
 
     @property
     def relative(self) -> bool:
@@ -104,12 +106,13 @@ class Base:
         syncer computed it; updates to updates are chained)."""
         if not nxt.relative or nxt.held:
             return nxt
+        merge = nxt.merge
         if nxt.start != self.version:
             raise ProtocolError(f"base update of fragment {nxt.fragment} applies to v{nxt.start}, but the base "
                                 f"held is v{self.version}")
         if self.relative:
             return Base(self.fragment, nxt.version, nxt.dtype, None, nxt.final, self.deltas + nxt.deltas, self.start,
-                        self.size, self.held)
+                        self.size, self.held, merge)
         vals = self.values if self.values.flags.writeable else self.values.copy()
         n = vals.size
         for i in range(len(nxt.deltas)):
@@ -118,7 +121,31 @@ class Base:
                 vals[a:a + k] += nxt.delta_range(i, a, k)
         if not np.isfinite(vals).all():
             raise ProtocolError(f"base update of fragment {nxt.fragment} to v{nxt.version} makes it non-finite")
-        return Base(self.fragment, nxt.version, "f32", vals, nxt.final)
+        return Base(self.fragment, nxt.version, "f32", vals, nxt.final, merge=merge)
+
+
+_MERGE_FIELDS = {"weight": (0.0, 1.0), "outer_lr": (-1e6, 1e6), "outer_grad_norm": (0.0, 1e30),
+                 "lag": (0, 1 << 20), "islands": (0, 1 << 20)}
+
+
+def merge_info(meta: dict) -> Optional[dict]:
+    """The BASE message's ``merge`` figures (this island's weight and lag in the merge that made the version,
+    the pushes merged, the outer learning rate and gradient norm), each checked and bounded; None when absent or
+    malformed (figures only: a bad one never fails the link)."""
+    m = meta.get("merge")
+    if not isinstance(m, dict) or len(m) > 16:
+        return None
+    out = {}
+    for k, (lo, hi) in _MERGE_FIELDS.items():
+        v = m.get(k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:   # (refuses nan)
+            return None
+        if isinstance(lo, int) and not isinstance(v, int):
+            return None
+        out[k] = v
+    return out or None
 
 
 @dataclass

@@ -215,7 +215,12 @@ def test_a_cut_link_is_replaced_and_the_unanswered_push_sent_again(tmp_path):
         assert link.client is not first and link.client.incarnation == first.incarnation
         assert st.side.arrived.version == 1
         np.testing.assert_array_equal(st.side.arrived.values, flat - delta)   # merged once
-        assert [e for e, _ in records] == ["reconnect"] and records[0][1]["step"] == 7
+        assert [e for e, _ in records] == ["reconnect", "merge"] and records[0][1]["step"] == 7
+        # the base came with the syncer's figures of its merge (the boundary log's "merge" record)
+        merge = records[1][1]
+        assert merge["fragment"] == 1 and merge["version"] == 1 and merge["step"] == 7
+        assert merge["islands"] == 1 and merge["weight"] == 1.0 and merge["lag"] == 0, merge
+        assert merge["outer_grad_norm"] > 0 and merge["outer_lr"] > 0, merge
         link.close()
     finally:
         s.stop()

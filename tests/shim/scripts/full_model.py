@@ -36,35 +36,60 @@ def _masters(optimizer):
 
 def full_model(model_chunks, optimizer, num_layers, tied=True, tied_copy=False):
     """{"master/<name>": fp32 master, "param/<name>": model param as fp32} for the parameters whose TP-rank-0 /
-    DP-rank-0 copy lives on this rank (collective over the job: call on every rank). tied_copy: also the last
-    pipeline stage's copy of a tied output layer, as "output_layer.weight(tied)" (only when it is a separate
-    tensor there, i.e. with pipeline parallelism)."""
+    DP-rank-0 copy (expert-TP / expert-DP rank 0 for experts, named by global expert index:
+    "decoder.layers.<l>.mlp.experts.<e>.<rest>") lives on this rank (collective over the job: call on every
+    rank). tied_copy: also the last pipeline stage's copy of a tied output layer, as "output_layer.weight(tied)"
+    (only when it is a separate tensor there, i.e. with pipeline parallelism)."""
     from megatron.core import parallel_state as ps
     main_of = _masters(optimizer)
     pp, pp_rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     per_chunk = num_layers // (pp * len(model_chunks))
-    g = ps.get_tensor_model_parallel_group()
     out = {}
     for ci, chunk in enumerate(model_chunks):
         while hasattr(chunk, "module"):
             chunk = chunk.module
         for name, p in chunk.named_parameters():
+            bits = name.split(".")
+            expert = "local_experts" in bits     # SequentialMLP: gathered over the expert groups
+            g = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
             pieces = {"master": main_of[p], "param": p.detach().float()}
             for kind, t in pieces.items():
                 if getattr(p, "tensor_model_parallel", False) and g.size() > 1:
                     parts = [torch.empty_like(t) for _ in range(g.size())]
                     dist.all_gather(parts, t.contiguous(), group=g)
-                    t = torch.cat(parts, dim=p.partition_dim)
+                    t = _tp_full(parts, p)
                 pieces[kind] = t
-            bits = name.split(".")
             if bits[:2] == ["decoder", "layers"]:
                 bits[2] = str((ci * pp + pp_rank) * per_chunk + int(bits[2]))
+            if expert:   # megatron's expert layout: EP rank r holds experts r * n_local .. (r + 1) * n_local - 1
+                i = bits.index("local_experts")
+                n_local = len(_owner(chunk, name.split(".")[:i + 1]))
+                bits[i:i + 2] = [str(ps.get_expert_model_parallel_rank() * n_local + int(bits[i + 1]))]
             if name == "output_layer.weight" and tied:
                 if not tied_copy or ps.get_pipeline_model_parallel_world_size() == 1:
                     continue
                 bits = ["output_layer", "weight(tied)"]
-            if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+            first = ((ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank()) if expert else
+                     (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()))
+            if first == (0, 0):
                 gname = ".".join(bits)
                 out["master/" + gname] = pieces["master"].numpy().copy()
                 out["param/" + gname] = pieces["param"].numpy().copy()
     return out
+
+
+def _owner(chunk, path):
+    m = chunk
+    for part in path:
+        m = getattr(m, part) if not part.isdigit() else m[int(part)]
+    return m
+
+
+def _tp_full(parts, p):
+    """The full tensor from the tensor-parallel ranks' parts: concatenated along partition_dim, interleaved by
+    partition_stride (SwiGLU's fc1 holds [gate_r; up_r] on rank r: the full tensor is [gate; up])."""
+    stride = int(getattr(p, "partition_stride", 1))
+    if stride == 1:
+        return torch.cat(parts, dim=p.partition_dim)
+    chunks = [c for j in range(stride) for c in (x.chunk(stride, dim=p.partition_dim)[j] for x in parts)]
+    return torch.cat(chunks, dim=p.partition_dim)

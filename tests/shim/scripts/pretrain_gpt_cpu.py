@@ -24,7 +24,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,  # noqa: E402
+                                                       get_gpt_layer_local_spec)
 from megatron.training import get_args, get_tokenizer, pretrain  # noqa: E402
 from megatron.training.argument_utils import (core_transformer_config_from_args,  # noqa: E402
                                               pretrain_cfg_container_from_args)
@@ -33,10 +34,20 @@ from megatron.training.utils.common_utils import (get_blend_and_blend_per_split,
                                                    is_first_or_last_pipeline_stage)
 
 
+def layer_spec(args, config, vp_stage):
+    """The local spec as Megatron-LM's pretrain_gpt.py chooses it (megatron/training/models/gpt.py): MoE models
+    get the decoder block spec, the others the layer spec with --normalization and --qk-layernorm."""
+    if args.num_experts:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization,
+                                          vp_stage=vp_stage)
+    return get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
+                                    args.multi_latent_attention, normalization=args.normalization)
+
+
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
     args = get_args()
     config = core_transformer_config_from_args(args)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+    return GPTModel(config=config, transformer_layer_spec=layer_spec(args, config, vp_stage),
                     vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                     pre_process=pre_process, post_process=post_process,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

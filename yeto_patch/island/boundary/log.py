@@ -8,7 +8,14 @@ One line per event, flushed as written so a crash keeps what happened:
   the base), install_ms, pull_lag (steps from push to install), installed (bool), mode ("replace" | "blend").
 - ``{"event": "start", ...}``, ``{"event": "install", ...}`` (a base installed that answered no push of ours,
   e.g. merged by a quorum without us), ``{"event": "final", ...}``.
-Every record carries ``island``, ``time`` (unix seconds) and ``step``.
+- ``{"event": "merge", ...}`` (from the syncer, with a base it merged): step (this island's, when the base
+  arrived), fragment, version, lag (staleness: versions this island's push was behind; absent when it had no push
+  in that merge), weight (its share of the merge), islands (pushes merged), outer_lr, outer_grad_norm.
+Every record carries ``island``, ``time`` (unix seconds) and ``step``. A boundary record also has delta_norm (the
+L2 norm of the pushed delta, before quantization).
+
+Sinks (``add_sink(fn)``, e.g. the figures for the launcher's TensorBoard / W&B, ``island/figures.py``) get every
+record as it is written, with or without a file; a sink that raises is dropped with one warning.
 """
 from __future__ import annotations
 
@@ -27,18 +34,35 @@ class BoundaryLog:
         self.path, self.island = path, island
         self._f = None
         self._lock = threading.Lock()
+        self._sinks: list = []
         if path:
             d = os.path.dirname(os.path.abspath(path))
             os.makedirs(d, exist_ok=True)
             self._f = open(path, "a", buffering=1, encoding="utf-8")
 
+    def add_sink(self, sink) -> None:
+        """`sink(record)` is called with every record written from now on."""
+        with self._lock:
+            self._sinks.append(sink)
+
     def write(self, event: str, **fields) -> None:
-        if self._f is None:
+        if self._f is None and not self._sinks:
             return
         rec = {"event": event, "island": self.island, "time": round(time.time(), 3), **fields}
-        line = json.dumps(rec, separators=(",", ":"), default=_plain)
-        with self._lock:
-            self._f.write(line + "\n")
+        if self._f is not None:
+            line = json.dumps(rec, separators=(",", ":"), default=_plain)
+            with self._lock:
+                if self._f is not None:
+                    self._f.write(line + "\n")
+        for sink in list(self._sinks):
+            try:
+                sink(rec)
+            except Exception as e:  # noqa: BLE001 - a figure never stops training
+                with self._lock:
+                    if sink in self._sinks:
+                        self._sinks.remove(sink)
+                log.warning("yeto-patch: a boundary-log sink failed (%s: %s); it gets no more records",
+                            type(e).__name__, e)
 
     def installed(self, step: int, fragment: int, version: int, mode: str, why: str, ms: float, updates: int,
                   push=None, wire=None, **extra) -> None:

@@ -9,6 +9,7 @@ background sender must hold anyway) plus one staging piece, plus the error-feedb
 from __future__ import annotations
 
 import bisect
+import math
 from typing import Optional, Sequence
 
 import numpy as np
@@ -17,13 +18,20 @@ from yeto_patch.wire import codecs
 from yeto_patch.wire.frames import CodecError
 
 
+class PushBody(np.ndarray):
+    """An encoded push (uint8, the wire layout) that also knows the L2 norm of the float32 delta it encodes
+    (before error feedback is added and before quantization): ``delta_norm`` (None until encoded)."""
+    delta_norm = None
+
+
 class PushEncoder:
     def __init__(self, codec: str, block: int, numel: int, *, piece_elems: int = 1 << 20,
                  residual: Optional[np.ndarray] = None, what: str = "fragment",
                  entry_starts: Sequence[int] = (), entry_names: Sequence[str] = ()):
         codecs.check_codec(codec, block)
         self.codec, self.block, self.numel = codec, int(block), int(numel)
-        self.body = np.empty(codecs.encoded_nbytes(codec, numel, block), dtype=np.uint8)
+        self.body = np.empty(codecs.encoded_nbytes(codec, numel, block), dtype=np.uint8).view(PushBody)
+        self.sumsq = 0.0      # of the delta's values fed so far
         self.blockwise = codec in ("int8", "int4", "int4-log")
         self.nblocks = -(-numel // block) if self.blockwise else 0
         unit = self.block if self.blockwise else 2
@@ -58,6 +66,8 @@ class PushEncoder:
             self._emit()
         if self.pos != self.numel:
             raise CodecError(f"{self.what}: got {self.pos} values, the fragment has {self.numel}")
+        if math.isfinite(self.sumsq):
+            self.body.delta_norm = math.sqrt(self.sumsq)
         return self.body
 
     def _names(self, a: int, b: int) -> str:
@@ -73,6 +83,7 @@ class PushEncoder:
         t0 = time.perf_counter()
         x = self.stage[:self.fill]
         n, pos = x.size, self.pos
+        self.sumsq += float(np.dot(x, x))
         if self.residual is not None:
             x += self.residual[pos:pos + n]
         try:

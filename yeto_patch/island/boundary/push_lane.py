@@ -62,6 +62,7 @@ class PushJob:
 
     def figures(self, enc: Encoded, handed_at: int) -> dict:
         """Rank 0: the push's figures for its boundary log record."""
+        norm = getattr(enc.body, "delta_norm", None)   # (push_encoder.PushBody: the delta's L2 norm)
         return dict(bytes=int(enc.body.nbytes), gather_ms=round(enc.gather_s * 1000, 2),
                     encode_ms=round(enc.encode_s * 1000, 2), wait_ms=0.0,
                     snapshot_ms=round(self.snapshot_s * 1000, 2), own_bytes=self.nbytes,
@@ -69,7 +70,7 @@ class PushJob:
                     push_cpu_ms=round((self.cpu_s or 0.0) * 1000, 2),
                     boundary_ms=round((self.boundary_s or 0.0) * 1000, 2),
                     queued_ms=round(((self.t_start or self.t_submit) - self.t_submit) * 1000, 2),
-                    handed_at=handed_at)
+                    handed_at=handed_at, **({} if norm is None else {"delta_norm": norm}))
 
 
 class PushLane(BackgroundLane):

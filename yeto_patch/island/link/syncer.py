@@ -22,6 +22,8 @@ import time
 from typing import Callable, Optional
 
 from yeto_patch.island.errors import EngineError, describe
+from yeto_patch.island.masters.builds import explain_refusal
+from yeto_patch.wire.frames import PeerError
 
 log = logging.getLogger("yeto_patch")
 
@@ -130,8 +132,13 @@ class SyncerLink:
                 said.append(True)
                 log.info("yeto-patch: the syncer at %s does not answer yet (%s: %s); trying again for up to %.0fs "
                          "(YETO_DILOCO_TIMEOUT)", self.address, type(e).__name__, e, left)
-        w, n = self._dial(None, s.timeout, self.start_digests, time.monotonic() + s.timeout,
-                          f"connect to the syncer at {self.address}", on_retry=waiting)
+        try:
+            w, n = self._dial(None, s.timeout, self.start_digests, time.monotonic() + s.timeout,
+                              f"connect to the syncer at {self.address}", on_retry=waiting)
+        except PeerError as e:   # another build or configuration: say which option aligns the islands
+            if e.code != "manifest" or not explain_refusal(e.message):
+                raise
+            raise PeerError(e.code, e.message + explain_refusal(e.message)) from e
         if n > 1:
             log.info("yeto-patch: connected to the syncer at %s (attempt %d)", self.address, n)
         self.owned = list(w.owned)
@@ -267,6 +274,8 @@ class SyncerLink:
         self.outage = None
         for b in bases:
             self.fragments[b.fragment].side.take_base(b)
+            if b.merge and self.record is not None:   # the syncer's figures of the merge (the boundary log)
+                self.record("merge", step=self.step(), fragment=b.fragment, version=b.version, **b.merge)
 
     def _expected_refusal(self, e) -> bool:
         """A refusal that needs no action: a push the syncer already holds, or one it merged past."""

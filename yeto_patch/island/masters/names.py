@@ -12,7 +12,11 @@ Every trainable parameter of the whole model gets one name and one full (un-shar
   weights) along `partition_dim`;
 - a tied output layer (`share_embeddings_and_output_weights` on the last pipeline stage) is a copy of
   `embedding.word_embeddings.weight`: one entry, both copies written;
-- frozen parameters (`requires_grad=False`) and buffers are excluded.
+- frozen parameters (`requires_grad=False`) and buffers are excluded;
+- whatever the build: Transformer Engine's fused names are the local spec's (`builds.BUILD_NAMES`, e.g.
+  `self_attention.linear_qkv.layer_norm_weight` -> `input_layernorm.weight`) and every MLP's `linear_fc1` /
+  `linear_fc2` has the layout the module computes (`builds.fc_layout`: `[gate; up]` for SwiGLU), so islands
+  built with and without Transformer Engine have the same manifest (`Manifest.mapped` says what was renamed).
 
 Vocabulary padding: Megatron pads the vocabulary to a multiple of `make_vocab_size_divisible_by x TP`, so
 islands with different TP sizes disagree on the embedding / output rows unless the real vocabulary size is
@@ -33,6 +37,8 @@ import re
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+
+from yeto_patch.island.masters import builds
 
 VOCAB_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
 TIED_NAME = "embedding.word_embeddings.weight"
@@ -73,6 +79,7 @@ class LocalParam:
     tied_copy: bool             # the output-layer copy of a tied embedding
     padded_shape: Tuple[int, ...]   # full shape including vocabulary padding rows
     full_shape: Tuple[int, ...]     # manifest shape (real vocabulary rows when known)
+    mapped_from: Optional[str] = None   # the build's in-layer name when it is not the canonical one
 
     @property
     def local_numel(self) -> int:
@@ -109,17 +116,31 @@ def _layer_types():
     return (TransformerLayer,)
 
 
-def _expert_rest(rel: str, n_local: int) -> Tuple[int, str]:
-    """Split a parameter path inside an experts container into (local expert index, rest)."""
+def _expert_rest(rel: str, n_local: int) -> Tuple[int, str, bool]:
+    """Split a parameter path inside an experts container into (local expert index, rest, grouped): grouped is
+    True for TEGroupedMLP's numbered weights."""
     m = re.match(r"^local_experts\.(\d+)\.(.+)$", rel)          # SequentialMLP
     if m:
-        return int(m.group(1)), m.group(2)
+        return int(m.group(1)), m.group(2), False
     m = re.match(r"^(.+?\.(?:weight|bias))(\d+)$", rel)          # TEGroupedMLP: linear_fc1.weight<j>
     if m:
-        return int(m.group(2)), m.group(1)
+        return int(m.group(2)), m.group(1), True
     raise ManifestError(
-        f"expert parameter 'experts.{rel}' holds several experts in one tensor (legacy GroupedMLP); "
-        f"yeto-patch needs one tensor per expert: use SequentialMLP or TEGroupedMLP")
+        f"expert parameter 'experts.{rel}' holds all {n_local} local experts in one tensor (the legacy "
+        f"GroupedMLP of --moe-use-legacy-grouped-gemm, or --moe-grouped-gemm without Transformer Engine on "
+        f"megatron-core < 0.17); yeto-patch names every expert on its own so that islands of any expert-parallel "
+        f"layout merge: launch without --moe-use-legacy-grouped-gemm (TEGroupedMLP with Transformer Engine, or "
+        f"SequentialMLP without --moe-grouped-gemm)")
+
+
+def _glu(modules: dict, pname: str) -> Optional[bool]:
+    """Whether the MLP owning `pname` (its linear_fc1 / linear_fc2 sits in it) is a gated linear unit."""
+    parts = pname.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        cfg = getattr(modules.get(".".join(parts[:i])), "config", None)
+        if cfg is not None and hasattr(cfg, "gated_linear_unit"):
+            return bool(cfg.gated_linear_unit)
+    return None
 
 
 def _tp(is_expert: bool) -> Tuple[int, int]:
@@ -158,6 +179,7 @@ def local_params(model_chunks, real_vocab_size: Optional[int] = None, vocab_rows
         for pname, p in model.named_parameters():
             if not p.requires_grad:
                 continue
+            grouped = False
             # global layer number
             gname = pname
             for lpath in _prefixes(pname):
@@ -173,7 +195,7 @@ def local_params(model_chunks, real_vocab_size: Optional[int] = None, vocab_rows
                         raise ManifestError(
                             f"expert parameter '{pname}' has no global expert index: neither its experts "
                             f"container nor its MoE layer carries local_expert_indices")
-                    j, rest = _expert_rest(rel, len(idx))
+                    j, rest, grouped = _expert_rest(rel, len(idx))
                     if j >= len(idx):
                         raise ManifestError(f"expert parameter '{pname}': local expert {j} >= {len(idx)} local experts")
                     # rebuild the name from the globally numbered prefix
@@ -181,6 +203,7 @@ def local_params(model_chunks, real_vocab_size: Optional[int] = None, vocab_rows
                     gname = f"{gprefix}.{idx[j]}.{rest}"
                     is_expert = True
                     break
+            gname, mapped_from = builds.canonical(gname)
             tied_copy = False
             if pname == "output_layer.weight" and tied:
                 gname, tied_copy = TIED_NAME, True
@@ -190,9 +213,10 @@ def local_params(model_chunks, real_vocab_size: Optional[int] = None, vocab_rows
             seen[gname] = pname
             # full shape
             tp_size, tp_rank = _tp(is_expert)
-            split = bool(getattr(p, "tensor_model_parallel", False)) and tp_size > 1
-            pdim = int(getattr(p, "partition_dim", 0)) if split else -1
-            stride = int(getattr(p, "partition_stride", 1)) if split else 1
+            lay = builds.fc_layout(pname, bool(getattr(p, "tensor_model_parallel", False)),
+                                   int(getattr(p, "partition_dim", 0)), int(getattr(p, "partition_stride", 1)),
+                                   tp_size, _glu(modules, pname), grouped)
+            split, pdim, stride = lay.split, lay.partition_dim, lay.stride
             shape = list(p.shape)
             if split:
                 if shape[pdim] % stride:
@@ -207,7 +231,7 @@ def local_params(model_chunks, real_vocab_size: Optional[int] = None, vocab_rows
                 entry=-1, name=gname, local_name=pname, chunk=ci, param=p,
                 shard=tp_rank if split else 0, nshards=tp_size if split else 1, partition_dim=pdim,
                 stride=stride, is_expert=is_expert, tied_copy=tied_copy, padded_shape=padded,
-                full_shape=full)))
+                full_shape=full, mapped_from=mapped_from)))
     return out
 
 
@@ -242,6 +266,7 @@ class Manifest:
     local: List[LocalParam]
     real_vocab_size: Optional[int] = None
     vocab_padded_rows: dict = dataclasses.field(default_factory=dict)   # name -> padded rows on this layout
+    mapped: dict = dataclasses.field(default_factory=dict)   # (build's in-layer name, canonical) -> tensors
 
     def __post_init__(self):
         self.index = {e.name: i for i, e in enumerate(self.entries)}
@@ -343,13 +368,16 @@ def build_manifest(model_chunks, *, real_vocab_size: Optional[int] = None, vocab
     except Exception as e:  # noqa: BLE001 - raised on every rank
         err = e
     comm.agree(err, "build_manifest: naming local parameters")
-    mine = [[n, list(lp.full_shape)] for n, lp in local]
+    mine = [[n, list(lp.full_shape), lp.mapped_from] for n, lp in local]
     gathered = comm.all_gather_json(mine, "build_manifest: gather names")
-    shapes = {}
+    shapes, mapped = {}, {}
     err = None
     for r, items in enumerate(gathered):
-        for n, s in items:
+        for n, s, was in items:
             s = tuple(s)
+            if was is not None and n not in shapes:
+                key = (was, builds.canonical_suffix(was))
+                mapped[key] = mapped.get(key, 0) + 1
             if n in shapes and shapes[n][0] != s:
                 err = ManifestError(f"'{n}' has full shape {list(shapes[n][0])} on rank {shapes[n][1]} but "
                                     f"{list(s)} on rank {r}")
@@ -366,4 +394,23 @@ def build_manifest(model_chunks, *, real_vocab_size: Optional[int] = None, vocab
         lps.append(lp)
         if lp.local_name in VOCAB_NAMES:
             padded_rows[n] = lp.padded_shape[0]
-    return Manifest(entries=entries, local=lps, real_vocab_size=real_vocab_size, vocab_padded_rows=padded_rows)
+    man = Manifest(entries=entries, local=lps, real_vocab_size=real_vocab_size, vocab_padded_rows=padded_rows,
+                   mapped=mapped)
+    if mapped and comm.rank == 0:
+        _log_mapped(mapped)
+    return man
+
+
+_said_mapped = set()
+
+
+def _log_mapped(mapped: dict) -> None:
+    """Once per process: which build names this island's manifest renamed (rank 0)."""
+    import logging
+    new = {k: v for k, v in mapped.items() if k not in _said_mapped}
+    if new:
+        _said_mapped.update(new)
+        logging.getLogger("yeto_patch").info(
+            "yeto-patch: this island's build names some weights otherwise than megatron-core's local spec; the "
+            "manifest uses the local spec's names: %s", "; ".join(f"'{a}' -> '{b}' ({n} tensors)"
+                                                             for (a, b), n in sorted(new.items())))
