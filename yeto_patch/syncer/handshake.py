@@ -163,6 +163,7 @@ def _handshake(server, s) -> bool:
     except AuthError as e:
         _refuse(s, "auth", str(e), stranger=server)
         return False
+    s.authenticated = True   # a key holder: its handshake slot is never given to a newcomer (server.py)
     smac = auth.server_mac(key, server_nonce, client_nonce, island, incarnation, digest).hex() \
         if key is not None else ""
     sess = _Keys(key, mode, server_nonce, client_nonce, challenge, meta)

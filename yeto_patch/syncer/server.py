@@ -186,11 +186,12 @@ class SyncerServer:
 
     def _handshake_slot(self, host: str) -> bool:
         """Whether a new connection from ``host`` may start its handshake. At most --max-handshakes-per-host
-        unauthenticated connections per address (a squatter only hurts itself there) and --max-handshakes in
-        all; when all are taken, the oldest handshake of the address holding the most gives way if that address
-        holds more than the newcomer's would, else the oldest one still unauthenticated after
+        connections in their handshake per address (a squatter only hurts itself there) and --max-handshakes in
+        all; when all are taken, the oldest unauthenticated handshake of the address holding the most gives way if
+        that address holds more than the newcomer's would, else the oldest handshake still unauthenticated after
         EVICT_AFTER_S (an honest handshake is two round trips and a manifest), so squatters from many addresses
-        cannot keep honest islands out (docs/protocol.md, Limits)."""
+        cannot keep honest islands out. A handshake whose HELLO verified (a key holder sending its manifest, which
+        may take longer than EVICT_AFTER_S on a slow link) never gives way (docs/protocol.md, Limits)."""
         waiting = [x for x in list(self.all_sessions) if not x.joined and not x.closed]
         mine = sum(1 for x in waiting if x.host == host)
         if mine >= self.cfg.max_handshakes_per_host:
@@ -198,15 +199,19 @@ class SyncerServer:
             return False
         if len(waiting) < self.cfg.max_handshakes:
             return True
-        per_host = collections.Counter(x.host for x in waiting)
-        top, most = per_host.most_common(1)[0]
-        if most > mine + 1:
-            victim = min((x for x in waiting if x.host == top), key=lambda x: x.since)
-        else:
-            victim = min(waiting, key=lambda x: x.since)
-            if time.monotonic() - victim.since < EVICT_AFTER_S:
-                self._log_full(len(waiting), host, mine, evicted=None)
-                return False
+        strangers = [x for x in waiting if not x.authenticated]
+        per_host = collections.Counter(x.host for x in strangers)
+        victim = None
+        if per_host:
+            top, most = per_host.most_common(1)[0]
+            if most > mine + 1:
+                victim = min((x for x in strangers if x.host == top), key=lambda x: x.since)
+            else:
+                oldest = min(strangers, key=lambda x: x.since)
+                victim = oldest if time.monotonic() - oldest.since >= EVICT_AFTER_S else None
+        if victim is None:
+            self._log_full(len(waiting), host, mine, evicted=None)
+            return False
         victim.close()
         self._log_full(len(waiting), host, mine, evicted=victim.host)
         return True
