@@ -235,3 +235,31 @@ def test_a_lost_link_before_start_completes_fails_instead_of_reconnecting(tmp_pa
         link.close()
     finally:
         s.stop()
+
+
+def test_a_reconnect_into_a_dead_link_makes_several_attempts_within_a_short_timeout(tmp_path):
+    """Each attempt has its own short bound on the TCP connect and the syncer's first message (issue 26, finding
+    6): a listener that never answers (the kernel completes the TCP handshake, nobody sends a CHALLENGE) costs
+    an attempt at most a quarter of YETO_DILOCO_TIMEOUT, so with 30 s the back-off retries several times
+    instead of spending the whole window in one attempt."""
+    import re
+    port = free_port()
+    s = syncer(port)
+    try:
+        link, frags, _ = _joined(tmp_path, port)   # YETO_DILOCO_TIMEOUT 30 s
+        link.resilient = True
+    finally:
+        s.stop()
+    dead = socket.create_server(("127.0.0.1", port), backlog=64)   # accepts into its backlog, never answers
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineError) as ei:
+            link.reconnect(ConnectionResetError("cut"))
+        took = time.monotonic() - t0
+        attempts = int(re.search(r"(\d+) attempts", str(ei.value)).group(1))
+        assert 29 <= took < 40, took
+        assert attempts >= 3, str(ei.value)
+        assert "YETO_DILOCO_TIMEOUT" in str(ei.value)
+    finally:
+        dead.close()
+        link.shutdown_quietly()

@@ -6,9 +6,10 @@ incarnation); a reconnect after a failure is a new client with the same island i
 API::
 
     c = SyncerClient(address, key, island_id, manifest, *, incarnation=None, timeout=60.0, insecure=False,
-                     connect_retries=10, backoff=0.5, max_backoff=10.0)
+                     connect_retries=10, backoff=0.5, max_backoff=10.0, connect_timeout=None)
         manifest: ordered [(global name, full shape, dtype)]; key: bytes or None (None needs insecure=True and
-        a loopback address).
+        a loopback address). connect_timeout (default: timeout) bounds each attempt's TCP connect and the wait
+        for the syncer's CHALLENGE (a dead link fails an attempt within it); timeout bounds everything else.
     c.connect() -> Welcome                   # connect (bounded exponential back-off), authenticated handshake
                                              # (islands pass connect_retries=0: island/link/syncer.py owns their policy)
         Welcome: island_id, layout (fragment -> manifest indices, ascending), numels, fragments, versions
@@ -100,7 +101,8 @@ class SyncerClient:
     def __init__(self, address: str, key: Optional[bytes], island_id: str, manifest, *,
                  incarnation: Optional[int] = None, timeout: float = 60.0, insecure: bool = False,
                  connect_retries: int = 10, backoff: float = 0.5, max_backoff: float = 10.0,
-                 held: Optional[list] = None, bell: Optional[threading.Event] = None):
+                 held: Optional[list] = None, bell: Optional[threading.Event] = None,
+                 connect_timeout: Optional[float] = None):
         if key is None:
             auth.check_insecure(address, insecure)
         self.address = address
@@ -110,6 +112,7 @@ class SyncerClient:
         self.digest = auth.manifest_digest(self.manifest)
         self.incarnation = random.getrandbits(63) if incarnation is None else int(incarnation)
         self.timeout = float(timeout)
+        self.connect_timeout = self.timeout if connect_timeout is None else min(float(connect_timeout), self.timeout)
         self.insecure = insecure
         self.connect_retries = connect_retries
         self.backoff = backoff
@@ -147,13 +150,15 @@ class SyncerClient:
     def connect(self) -> Welcome:
         if self.conn is not None:
             raise ProtocolError("already connected")
-        conn = connect(self.address, timeout=self.timeout, retries=self.connect_retries, backoff=self.backoff,
-                       max_backoff=self.max_backoff)
+        conn = connect(self.address, timeout=self.connect_timeout, retries=self.connect_retries,
+                       backoff=self.backoff, max_backoff=self.max_backoff)
+        conn.timeout = self.timeout   # (the connect timeout bounded the TCP connect; the CHALLENGE: below)
         try:
             meta = _handshake(conn, self.key, self.insecure, MsgType.HELLO, self.island_id, self.incarnation,
                               self.digest, {"manifest": [[n, list(s), d] for n, s, d in self.manifest],
                                             **({"held": self.held} if self.held is not None else {})},
-                              self.timeout, resume_slot=(self.address, self.island_id))
+                              self.timeout, resume_slot=(self.address, self.island_id),
+                              first_timeout=self.connect_timeout)
             w = Welcome(island_id=meta["island_id"], layout=meta["layout"], numels=meta["numels"],
                         fragments=meta["fragments"], versions=meta.get("versions"),
                         needs_init=list(meta.get("needs_init") or []), base_wire=meta.get("base_wire", "f32"),

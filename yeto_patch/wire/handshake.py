@@ -24,13 +24,14 @@ PROTOCOL = 2   # handshake protocol: 2 = small HELLO, the manifest in its own MA
 
 
 def _handshake(conn: Connection, key: Optional[bytes], insecure: bool, msg_type: MsgType, island_id: str,
-               incarnation: int, digest: bytes, manifest: Optional[dict], timeout: float, resume_slot=None) -> dict:
+               incarnation: int, digest: bytes, manifest: Optional[dict], timeout: float, resume_slot=None,
+               first_timeout: Optional[float] = None) -> dict:
     """The island's handshake: CHALLENGE, HELLO (or PROBE), [HELLO_OK, MANIFEST,] WELCOME. ``manifest``: the
     MANIFEST meta (``manifest``, optional ``held``) of a HELLO, None for a PROBE; it goes out only once the
     syncer accepted the HELLO (so a stranger never makes the syncer read it, and a refusal arrives before it).
     ``resume_slot`` (address, island id): prove the previous session of this id in this process (its
     resumption secret), so a reconnect may take over a connection the syncer still holds."""
-    t, challenge, _ = conn.recv(timeout=timeout)
+    t, challenge, _ = conn.recv(timeout=timeout if first_timeout is None else first_timeout)
     if t != MsgType.CHALLENGE:
         raise ProtocolError(f"expected CHALLENGE from the syncer, got {t.name}")
     server_nonce, mode = _check_challenge(challenge, key)

@@ -4,7 +4,9 @@ that arrived (torch-free).
 Connecting (at start-up and after a lost link) follows ONE back-off policy, ``Backoff``: attempts 0.5 s apart at
 first, doubling up to 10 s, +-20% jitter, for up to YETO_DILOCO_TIMEOUT (an island may be started before its
 syncer; a syncer may restart). Each attempt is one TCP connect and handshake (``SyncerClient`` with
-``connect_retries=0``: ``wire.transport.connect``'s own retry loop is not used by islands). Errors that a retry
+``connect_retries=0``: ``wire.transport.connect``'s own retry loop is not used by islands); its TCP connect and
+the wait for the syncer's first message have their own short bound (``attempt_timeout``: at most 10 s), so a dead
+link fails an attempt quickly and the back-off applies even when YETO_DILOCO_TIMEOUT is short. Errors that a retry
 cannot help (a bad key, another run's manifest, a refusal) end the attempts at once.
 
 After a lost link (syncer restart, cut link, dead peer) ``reconnect`` keeps the incarnation and reconciles: a
@@ -24,6 +26,13 @@ from typing import Callable, Optional
 from yeto_patch.island.errors import EngineError, describe
 
 log = logging.getLogger("yeto_patch")
+CONNECT_TIMEOUT_S = 10.0   # the longest one attempt waits for a TCP connect and for the syncer's CHALLENGE
+
+
+def attempt_timeout(total: float) -> float:
+    """One connection attempt's bound on its TCP connect and on the syncer's first message: a quarter of
+    YETO_DILOCO_TIMEOUT, at least 1 s and at most CONNECT_TIMEOUT_S (several attempts fit in any timeout)."""
+    return min(CONNECT_TIMEOUT_S, max(1.0, total / 4))
 
 
 class Backoff:
@@ -97,17 +106,20 @@ class SyncerLink:
         self.refusals = collections.deque()   # refusals the sender thread met (raised by poll)
 
     # ---------------------------------------------------------------------------------------------- connecting
-    def _client(self, incarnation, timeout, held):
+    def _client(self, incarnation, timeout, held, connect_timeout):
         from yeto_patch.wire.client import SyncerClient
         s = self.settings
         return SyncerClient(self.address, self.key, s.island_id, self.manifest, incarnation=incarnation,
-                            timeout=timeout, insecure=s.insecure, connect_retries=0, held=held, bell=self.bell)
+                            timeout=timeout, insecure=s.insecure, connect_retries=0, held=held, bell=self.bell,
+                            connect_timeout=connect_timeout)
 
     def _dial(self, incarnation, timeout, held, deadline, what, on_retry=None):
         from yeto_patch.wire.sender import BackgroundSender
+        per_attempt = attempt_timeout(self.settings.timeout)
 
         def attempt():
-            c = self._client(incarnation, timeout, held)
+            left = deadline - time.monotonic()
+            c = self._client(incarnation, timeout, held, max(0.5, min(per_attempt, left)))
             try:
                 return c, c.connect()
             except BaseException:
