@@ -200,7 +200,9 @@ def _checkpoint_flags(g) -> None:
 def _observability_flags(g) -> None:
     g.add_argument("--metrics-port", type=_nonneg_int, default=None, help="serve Prometheus metrics on this "
                    "port, 0 for any free port (default: none, no metrics server)")
-    g.add_argument("--metrics-addr", default="0.0.0.0", help="address for the metrics server")
+    g.add_argument("--metrics-addr", default="127.0.0.1", help="address for the metrics server: loopback by "
+                   "default (scrape from the syncer's host, or pass 0.0.0.0 / a private address to expose it); one "
+                   "thread serves it, at most 16 connections, each closed after 5 s")
     g.add_argument("--log", default=None, help="also append the log to this file (default: none, "
                    "stderr only)")
     g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),

@@ -29,7 +29,7 @@ class ServerConfig:
     background_checkpoint: bool = False
     resume: bool = False
     metrics_port: Optional[int] = None
-    metrics_addr: str = "0.0.0.0"
+    metrics_addr: str = "127.0.0.1"   # --metrics-addr: loopback unless told otherwise
     tape: Optional[str] = None
     merge_threads: Optional[int] = None
     heartbeat_s: Optional[float] = None  # default lease / 4
