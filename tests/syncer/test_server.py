@@ -358,8 +358,9 @@ def test_hostile_peers_do_not_disturb_the_run():
 
 
 def test_island_verifies_the_syncer():
-    """An impostor syncer without the key cannot produce a valid WELCOME; a keyless syncer is refused too."""
-    from yeto_patch.wire import auth
+    """An impostor syncer without the key cannot produce a valid HELLO_OK; a keyless syncer is refused too."""
+    from yeto_patch.wire import auth, secure
+    from yeto_patch.wire.client import recoverable
     from yeto_patch.wire.transport import Connection, listen
     srv = listen("127.0.0.1:0")
     addr = "127.0.0.1:%d" % srv.getsockname()[1]
@@ -367,8 +368,8 @@ def test_island_verifies_the_syncer():
     def impostor(keyed):
         s, _ = srv.accept()
         c = Connection(s, timeout=5)
-        c.send(MsgType.CHALLENGE, {"nonce": auth.new_nonce().hex(), "protocol": 2, "auth": keyed,
-                                   "frames": "mac" if keyed else "none"})
+        c.send(MsgType.CHALLENGE, {"nonce": auth.new_nonce().hex(), "protocol": 3, "auth": keyed,
+                                   "frames": "mac" if keyed else "none", "ephemeral": secure.Ephemeral().public.hex()})
         try:
             c.recv(timeout=5)
             c.send(MsgType.WELCOME, {"island_id": "a", "server_mac": "00" * 32, "layout": [[0]], "numels": [1],
@@ -382,8 +383,9 @@ def test_island_verifies_the_syncer():
     for keyed, match in ((True, "HELLO_OK failed authentication"), (False, "without a key")):
         th = threading.Thread(target=impostor, args=(keyed,), daemon=True)
         th.start()
-        with pytest.raises(AuthError, match=match):
+        with pytest.raises(AuthError, match=match) as e:
             client(addr, "a", connect_retries=0).connect()
+        assert recoverable(e.value)   # nothing authenticated it (issue 26): the island's link tries again
         th.join(10)
     srv.close()
 

@@ -97,7 +97,7 @@ class SyncerServer:
         self._shut = False
         self._next_flood_log = 0.0
         self._shutdown_lock = threading.Lock()
-        self.run_id = open_checkpoint(self.coord, cfg)   # (--resume without --run-id: the checkpoint's)
+        self.run_id = open_checkpoint(self.coord, cfg)   # --run-id, the resumed checkpoint's, or a new one
 
     # --------------------------------------------------------------------------------------- lifecycle
     def start(self) -> tuple:
@@ -109,9 +109,9 @@ class SyncerServer:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
-        log.info("syncer %slistening on %s:%d (%d islands, %d fragments, %s)",
+        log.info("syncer %slistening on %s:%d (run %s, %d islands, %d fragments, %s)",
                  f"shard {self.cfg.shard} " if self.cfg.shard.sharded else "", self.address[0], self.address[1],
-                 self.cfg.islands, self.cfg.fragments, self.cfg.merge.resolved())
+                 printable(self.run_id), self.cfg.islands, self.cfg.fragments, self.cfg.merge.resolved())
         return self.address
 
     def wait(self, timeout: Optional[float] = None) -> Optional[int]:
@@ -342,7 +342,7 @@ class SyncerServer:
             return {"initialized": c.initialized, "versions": c.versions() if c.frags else [],
                     "fragments": len(c.frags) or self.cfg.fragments, "islands": self.cfg.islands,
                     "members": c.alive_members(), "merges_total": c.merges_total,
-                    "final": self.final_started, "shard": self.cfg.shard.as_json(),
+                    "final": self.final_started, "shard": self.cfg.shard.as_json(), "run_id": self.run_id,
                     "manifest_digest": auth.manifest_digest(c.manifest).hex() if c.manifest else None}
 
     # ------------------------------------------------------------------------------------------ reading
