@@ -252,8 +252,9 @@ class Engine(Installs):
         from yeto_patch.island.masters.names import run_vocab_rows
         from yeto_patch.island.link.sharded import ShardedLink
         from yeto_patch.wire.frames import PeerError
+        from yeto_patch.island.boundary.sync_state import saved_runs
         self.link = ShardedLink(self.settings, self.manifest.wire_manifest(), held=declared, step=lambda: self.step,
-                                record=self.log.write)
+                                record=self.log.write, runs=saved_runs(*(self._resume or (None, None))))
         try:
             w = self.link.open()
         except PeerError as e:   # the run pads the vocabulary otherwise: connect again with its rows
@@ -332,7 +333,7 @@ class Engine(Installs):
 
         def write():
             return sync_state.save(directory, int(iteration), self.settings, self.step, self.manifest.digest(),
-                                   self.frags)
+                                   self.frags, run_ids=self.link.run_ids)
         self._guarded(lambda: self.channel.rank0(write, f"save the island's sync state for iteration {iteration}"))
 
     def _read_sync_state(self):

@@ -88,11 +88,13 @@ class SyncerLink:
     the boundary log (or None)."""
 
     def __init__(self, settings, wire_manifest, *, held=None, step: Callable[[], int] = lambda: 0, record=None,
-                 address: Optional[str] = None, bell=None):
+                 address: Optional[str] = None, bell=None, run_id: Optional[str] = None):
         self.settings = settings
         self.address = address or settings.syncer   # (one shard's, for a sharded syncer)
         self.bell = bell                            # set by the client on every arrival (shard_link.py)
         self.owned: Optional[list] = None           # the fragments this syncer (shard) owns, from its welcome
+        self.run_id = run_id                        # the syncer's run: from the first welcome (or the sync state
+        #                                             this island restarted from); a syncer of another run is refused
         self.manifest = wire_manifest
         self.held = held
         self.step = step
@@ -111,7 +113,7 @@ class SyncerLink:
         s = self.settings
         return SyncerClient(self.address, self.key, s.island_id, self.manifest, incarnation=incarnation,
                             timeout=timeout, insecure=s.insecure, connect_retries=0, held=held, bell=self.bell,
-                            connect_timeout=connect_timeout)
+                            connect_timeout=connect_timeout, run_id=self.run_id)
 
     def _dial(self, incarnation, timeout, held, deadline, what, on_retry=None):
         from yeto_patch.wire.sender import BackgroundSender
@@ -125,7 +127,15 @@ class SyncerLink:
             except BaseException:
                 c.abort()
                 raise
-        (c, w), n = dial(attempt, deadline, what, on_retry=on_retry)
+        said = set()
+
+        def retrying(e, left):   # say once per kind what an attempt met that nothing authenticated, or another run
+            if getattr(e, "transient", False) and type(e) not in said:
+                said.add(type(e))
+                log.warning("yeto-patch: %s: %s: %s; trying again for up to %.0fs", what, type(e).__name__, e, left)
+            if on_retry is not None:
+                on_retry(e, left)
+        (c, w), n = dial(attempt, deadline, what, on_retry=retrying)
         self.client = c
         self.sender = BackgroundSender(self.settings.send_queue_bytes, name="yeto-push-sender")
         return w, n
@@ -146,6 +156,7 @@ class SyncerLink:
         if n > 1:
             log.info("yeto-patch: connected to the syncer at %s (attempt %d)", self.address, n)
         self.owned = list(w.owned)
+        self.run_id = w.run_id
         return w
 
     def attach(self, fragments) -> None:
