@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from yeto_patch.syncer.checkpoint import CheckpointError, CheckpointWriter
-from yeto_patch.syncer.guard import NormGuard
+from yeto_patch.syncer.guard import NormGuard, PushStats
 from yeto_patch.syncer.outer import USABLE_MAX
 from yeto_patch.syncer.rounds import Coordinator
 from yeto_patch.syncer.settings import MergeSettings, RoundSettings
@@ -105,14 +105,119 @@ def test_unusable_checkpoint_is_refused_at_resume(tmp_path, bad):
     assert "not usable" in str(e.value) and "fragment 1 momentum" in str(e.value) and "element 7" in str(e.value)
 
 
-def test_guard_limits_follow_the_recent_median():
+def test_the_guard_judges_a_push_against_the_other_islands_history():
     g = NormGuard(10.0)
-    assert g.admit(0, 5.0, "a", base_norm=1.0) is None        # no history: 10 x max(base norm, history)
-    assert g.admit(0, 60.0, "a", base_norm=1.0) is not None   # above 10 x 5
-    assert g.admit(0, 0.0, "a", base_norm=1.0) is None        # zero pushes pass and do not enter the history
-    for x in (1.0, 1.0):
-        assert g.admit(0, x, "b", base_norm=1.0) is None
-    assert g.limit(0, 1.0) == pytest.approx(10.0)             # median of [5, 1, 1]
-    assert g.admit(0, 11.0, "c\nforged line", base_norm=1.0) is not None
-    assert g.admit(1, 1e9, "a", base_norm=0.0) is None        # no history, zero base: no bound (merge checks)
+    base = g.base_norm(0, 0, np.full(1024, 0.5, np.float32))      # norm 16, densest block rms 0.5
+    assert (base.norm, base.peak) == (pytest.approx(16.0), pytest.approx(0.5)) and not g.needs_base_norm(0)
+    assert "no other island has pushed yet" in g.admit(0, PushStats(17.0, 0.2), "b", base)   # cold: 1 x the base
+    assert "no other island has pushed yet" in g.admit(0, PushStats(1.0, 0.6), "b", base)
+    assert g.admit(0, PushStats(5.0, 0.2), "a", base) is None
+    assert g.admit(0, PushStats(60.0, 0.2), "b", 0.0) is not None   # 10 x a's median (5)
+    assert g.admit(0, PushStats(40.0, 3.0), "b", 0.0) is not None   # its densest block: 10 x a's (0.2)
+    assert g.admit(0, PushStats(40.0, 1.5), "b", 0.0) is None
+    assert g.admit(0, PushStats(0.0, 0.0), "b", 0.0) is None        # zero pushes pass and stay out of the history
+    assert g.reference(0, "a") == PushStats(40.0, 1.5) and g.reference(0, "b") == PushStats(5.0, 0.2)
+    for _ in range(20):   # b's own history never raises b's bound
+        assert g.admit(0, PushStats(49.0, 1.9), "b", 0.0) is None
+    assert g.limit(0, "b")[:2] == (pytest.approx(50.0), pytest.approx(2.0))
+    msg = g.admit(0, PushStats(51.0, 0.1), "c\nforged line", 0.0)
+    assert msg is not None and "other islands" in msg
+    assert g.admit(1, PushStats(1e9, 1e9), "a", PushStats(0.0, 0.0)) is None   # nothing yet, zero base: no bound
     assert NormGuard(0).measure("f32", np.zeros(4, np.float32).tobytes(), 4, 256) is None
+
+
+@pytest.mark.parametrize("codec", ["f32", "bf16", "int8", "int4", "int4-log"])
+def test_push_stats_match_the_decoded_values(codec):
+    from yeto_patch.syncer.guard import push_stats
+    from yeto_patch.syncer.merge import ChunkRunner
+    x = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
+    x[300:310] *= 50   # one dense block
+    body = codecs.encode(codec, x, 64)
+    d = codecs.decode(codec, body, x.size, 64).astype(np.float64)
+    block = 256 if codec in ("f32", "bf16") else 64
+    rms = [np.sqrt(np.mean(d[i:i + block] ** 2)) for i in range(0, d.size, block)]
+    st = push_stats(codec, body, x.size, 64, ChunkRunner(2))
+    assert st.norm == pytest.approx(np.linalg.norm(d), rel=1e-5) and st.peak == pytest.approx(max(rms), rel=1e-5)
+
+
+def test_a_first_push_cannot_multiply_the_base():
+    """Issue 26, finding 4 (a): before any other island pushed, a push is bounded by the base (1 x its norm and its
+    densest block), so an island joining first cannot push -5 x the base (it grew the base's norm 3.5x in one
+    round under the old cold start of 10 x)."""
+    server, addr = make_server(islands=2, fragments=1)
+    with running(server):
+        values = init_values()
+        (a, b), ws, layout, _ = join_all(addr, ["a", "b"], values)
+        base = fragment_flat(values, layout, 0)
+        with pytest.raises(SyncerRefusal) as e:
+            push(b, 0, 0, -5.0 * base)
+        assert e.value.code == "outlier" and "no other island has pushed yet" in e.value.message
+        assert server.coord.frags[0].round.contribs == {}   # nothing folded
+        n = ws[0].numels[0]
+        assert push(a, 0, 0, small(n, 1)).status == "accepted" and push(b, 0, 0, small(n, 2)).status == "accepted"
+        got = a.wait_base(0, 1, 20)
+        assert np.linalg.norm(got.values) < 1.01 * np.linalg.norm(base)
+        for c in (a, b):
+            c.close()
+
+
+@pytest.mark.parametrize("colluders", [1, 2])
+def test_colluders_cannot_walk_their_bound_up(colluders):
+    """Issue 26, finding 4 (b): each round the colluders push the largest push the syncer still accepts; judged
+    against the honest island's history (never their own, nor only each other's), their pushes stay within
+    --max-push-norm-ratio (10) x the honest norm round after round (one colluder among 2 islands, two among 3;
+    under the old median of all accepted pushes they walked to 50 x in 10 rounds)."""
+    names = ["honest"] + [f"x{i}" for i in range(colluders)]
+    server, addr = make_server(islands=len(names), fragments=1, rounds={"grace_s": 0.0})
+    with running(server):
+        cs, ws, layout, _ = join_all(addr, names)
+        n = ws[0].numels[0]
+        rng = np.random.default_rng(7)
+        honest, ratios = [], []
+        for v in range(10):
+            h = small(n, 100 + v)
+            honest.append(float(np.linalg.norm(h)))
+            assert push(cs[0], 0, v, h).status == "accepted"
+            for c in cs[1:]:
+                d = rng.standard_normal(n)
+                d /= np.linalg.norm(d)
+                scale = 2000.0 * honest[-1]   # from far above, down by 1.25 until accepted (refusals cost nothing)
+                while True:
+                    try:
+                        push(c, 0, v, (d * scale).astype(np.float32))
+                    except SyncerRefusal as e:
+                        assert e.code == "outlier", e
+                        scale /= 1.25
+                        continue
+                    break
+                ratios.append(scale / float(np.median(honest)))
+            cs[0].wait_base(0, v + 1, 20)
+        assert max(ratios) <= 10.0 * 1.1, ratios   # (the honest norms vary a little from round to round)
+        assert min(ratios[-colluders:]) > 10.0 / 1.25 / 1.1, ratios   # (and the colluders did reach the bound)
+        for c in cs:
+            c.close()
+
+
+def test_a_push_concentrated_in_one_value_is_refused():
+    """Issue 26, finding 4 (c): one non-zero value carrying 9 x the honest norm passes a total-norm bound of 10 x
+    but is 9 * sqrt(numel) / 16 times denser than an honest block: refused by the per-block bound."""
+    server, addr = make_server(islands=2, fragments=1)
+    with running(server):
+        (a, b), ws, layout, _ = join_all(addr, ["a", "b"])
+        n = ws[0].numels[0]
+        for v in range(2):   # some honest history on both sides
+            assert push(a, 0, v, small(n, 10 + v)).status == "accepted"
+            assert push(b, 0, v, small(n, 20 + v)).status == "accepted"
+            a.wait_base(0, v + 1, 20)
+        spike = np.zeros(n, np.float32)
+        spike[123] = 9.0 * np.linalg.norm(small(n, 10))
+        assert push(a, 0, 2, small(n, 12)).status == "accepted"
+        with pytest.raises(SyncerRefusal) as e:
+            push(b, 0, 2, spike)
+        assert e.value.code == "outlier" and "densest block" in e.value.message and "norm" not in \
+            e.value.message.split("refused as an outlier:")[1].split("densest")[0]
+        assert push(b, 0, 2, small(n, 22)).status == "accepted"
+        got = a.wait_base(0, 3, 20)
+        assert np.abs(got.values).max() < 10
+        for c in (a, b):
+            c.close()

@@ -142,8 +142,12 @@ def _round_flags(g) -> None:
     g.add_argument("--exact", action="store_true", help="hold pushes (encoded) and fold them in island order at "
                    "merge time: bit-reproducible whatever the arrival order (more memory)")
     g.add_argument("--max-push-norm-ratio", type=_nonneg_float, default=10.0, help="refuse (code outlier) a push "
-                   "whose delta norm is above this many times the median of the fragment's recent accepted push "
-                   "norms (before 3 were accepted: of the base norm); 0 disables the guard")
+                   "whose delta norm, or the rms of its densest quantization block, is above this many times the "
+                   "lower median of the OTHER islands' recent accepted pushes of the fragment (each island's median); "
+                   "0 disables the guard")
+    g.add_argument("--first-push-norm-ratio", type=_nonneg_float, default=1.0, help="before any other island's "
+                   "push of a fragment was accepted, refuse a push whose norm (or densest block) is above this many "
+                   "times the fragment's base (its norm, its densest block) as first seen; 0: no bound then")
 
 
 def _outer_flags(g) -> None:
@@ -261,7 +265,8 @@ def config_from_args(a: argparse.Namespace):
                         max_handshakes_per_host=a.max_handshakes_per_host, max_model_bytes=a.max_model_bytes,
                         island_buffer_bytes=a.island_buffer_bytes, init_timeout_s=a.init_timeout,
                         init_lowest_id=a.init_lowest_id,
-                        max_push_norm_ratio=a.max_push_norm_ratio, shard=shard,
+                        max_push_norm_ratio=a.max_push_norm_ratio, first_push_norm_ratio=a.first_push_norm_ratio,
+                        shard=shard,
                         shard_addresses=tuple(a.shard_addresses or ()), run_id=a.run_id)
 
 
