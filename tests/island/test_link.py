@@ -17,7 +17,7 @@ from yeto_patch.island.link.syncer import Backoff, SyncerLink, dial
 from yeto_patch.syncer.settings import MergeSettings, RoundSettings
 from yeto_patch.syncer.server import ServerConfig, SyncerServer
 from yeto_patch.wire import codecs
-from yeto_patch.wire.frames import AuthError, PeerError
+from yeto_patch.wire.frames import AuthError
 from yeto_patch.wire.transport import ConnectError
 
 

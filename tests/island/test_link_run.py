@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from tests.island.test_link import _joined, free_port, settings
+from tests.island.test_link import _joined, settings
 from tests.syncer.helpers import KEY, MANIFEST, init_values
 from tests.syncer.relay import Relay
 from yeto_patch.island.boundary import sync_state

@@ -27,6 +27,19 @@ def test_benchmark_smoke_and_naive_references_agree(capsys):
     assert "xxh3_64 digest" in out and "targets" in out
 
 
+@pytest.mark.timeout(120)
+def test_security_benchmark_smoke(capsys):
+    """benchmarks/wire_security.py runs (its frame keys come from real protocol-3 handshakes) and reports the
+    handshake's cost."""
+    spec = importlib.util.spec_from_file_location("wire_security_bench", os.path.join(ROOT, "benchmarks",
+                                                                                      "wire_security.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--mib", "1", "--repeat", "1", "--handshakes", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "PUSH     aead" in out and "handshake (protocol 3)" in out, out
+
+
 # ------------------------------------------------------------------------------------ handshake (docs)
 KEY = b"s" * 32
 
