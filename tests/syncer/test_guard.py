@@ -107,20 +107,29 @@ def test_unusable_checkpoint_is_refused_at_resume(tmp_path, bad):
 
 def test_the_guard_judges_a_push_against_the_other_islands_history():
     g = NormGuard(10.0)
-    base = g.base_norm(0, 0, np.full(1024, 0.5, np.float32))      # norm 16, densest block rms 0.5
-    assert (base.norm, base.peak) == (pytest.approx(16.0), pytest.approx(0.5)) and not g.needs_base_norm(0)
-    assert "no other island has pushed yet" in g.admit(0, PushStats(17.0, 0.2), "b", base)   # cold: 1 x the base
-    assert "no other island has pushed yet" in g.admit(0, PushStats(1.0, 0.6), "b", base)
-    assert g.admit(0, PushStats(5.0, 0.2), "a", base) is None
-    assert g.admit(0, PushStats(60.0, 0.2), "b", 0.0) is not None   # 10 x a's median (5)
-    assert g.admit(0, PushStats(40.0, 3.0), "b", 0.0) is not None   # its densest block: 10 x a's (0.2)
-    assert g.admit(0, PushStats(40.0, 1.5), "b", 0.0) is None
-    assert g.admit(0, PushStats(0.0, 0.0), "b", 0.0) is None        # zero pushes pass and stay out of the history
-    assert g.reference(0, "a") == PushStats(40.0, 1.5) and g.reference(0, "b") == PushStats(5.0, 0.2)
+    base = np.full(1024, 0.5, np.float32)
+    first = g.base_norm(0, 0, base)      # norm 16, densest block rms 0.5
+    assert (first.norm, first.peak) == (pytest.approx(16.0), pytest.approx(0.5)) and not g.needs_base_norm(0)
+
+    def stats(x, island):
+        return g.measure("f32", x.astype(np.float32).tobytes(), x.size, 256, cold=(0, island, base))
+    # cold start (nobody pushed yet): refused when, applied alone, it would leave the base above 2 x its first norm
+    assert "no other island has pushed yet" in g.admit(0, stats(-1.1 * base, "b"), "b", first)   # 2.1 x
+    big_but_harmless = np.random.default_rng(0).standard_normal(1024) * 0.8   # norm 25.6 > 16, orthogonal-ish
+    st = stats(big_but_harmless, "a")
+    assert st.norm > first.norm and st.grown < 2 * first.norm
+    assert g.admit(0, st, "a", first) is None
+    ref = g.reference(0, "b")
+    assert ref == PushStats(st.norm, st.peak) and g.reference(0, "a") is None
+    assert stats(big_but_harmless, "b").grown is None   # b has a reference now: no pass over the base
+    assert g.admit(0, PushStats(10.1 * st.norm, st.peak), "b", 0.0) is not None    # 10 x a's median norm
+    assert g.admit(0, PushStats(st.norm, 10.1 * st.peak), "b", 0.0) is not None    # 10 x a's densest block
+    assert g.admit(0, PushStats(9 * st.norm, 9 * st.peak), "b", 0.0) is None
+    assert g.admit(0, PushStats(0.0, 0.0), "b", 0.0) is None   # zero pushes pass and stay out of the history
     for _ in range(20):   # b's own history never raises b's bound
-        assert g.admit(0, PushStats(49.0, 1.9), "b", 0.0) is None
-    assert g.limit(0, "b")[:2] == (pytest.approx(50.0), pytest.approx(2.0))
-    msg = g.admit(0, PushStats(51.0, 0.1), "c\nforged line", 0.0)
+        assert g.admit(0, PushStats(9.9 * st.norm, 9.9 * st.peak), "b", 0.0) is None
+    assert g.reference(0, "b") == PushStats(st.norm, st.peak)
+    msg = g.admit(0, PushStats(11 * st.norm, 0.1), "c\nforged line", 0.0)
     assert msg is not None and "other islands" in msg
     assert g.admit(1, PushStats(1e9, 1e9), "a", PushStats(0.0, 0.0)) is None   # nothing yet, zero base: no bound
     assert NormGuard(0).measure("f32", np.zeros(4, np.float32).tobytes(), 4, 256) is None
@@ -141,9 +150,9 @@ def test_push_stats_match_the_decoded_values(codec):
 
 
 def test_a_first_push_cannot_multiply_the_base():
-    """Issue 26, finding 4 (a): before any other island pushed, a push is bounded by the base (1 x its norm and its
-    densest block), so an island joining first cannot push -5 x the base (it grew the base's norm 3.5x in one
-    round under the old cold start of 10 x)."""
+    """Issue 26, finding 4 (a): before any other island pushed, a push that, applied alone, would leave the base
+    with more than --first-push-growth (2) times its norm is refused, so an island pushing first cannot push -5 x
+    the base (it grew the base's norm 3.5x in one round under the old cold start of 10 x)."""
     server, addr = make_server(islands=2, fragments=1)
     with running(server):
         values = init_values()
@@ -152,6 +161,7 @@ def test_a_first_push_cannot_multiply_the_base():
         with pytest.raises(SyncerRefusal) as e:
             push(b, 0, 0, -5.0 * base)
         assert e.value.code == "outlier" and "no other island has pushed yet" in e.value.message
+        assert "applied alone it would leave the base with norm" in e.value.message
         assert server.coord.frags[0].round.contribs == {}   # nothing folded
         n = ws[0].numels[0]
         assert push(a, 0, 0, small(n, 1)).status == "accepted" and push(b, 0, 0, small(n, 2)).status == "accepted"

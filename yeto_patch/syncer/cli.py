@@ -50,6 +50,13 @@ def _pos_float(s: str) -> float:
     return v
 
 
+def _growth(s: str) -> float:
+    v = float(s)
+    if not (v >= 1 or v == 0):
+        raise argparse.ArgumentTypeError(f"must be >= 1 (0: no bound), got {s}")
+    return v
+
+
 def _nonneg_float(s: str) -> float:
     v = float(s)
     if not v >= 0:
@@ -145,9 +152,9 @@ def _round_flags(g) -> None:
                    "whose delta norm, or the rms of its densest quantization block, is above this many times the "
                    "lower median of the OTHER islands' recent accepted pushes of the fragment (each island's median); "
                    "0 disables the guard")
-    g.add_argument("--first-push-norm-ratio", type=_nonneg_float, default=1.0, help="before any other island's "
-                   "push of a fragment was accepted, refuse a push whose norm (or densest block) is above this many "
-                   "times the fragment's base (its norm, its densest block) as first seen; 0: no bound then")
+    g.add_argument("--first-push-growth", type=_growth, default=2.0, help="before any other island's push of a "
+                   "fragment was accepted (nothing to compare with), refuse a push that, applied alone, would leave "
+                   "the base with more than this many times its norm (as first seen); 0: no bound then")
 
 
 def _outer_flags(g) -> None:
@@ -265,7 +272,7 @@ def config_from_args(a: argparse.Namespace):
                         max_handshakes_per_host=a.max_handshakes_per_host, max_model_bytes=a.max_model_bytes,
                         island_buffer_bytes=a.island_buffer_bytes, init_timeout_s=a.init_timeout,
                         init_lowest_id=a.init_lowest_id,
-                        max_push_norm_ratio=a.max_push_norm_ratio, first_push_norm_ratio=a.first_push_norm_ratio,
+                        max_push_norm_ratio=a.max_push_norm_ratio, first_push_growth=a.first_push_growth,
                         shard=shard,
                         shard_addresses=tuple(a.shard_addresses or ()), run_id=a.run_id)
 

@@ -43,7 +43,7 @@ class ServerConfig:
     init_timeout_s: Optional[float] = None   # INIT progress bound of the initializing island (None: lease + io)
     init_lowest_id: bool = False   # --init-lowest-id: INIT from the lowest id once all --islands joined
     max_push_norm_ratio: float = 10.0   # refuse pushes above this x the other islands' recent pushes (0: off)
-    first_push_norm_ratio: float = 1.0   # ... and, before any other island pushed, above this x the base
+    first_push_growth: float = 2.0   # before any other island pushed: applied alone, at most this x the base norm
     shard: ShardSpec = ShardSpec()   # --shard I/N: this process holds shard I of N of the fragments
     shard_addresses: tuple = ()   # --shard-addresses: every shard's host:port in shard order (told to islands)
     run_id: Optional[str] = None   # --run-id: ties the shards' checkpoints together

@@ -9,9 +9,13 @@
   norm, or with a peak above ``ratio`` times the reference peak, is refused with code ``outlier`` before it
   touches anything; the log names the island (escaped) and the bound. So an island cannot walk its own bound up
   (its history never counts for itself), and colluders walk it only if they are at least half of the others.
-* Cold start (no other island has an accepted push yet): the bound is ``first_ratio`` (default 1) times the norm,
-  and times the peak, of the fragment's base when the guard first saw it (not the current base, which a first
-  push could already have grown), so one island cannot multiply the base before anyone else has pushed.
+* Cold start (no other island has an accepted push yet, so nothing to compare with): a push is refused when,
+  applied alone to the fragment's current base, it would leave a base whose norm is above ``first_growth``
+  (default 2) times the norm of the base as the guard first saw it (not the current one, which accepted pushes
+  may have grown). Relative to its own anchor a push applied alone gives the island's own trained weights, so an
+  honest island passes unless its training more than doubled the weights' norm, and one island cannot multiply
+  the base before anyone else has pushed (a push of -5 x the base would leave 6 x). The per-block bound needs a
+  reference and applies once other islands have pushed.
 * ``ratio`` 0 disables the guard. A push that cannot be measured (malformed, non-finite) is left to the usual
   validation, which refuses it with its own code.
 * A base is *usable* when every value is finite and at most ``USABLE_MAX`` in magnitude (the outer step refuses a
@@ -35,12 +39,12 @@ from ..wire.text import printable
 from .merge import ChunkRunner
 from .outer import USABLE_MAX
 
-__all__ = ["NormGuard", "PushStats", "unusable", "too_large", "USABLE_MAX", "WINDOW", "FIRST_RATIO", "push_stats"]
+__all__ = ["NormGuard", "PushStats", "unusable", "too_large", "USABLE_MAX", "WINDOW", "FIRST_GROWTH", "push_stats"]
 
 log = logging.getLogger("yeto.syncer")
 WINDOW = 16          # accepted pushes remembered per island and fragment
 MAX_ISLANDS = 256    # islands remembered per fragment (the least recently heard from is forgotten first)
-FIRST_RATIO = 1.0    # cold start: a push may be at most this times the base (norm, and densest block)
+FIRST_GROWTH = 2.0   # cold start: applied alone, a push may leave the base at most this times its first norm
 PLAIN_BLOCK = 256    # the block over which f32 / bf16 pushes (and bases) are measured
 
 
@@ -48,6 +52,7 @@ PLAIN_BLOCK = 256    # the block over which f32 / bf16 pushes (and bases) are me
 class PushStats:
     norm: float   # ||x||_2
     peak: float   # root mean square of the densest block
+    grown: Optional[float] = None   # ||base - x||_2: the base's norm were the push applied alone (cold start)
 
 
 def _block_sums(x: np.ndarray, block: int) -> np.ndarray:
@@ -172,16 +177,31 @@ def too_large(name: str, a: np.ndarray, chunk: int = 1 << 20) -> Optional[str]:
     return None
 
 
+def _growth(codec: str, body, numel: int, block: int, base: np.ndarray, runner: ChunkRunner) -> Optional[float]:
+    """||base - decode(body)||_2 in float64, chunk by chunk in a fixed order (None: not measurable)."""
+    def part(a, b):
+        d = base[a:b].astype(np.float64) - codecs.decode_range(codec, body, numel, a, b - a, block)
+        return float(np.dot(d, d))
+    try:
+        total = 0.0
+        for t in runner.map(numel, part):
+            total += t
+    except (CodecError, ValueError, TypeError):
+        return None
+    return float(np.sqrt(total)) if np.isfinite(total) else None
+
+
 class NormGuard:
     """The outlier guard of every fragment (see the module docstring). ``admit`` runs under the coordinator's lock,
     ``measure`` and ``base_norm`` outside it."""
 
-    def __init__(self, ratio: float = 10.0, runner: Optional[ChunkRunner] = None, first_ratio: float = FIRST_RATIO):
-        for name, v in (("max push norm ratio", ratio), ("first push norm ratio", first_ratio)):
-            if not (np.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be >= 0 (0 disables it), got {v}")
+    def __init__(self, ratio: float = 10.0, runner: Optional[ChunkRunner] = None, first_growth: float = FIRST_GROWTH):
+        if not (np.isfinite(ratio) and ratio >= 0):
+            raise ValueError(f"max push norm ratio must be >= 0 (0 disables it), got {ratio}")
+        if not (np.isfinite(first_growth) and (first_growth >= 1 or first_growth == 0)):
+            raise ValueError(f"first push growth must be >= 1 (0: no bound), got {first_growth}")
         self.ratio = float(ratio)
-        self.first_ratio = float(first_ratio)
+        self.first_growth = float(first_growth)
         self.runner = runner or ChunkRunner(1)
         self._hist: dict = collections.defaultdict(collections.OrderedDict)   # fragment -> island -> deque
         self._base: dict = {}   # fragment -> PushStats of its base when the guard first measured it
@@ -192,8 +212,18 @@ class NormGuard:
     def enabled(self) -> bool:
         return self.ratio > 0
 
-    def measure(self, codec: str, body, numel: int, block: int) -> Optional[PushStats]:
-        return push_stats(codec, body, numel, block, self.runner) if self.enabled else None
+    def measure(self, codec: str, body, numel: int, block: int, cold: Optional[tuple] = None) -> Optional[PushStats]:
+        """The push's figures; ``cold``: (fragment, island, the fragment's current base): when nobody else pushed
+        that fragment yet, also the norm the base would have were the push applied alone (one more pass)."""
+        if not self.enabled:
+            return None
+        st = push_stats(codec, body, numel, block, self.runner)
+        if st is None or cold is None or not self.first_growth:
+            return st
+        fragment, island, base = cold
+        if base is None or base.size != numel or self.reference(fragment, island) is not None:
+            return st
+        return PushStats(st.norm, st.peak, _growth(codec, body, numel, block, base, self.runner))
 
     def base_norm(self, fragment: int, version: int, base: Optional[np.ndarray]) -> PushStats:
         """The cold-start reference of a fragment: its base's norm and peak when first measured (cached; called
@@ -224,41 +254,46 @@ class NormGuard:
         k = (len(per) - 1) // 2
         return PushStats(sorted(n for n, _ in per)[k], sorted(p for _, p in per)[k])
 
-    def limit(self, fragment: int, island: str, base: Optional[PushStats] = None) -> tuple:
-        """(largest norm, largest peak, what they are relative to) a push of ``island`` may have; a bound is None
-        when there is none (no reference yet and a zero base)."""
+    def _overs(self, fragment: int, stats: PushStats, island: str, base) -> tuple:
+        """(what the push exceeds, what the bounds are relative to)."""
         ref = self.reference(fragment, island)
         if ref is not None:
-            return self.ratio * ref.norm, self.ratio * ref.peak, "the other islands' recent pushes"
+            over = []
+            if stats.norm > self.ratio * ref.norm:
+                over.append(f"norm {stats.norm:.4g} above {self.ratio * ref.norm:.4g}")
+            if stats.peak > self.ratio * ref.peak:
+                over.append(f"densest block (rms {stats.peak:.4g}) above {self.ratio * ref.peak:.4g}")
+            return over, (f"the other islands' recent pushes (--max-push-norm-ratio {self.ratio:g}: norm "
+                          f"{ref.norm:.4g}, densest block rms {ref.peak:.4g})")
         with self._lock:
             b = self._base.get(fragment) or base
-        if b is None or not self.first_ratio:
-            return None, None, "nothing"
-        return (self.first_ratio * b.norm or None, self.first_ratio * b.peak or None,
-                f"the base (--first-push-norm-ratio {self.first_ratio:g}: no other island has pushed yet)")
+        if b is None or not b.norm or not self.first_growth:
+            return [], "nothing (no other island has pushed yet and the base is zero)"
+        lim = self.first_growth * b.norm
+        what = (f"the base's first norm {b.norm:.4g} (--first-push-growth {self.first_growth:g}: no other island "
+                f"has pushed yet)")
+        if stats.grown is not None:   # applied alone, it would leave a base of this norm
+            return ([f"applied alone it would leave the base with norm {stats.grown:.4g}, above {lim:.4g}"]
+                    if stats.grown > lim else []), what
+        # (not measured against the base: its norm alone must keep the base within the bound)
+        return ([f"norm {stats.norm:.4g} above {lim - b.norm:.4g}"] if stats.norm > lim - b.norm else []), what
 
     def admit(self, fragment: int, stats: Optional[PushStats], island: str, base_norm=None) -> Optional[str]:
         """The refusal message for a push with these ``stats`` (None: admitted, and it joins ``island``'s
         history). ``base_norm``: :meth:`base_norm`'s result when it was needed (a float 0.0 otherwise)."""
         if stats is None or not self.enabled:
             return None
-        nlim, plim, what = self.limit(fragment, island, base_norm if isinstance(base_norm, PushStats) else None)
-        over = []
-        if nlim is not None and stats.norm > nlim:
-            over.append(f"norm {stats.norm:.4g} above {nlim:.4g}")
-        if plim is not None and stats.peak > plim:
-            over.append(f"densest block (rms {stats.peak:.4g}) above {plim:.4g}")
+        over, what = self._overs(fragment, stats, island, base_norm if isinstance(base_norm, PushStats) else None)
         if over:
             self.refused += 1
             why = " and ".join(over)
-            log.warning("refused push of fragment %d from island %s: %s (bounds relative to %s)", fragment,
+            log.warning("refused push of fragment %d from island %s: %s (relative to %s)", fragment,
                         printable(island), why, what)
-            return (f"push of fragment {fragment} refused as an outlier: {why} (--max-push-norm-ratio "
-                    f"{self.ratio:g}; bounds relative to {what})")
+            return f"push of fragment {fragment} refused as an outlier: {why} (relative to {what})"
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("outlier guard: push of fragment %d from island %s: norm %.4g (bound %s), densest block rms "
-                      "%.4g (bound %s), relative to %s", fragment, printable(island), stats.norm,
-                      "none" if nlim is None else f"{nlim:.4g}", stats.peak, "none" if plim is None else f"{plim:.4g}",
+            log.debug("outlier guard: push of fragment %d from island %s: norm %.4g, densest block rms %.4g%s; "
+                      "admitted relative to %s", fragment, printable(island), stats.norm, stats.peak,
+                      "" if stats.grown is None else f", applied alone the base's norm would be {stats.grown:.4g}",
                       what)
         if stats.norm > 0:
             with self._lock:
