@@ -14,8 +14,8 @@ hostile islands that hold the key join it. Then it sends hostile inputs, each pr
   header ...  one connection each, before the handshake: bad magic/version/type and garbage (header),
               lengths above the maxima (oversize), frames cut short then closed (truncated), flipped payload
               or digest bits (digest), malformed CHUNK envelopes and sequences (chunk), malformed meta
-              (meta), garbage HELLOs (hello), wrong key, replayed or reflected handshakes, another manifest,
-              one island too many (auth)
+              (meta), garbage HELLOs (hello), wrong key, replayed handshakes or a swapped ephemeral key,
+              another manifest, one island too many (auth)
   post-auth   one connection each, after an authenticated handshake: framing errors and unexpected messages
   slow        slow-loris: silence, partial frames, a HELLO trickled a byte (or an 8-byte chunk) at a time
   memory      chunked INIT/PUSH messages announcing gigabytes, followed by tens of MiB of data; the largest
