@@ -506,3 +506,33 @@ def test_client_declares_a_silent_link_dead_and_classifies_errors():
         FrameError("bad magic"))
     assert not any(recoverable(x) for x in (PeerError("auth", "bad key"), AuthError("mac"),
                                             SyncerRefusal("stale", "pull")))
+
+
+def test_an_island_reserves_nothing_large_for_a_syncer_it_has_not_authenticated():
+    """A rogue syncer (or a relay) announcing a 1 GiB message before the island verified it is refused from the
+    chunk's envelope: the island reads at most 64 KiB from an unauthenticated peer (transient: its link retries)."""
+    import struct
+
+    import xxhash
+
+    from yeto_patch.wire.client import recoverable
+    from yeto_patch.wire.frames import FrameError
+    from yeto_patch.wire.transport import listen
+    srv = listen("127.0.0.1:0")
+    addr = "127.0.0.1:%d" % srv.getsockname()[1]
+
+    def rogue():
+        s, _ = srv.accept()
+        env = struct.pack("<QHHQQ", 1, MsgType.BASE, 0, 1 << 30, 0) + b"\0" * 64
+        s.sendall(struct.pack("<4sHHIQQ", b"YETO", 1, MsgType.CHUNK, 0, len(env), xxhash.xxh3_64_intdigest(env)) + env)
+        time.sleep(2)
+        s.close()
+
+    th = threading.Thread(target=rogue, daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    with pytest.raises(FrameError, match="announces 1073741824 bytes, above the maximum 65536") as e:
+        client(addr, "a", connect_retries=0).connect()
+    assert time.monotonic() - t0 < 1.5 and recoverable(e.value)
+    th.join(10)
+    srv.close()

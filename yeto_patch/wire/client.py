@@ -71,7 +71,7 @@ import numpy as np
 
 from . import auth, codecs
 from .frames import CodecError, MsgType, PeerError, ProtocolError, WireTimeout
-from .handshake import _RESUME, _RESUME_LOCK, _handshake, probe  # noqa: F401 - re-exported
+from .handshake import _RESUME, _RESUME_LOCK, UNVERIFIED_MAX, _handshake, probe  # noqa: F401 - re-exported
 from .message import encode_meta
 from .text import check_island_id
 from .transport import Connection, connect
@@ -88,6 +88,17 @@ def _aligned(meta: dict, align: int = 64) -> dict:
     n = 4 + len(encode_meta(m))
     m["_pad"] = " " * ((-n) % align)
     return m
+
+
+def _session_limits(w: Welcome) -> tuple:
+    """(per-type maxima, reassembly budget) of what the syncer may send after its WELCOME: a base is at most the
+    largest fragment in float32 plus room for its meta, everything else 1 MiB."""
+    numels = [int(n) for n in w.numels]
+    if not numels or min(numels) < 0:
+        raise ProtocolError("malformed WELCOME: no fragment sizes")
+    bulk = 4 * max(numels) + (1 << 20)
+    limits = {**{t: 1 << 20 for t in MsgType if t != MsgType.CHUNK}, MsgType.BASE: bulk, MsgType.FINAL_BASE: bulk}
+    return limits, bulk + (2 << 20)
 
 
 def _norm_manifest(manifest) -> list:
@@ -153,7 +164,8 @@ class SyncerClient:
         if self.conn is not None:
             raise ProtocolError("already connected")
         conn = connect(self.address, timeout=self.connect_timeout, retries=self.connect_retries,
-                       backoff=self.backoff, max_backoff=self.max_backoff)
+                       backoff=self.backoff, max_backoff=self.max_backoff, max_payload=UNVERIFIED_MAX,
+                       max_reassembly_bytes=UNVERIFIED_MAX[MsgType.HELLO_OK])
         conn.timeout = self.timeout   # (the connect timeout bounded the TCP connect; the CHALLENGE: below)
         try:
             meta = _handshake(conn, self.key, self.insecure, MsgType.HELLO, self.island_id, self.incarnation,
@@ -168,6 +180,7 @@ class SyncerClient:
                         islands=meta.get("islands", 1), quorum=meta.get("quorum", 1),
                         total_rounds=meta.get("total_rounds"), final=bool(meta.get("final")),
                         run_id=meta.get("run_id"), **shard_fields(meta))
+            conn.set_limits(*_session_limits(w))
         except BaseException:
             conn.close()
             raise

@@ -22,12 +22,18 @@ import threading
 from typing import Optional
 
 from . import auth, secure
-from .frames import (AuthError, FrameAuthError, MsgType, PeerError, ProtocolError, RunMismatch, UnverifiedHandshake,
-                     UnverifiedRefusal)
+from .frames import (MAX_PAYLOAD, AuthError, FrameAuthError, MsgType, PeerError, ProtocolError, RunMismatch,
+                     UnverifiedHandshake, UnverifiedRefusal)
 from .text import printable
 from .transport import Connection, connect
 
-__all__ = ["IslandHello", "probe", "PROTOCOL"]
+__all__ = ["IslandHello", "probe", "PROTOCOL", "UNVERIFIED_MAX"]
+
+#: What the island reads from a syncer that has not proved its key yet: a CHALLENGE, a clear ERROR, the HELLO_OK
+#: (all small); anything announcing more is refused from its header or first chunk, so a rogue syncer (or a relay)
+#: cannot make the island reserve memory for a message it never authenticated. Raised for the WELCOME once the
+#: HELLO_OK verified, and for bases once the WELCOME gave the layout (client.py).
+UNVERIFIED_MAX = {t: 64 << 10 for t in MsgType if t != MsgType.CHUNK}
 
 
 _RESUME: dict = {}   # (syncer address, island id) -> resumption secret of this process's last session
@@ -96,7 +102,8 @@ def _handshake(conn: Connection, key: Optional[bytes], insecure: bool, msg_type:
         if key is not None and not isinstance(e, UnverifiedHandshake):
             raise UnverifiedHandshake(str(e)) from None
         raise
-    # from here on everything from the syncer is authenticated (with a key)
+    # from here on everything from the syncer is authenticated (with a key): its WELCOME may be large
+    conn.set_limits({MsgType.WELCOME: MAX_PAYLOAD[MsgType.WELCOME]}, MAX_PAYLOAD[MsgType.WELCOME])
     run = first.get("run_id")
     if run_id is not None and run != run_id:
         raise RunMismatch(f"the syncer at {conn.peer} belongs to run {printable(run, 140)!r}, not to run "
@@ -178,7 +185,8 @@ def probe(address: str, key: Optional[bytes], *, timeout: float = 10.0, insecure
     """Authenticated handshake with the syncer without joining its run; returns its status."""
     if key is None:
         auth.check_insecure(address, insecure)
-    conn = connect(address, timeout=timeout, retries=0)
+    conn = connect(address, timeout=timeout, retries=0, max_payload=UNVERIFIED_MAX,
+                   max_reassembly_bytes=UNVERIFIED_MAX[MsgType.HELLO_OK])
     try:
         return _handshake(conn, key, insecure, MsgType.PROBE, island_id, random.getrandbits(63), bytes(32), None,
                           timeout)
