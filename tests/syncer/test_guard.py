@@ -135,6 +135,29 @@ def test_the_guard_judges_a_push_against_the_other_islands_history():
     assert NormGuard(0).measure("f32", np.zeros(4, np.float32).tobytes(), 4, 256) is None
 
 
+def test_a_lone_island_cannot_walk_the_base_up_unless_it_is_the_runs_only_island():
+    """While no other island pushed, the cold-start bound is relative to the base as first seen: pushes alone,
+    round after round, cannot grow it past --first-push-growth times. In a run of one island (nobody to protect,
+    its weights may grow over a long run) it is relative to the current base: no single push multiplies it."""
+    base0 = np.random.default_rng(3).standard_normal(4096).astype(np.float32)
+    for single in (False, True):
+        g = NormGuard(10.0, first_growth=2.0, single=single)
+        first = g.base_norm(0, 0, base0)
+        base, accepted = base0.copy(), 0
+        for _ in range(12):   # each push applied alone makes the base 1.2 x larger
+            x = -0.2 * base
+            st = g.measure("f32", x.tobytes(), x.size, 256, cold=(0, "a", base))
+            if g.admit(0, st, "a", first) is not None:
+                break
+            base, accepted = base - x, accepted + 1
+        if single:
+            assert accepted == 12   # slow growth passes
+            x = -1.5 * base   # ... a push that would leave 2.5 x does not
+            assert g.admit(0, g.measure("f32", x.tobytes(), x.size, 256, cold=(0, "a", base)), "a", 0.0) is not None
+        else:
+            assert accepted == 3 and np.linalg.norm(base) <= 2 * first.norm   # 1.2 ** 4 > 2
+
+
 @pytest.mark.parametrize("codec", ["f32", "bf16", "int8", "int4", "int4-log"])
 def test_push_stats_match_the_decoded_values(codec):
     from yeto_patch.syncer.guard import push_stats

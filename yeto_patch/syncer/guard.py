@@ -14,8 +14,10 @@
   (default 2) times the norm of the base as the guard first saw it (not the current one, which accepted pushes
   may have grown). Relative to its own anchor a push applied alone gives the island's own trained weights, so an
   honest island passes unless its training more than doubled the weights' norm, and one island cannot multiply
-  the base before anyone else has pushed (a push of -5 x the base would leave 6 x). The per-block bound needs a
-  reference and applies once other islands have pushed.
+  the base before anyone else has pushed (a push of -5 x the base would leave 6 x). In a run of one island
+  (``single``), whose base is its own model and which never gets a reference, the bound is relative to the
+  current base: no single push may multiply it, while the weights may grow over a long run. The per-block bound
+  needs a reference and applies once other islands have pushed.
 * ``ratio`` 0 disables the guard. A push that cannot be measured (malformed, non-finite) is left to the usual
   validation, which refuses it with its own code.
 * A base is *usable* when every value is finite and at most ``USABLE_MAX`` in magnitude (the outer step refuses a
@@ -53,6 +55,7 @@ class PushStats:
     norm: float   # ||x||_2
     peak: float   # root mean square of the densest block
     grown: Optional[float] = None   # ||base - x||_2: the base's norm were the push applied alone (cold start)
+    base_now: Optional[float] = None   # ||base||_2 of the current base it was applied to
 
 
 def _block_sums(x: np.ndarray, block: int) -> np.ndarray:
@@ -177,31 +180,36 @@ def too_large(name: str, a: np.ndarray, chunk: int = 1 << 20) -> Optional[str]:
     return None
 
 
-def _growth(codec: str, body, numel: int, block: int, base: np.ndarray, runner: ChunkRunner) -> Optional[float]:
-    """||base - decode(body)||_2 in float64, chunk by chunk in a fixed order (None: not measurable)."""
+def _growth(codec: str, body, numel: int, block: int, base: np.ndarray, runner: ChunkRunner) -> tuple:
+    """(||base - decode(body)||_2, ||base||_2) in float64, chunk by chunk in a fixed order ((None, None): not
+    measurable)."""
     def part(a, b):
-        d = base[a:b].astype(np.float64) - codecs.decode_range(codec, body, numel, a, b - a, block)
-        return float(np.dot(d, d))
+        y = base[a:b].astype(np.float64)
+        d = y - codecs.decode_range(codec, body, numel, a, b - a, block)
+        return float(np.dot(d, d)), float(np.dot(y, y))
     try:
-        total = 0.0
-        for t in runner.map(numel, part):
+        total, norm = 0.0, 0.0
+        for t, n in runner.map(numel, part):
             total += t
+            norm += n
     except (CodecError, ValueError, TypeError):
-        return None
-    return float(np.sqrt(total)) if np.isfinite(total) else None
+        return None, None
+    return (float(np.sqrt(total)), float(np.sqrt(norm))) if np.isfinite(total) and np.isfinite(norm) else (None, None)
 
 
 class NormGuard:
     """The outlier guard of every fragment (see the module docstring). ``admit`` runs under the coordinator's lock,
     ``measure`` and ``base_norm`` outside it."""
 
-    def __init__(self, ratio: float = 10.0, runner: Optional[ChunkRunner] = None, first_growth: float = FIRST_GROWTH):
+    def __init__(self, ratio: float = 10.0, runner: Optional[ChunkRunner] = None, first_growth: float = FIRST_GROWTH,
+                 single: bool = False):
         if not (np.isfinite(ratio) and ratio >= 0):
             raise ValueError(f"max push norm ratio must be >= 0 (0 disables it), got {ratio}")
         if not (np.isfinite(first_growth) and (first_growth >= 1 or first_growth == 0)):
             raise ValueError(f"first push growth must be >= 1 (0: no bound), got {first_growth}")
         self.ratio = float(ratio)
         self.first_growth = float(first_growth)
+        self.single = single   # a run of one island: no one to protect, the base is its own model (see _overs)
         self.runner = runner or ChunkRunner(1)
         self._hist: dict = collections.defaultdict(collections.OrderedDict)   # fragment -> island -> deque
         self._base: dict = {}   # fragment -> PushStats of its base when the guard first measured it
@@ -223,7 +231,7 @@ class NormGuard:
         fragment, island, base = cold
         if base is None or base.size != numel or self.reference(fragment, island) is not None:
             return st
-        return PushStats(st.norm, st.peak, _growth(codec, body, numel, block, base, self.runner))
+        return PushStats(st.norm, st.peak, *_growth(codec, body, numel, block, base, self.runner))
 
     def base_norm(self, fragment: int, version: int, base: Optional[np.ndarray]) -> PushStats:
         """The cold-start reference of a fragment: its base's norm and peak when first measured (cached; called
@@ -267,16 +275,19 @@ class NormGuard:
                           f"{ref.norm:.4g}, densest block rms {ref.peak:.4g})")
         with self._lock:
             b = self._base.get(fragment) or base
-        if b is None or not b.norm or not self.first_growth:
+        ref, which = (b.norm if b is not None else 0.0), "first"
+        if self.single and stats.base_now is not None:   # one island alone for good: its weights may grow slowly,
+            ref, which = stats.base_now, "current"          # but no push may more than multiply them at once
+        if not ref or not self.first_growth:
             return [], "nothing (no other island has pushed yet and the base is zero)"
-        lim = self.first_growth * b.norm
-        what = (f"the base's first norm {b.norm:.4g} (--first-push-growth {self.first_growth:g}: no other island "
+        lim = self.first_growth * ref
+        what = (f"the base's {which} norm {ref:.4g} (--first-push-growth {self.first_growth:g}: no other island "
                 f"has pushed yet)")
         if stats.grown is not None:   # applied alone, it would leave a base of this norm
             return ([f"applied alone it would leave the base with norm {stats.grown:.4g}, above {lim:.4g}"]
                     if stats.grown > lim else []), what
         # (not measured against the base: its norm alone must keep the base within the bound)
-        return ([f"norm {stats.norm:.4g} above {lim - b.norm:.4g}"] if stats.norm > lim - b.norm else []), what
+        return ([f"norm {stats.norm:.4g} above {lim - ref:.4g}"] if stats.norm > lim - ref else []), what
 
     def admit(self, fragment: int, stats: Optional[PushStats], island: str, base_norm=None) -> Optional[str]:
         """The refusal message for a push with these ``stats`` (None: admitted, and it joins ``island``'s

@@ -68,7 +68,8 @@ class SyncerServer:
         self.cfg = cfg
         self.runner = ChunkRunner(cfg.merge_threads)
         self.coord = Coordinator(cfg.merge, cfg.rounds, self.runner, shard=cfg.shard)
-        self.coord.guard = NormGuard(cfg.max_push_norm_ratio, self.runner, cfg.first_push_growth) \
+        self.coord.guard = NormGuard(cfg.max_push_norm_ratio, self.runner, cfg.first_push_growth,
+                                     single=cfg.islands == 1) \
             if cfg.max_push_norm_ratio else None
         if cfg.base_wire in BASE_UPDATES:
             self.coord.down_codec = cfg.base_wire
