@@ -14,8 +14,8 @@ hostile islands that hold the key join it. Then it sends hostile inputs, each pr
   header ...  one connection each, before the handshake: bad magic/version/type and garbage (header),
               lengths above the maxima (oversize), frames cut short then closed (truncated), flipped payload
               or digest bits (digest), malformed CHUNK envelopes and sequences (chunk), malformed meta
-              (meta), garbage HELLOs (hello), wrong key, replayed or reflected handshakes, another manifest,
-              one island too many (auth)
+              (meta), garbage HELLOs (hello), wrong key, replayed handshakes or a swapped ephemeral key,
+              another manifest, one island too many (auth)
   post-auth   one connection each, after an authenticated handshake: framing errors and unexpected messages
   slow        slow-loris: silence, partial frames, a HELLO trickled a byte (or an 8-byte chunk) at a time
   memory      chunked INIT/PUSH messages announcing gigabytes, followed by tens of MiB of data; the largest
@@ -60,6 +60,7 @@ from yeto_patch.syncer.checkpoint import read_checkpoint  # noqa: E402
 from yeto_patch.wire import auth, codecs, secure  # noqa: E402
 from yeto_patch.wire.client import SyncerClient  # noqa: E402
 from yeto_patch.wire.frames import HEADER, HEADER_SIZE, MAGIC, MAX_PAYLOAD, MsgType, ProtocolError  # noqa: E402
+from yeto_patch.wire.handshake import PROTOCOL, IslandHello  # noqa: E402
 from yeto_patch.wire.message import pack_meta, unpack  # noqa: E402
 from yeto_patch.wire.transport import connect  # noqa: E402
 
@@ -184,25 +185,25 @@ def chunk(msg_id: int, inner: int, total: int, offset: int, data: bytes, reserve
     return frame(MsgType.CHUNK, struct.pack("<QHHQQ", msg_id, inner, reserved, total, offset) + data)
 
 
-def hello_meta(key: bytes, server_nonce: bytes, island: str, incarnation: int = INCARNATION,
-               digest: bytes = DIGEST) -> dict:
-    nonce = auth.new_nonce()
-    return {"island_id": island, "incarnation": incarnation, "nonce": nonce.hex(), "manifest_digest": digest.hex(),
-            "mac": auth.client_mac(key, server_nonce, nonce, island, incarnation, digest).hex(),
-            "insecure": False, "protocol": 2}
+def some_challenge() -> dict:
+    """A CHALLENGE as a keyed syncer sends it (for HELLOs built without a connection)."""
+    return {"nonce": auth.new_nonce().hex(), "protocol": PROTOCOL, "auth": True, "frames": "mac",
+            "ephemeral": secure.Ephemeral().public.hex()}
 
 
-def hello_and_manifest(key: bytes, ch: dict, island: str, manifest=MANIFEST_JSON, digest: bytes = DIGEST,
-                       hello: dict = None) -> bytes:
-    """A HELLO for challenge ``ch`` and, right after it, the MANIFEST sealed with the keys it agrees (the syncer
-    reads the MANIFEST only once the HELLO passed, after its HELLO_OK)."""
-    sn = bytes.fromhex(ch["nonce"])
-    hello = hello or hello_meta(key, sn, island, digest=digest)
-    c2s, _ = secure.derive_keys(key, sn, bytes.fromhex(hello["nonce"]), ch["frames"], secure.transcript(ch, hello))
+def hello_meta(key: bytes, ch: dict, island: str, incarnation: int = INCARNATION, digest: bytes = DIGEST) -> dict:
+    """A HELLO answering challenge ``ch``, its MAC made with ``key``."""
+    return IslandHello(ch, key, island, incarnation, digest).meta
+
+
+def hello_and_manifest(key: bytes, ch: dict, island: str, manifest=MANIFEST_JSON, digest: bytes = DIGEST) -> bytes:
+    """A HELLO for challenge ``ch`` and, right after it, the MANIFEST sealed with the session keys it agrees (the
+    syncer reads the MANIFEST only once the HELLO passed, after its HELLO_OK)."""
+    hello = IslandHello(ch, key, island, INCARNATION, digest)
     body = pack_meta({"manifest": manifest})
     header = HEADER.pack(MAGIC, 1, MsgType.MANIFEST, secure.FLAG_AUTH, len(body), 0)
-    out, tag = secure.Sealer(c2s, False).seal(header, [body], clear=0)
-    return message(MsgType.HELLO, hello) + header + b"".join(bytes(x) for x in out) + tag
+    out, tag = secure.Sealer(hello.session().c2s, False).seal(header, [body], clear=0)
+    return message(MsgType.HELLO, hello.meta) + header + b"".join(bytes(x) for x in out) + tag
 
 
 def split_frames(buf: bytes) -> list:
@@ -270,18 +271,14 @@ def handshake(addr, key: bytes, island: str, record: list = None):
     """An authenticated handshake (a transport Connection); returns (conn, welcome meta)."""
     conn = connect("%s:%d" % addr, timeout=10, retries=3)
     _, ch, _ = conn.recv()
-    sn = bytes.fromhex(ch["nonce"])
-    hello = hello_meta(key, sn, island)
-    cn = bytes.fromhex(hello["nonce"])
-    if island in _SESSIONS:   # the id may still be connected: prove it is this process's session
-        hello["resume"] = secure.resumption_proof(_SESSIONS[island], sn, cn, island).hex()
-    raw = message(MsgType.HELLO, hello)
+    # the id may still be connected: prove it is this process's session
+    hello = IslandHello(ch, key, island, INCARNATION, DIGEST, resume=_SESSIONS.get(island))
+    raw = message(MsgType.HELLO, hello.meta)
     conn.sock.sendall(raw)
-    # every later frame is authenticated with keys bound to this handshake (wire/secure.py)
-    th = secure.transcript(ch, hello)
-    c2s, s2c = secure.derive_keys(key, sn, cn, ch["frames"], th)
-    conn.protect(c2s, s2c, ch["frames"] == "aead", clear_error_first=True)   # (a refusal comes clear)
-    _SESSIONS[island] = secure.derive_resumption(key, sn, cn, th)
+    # every later frame is authenticated with the session keys of this handshake (wire/secure.py)
+    sess = hello.session()
+    conn.protect(sess.c2s, sess.s2c, sess.encrypt, clear_error_first=True)   # (a refusal comes clear)
+    _SESSIONS[island] = sess.resumption
     t, _, _ = conn.recv()
     if t != MsgType.HELLO_OK:
         raise ProtocolError(f"expected HELLO_OK, got {t.name}")
@@ -305,7 +302,7 @@ class Case:
 class Cases:
     def __init__(self, rng: random.Random, key: bytes, replay: list):
         self.rng, self.key, self.replay = rng, key, replay
-        self.hello_frame = message(MsgType.HELLO, hello_meta(key, auth.new_nonce(), "eve"))
+        self.hello_frame = message(MsgType.HELLO, hello_meta(key, some_challenge(), "eve"))
         self.payload = self.hello_frame[HEADER_SIZE:]
 
     def pick(self, seq):
@@ -391,7 +388,7 @@ class Cases:
             c[r.randrange(HEADER_SIZE, len(c))] ^= 1 << r.randrange(8)
             return Case("chunk", bytes(c))                                              # digest of a chunk
         # a complete chunked HELLO, signed with a wrong key: reassembled, then refused by authentication
-        bad = pack_meta(hello_meta(os.urandom(32), auth.new_nonce(), "eve"))
+        bad = pack_meta(hello_meta(os.urandom(32), some_challenge(), "eve"))
         pieces = [bad[o:o + 97] for o in range(0, len(bad), 97)]
         data = b"".join(chunk(9, H, len(bad), 97 * i, x) for i, x in enumerate(pieces))
         return Case("chunk", data, expect="auth", frames=len(pieces))
@@ -411,18 +408,20 @@ class Cases:
 
     def hello(self) -> Case:
         r = self.rng
-        m = hello_meta(os.urandom(32), auth.new_nonce(), "eve")
+        m = hello_meta(os.urandom(32), some_challenge(), "eve")
         variants = [  # (field, value, expected ERROR code); None as value: the field is missing
             ("island_id", None, "protocol"), ("incarnation", None, "protocol"), ("nonce", None, "protocol"),
             ("manifest_digest", None, "protocol"), ("island_id", "", "protocol"), ("island_id", 7, "protocol"),
             ("island_id", ["eve"], "protocol"), ("island_id", "e" * 257, "protocol"), ("nonce", "zz", "protocol"),
             ("nonce", 12, "protocol"), ("nonce", "abc", "protocol"), ("manifest_digest", "xyz", "protocol"),
-            ("mac", "not hex", "protocol"), ("mac", 5, "protocol"), ("nonce", "00" * 16, "auth"),
-            ("manifest_digest", "00" * 31, "auth"), ("incarnation", -1, "auth"), ("incarnation", 1 << 64, "auth"),
-            ("incarnation", "1", "auth"), ("incarnation", 1.5, "auth"), ("incarnation", [1], "auth"),
+            ("mac", "not hex", "protocol"), ("mac", 5, "protocol"), ("nonce", "00" * 16, "protocol"),
+            ("manifest_digest", "00" * 31, "protocol"), ("incarnation", -1, "protocol"),
+            ("incarnation", 1 << 64, "protocol"), ("incarnation", "1", "protocol"), ("incarnation", 1.5, "protocol"),
+            ("incarnation", [1], "protocol"), ("incarnation", True, "protocol"), ("ephemeral", "zz", "protocol"),
+            ("ephemeral", 5, "protocol"), ("ephemeral", None, "auth"), ("ephemeral", "00" * 32, "auth"),
             ("mac", "", "auth"), ("mac", "00" * 32, "auth"), ("mac", os.urandom(32).hex(), "auth"),
             ("island_id", "ev\u00e9\u2603", "auth"), ("insecure", True, "keyless"), ("protocol", None, "protocol"),
-            ("protocol", 1, "protocol"), ("manifest", MANIFEST_JSON, "protocol"),
+            ("protocol", 1, "protocol"), ("protocol", 2, "protocol"), ("manifest", MANIFEST_JSON, "protocol"),
         ]
         field, value, code = self.pick(variants)
         if code == "keyless":
@@ -444,17 +443,16 @@ class Cases:
         kind = r.randrange(8)
         if kind == 0:  # a recorded, valid HELLO replayed against a new challenge
             return Case("auth", self.pick(self.replay)[0], expect="auth")
-        if kind == 1:  # the syncer's own server_mac reflected back as the client's
-            raw, welcome = self.pick(self.replay)
+        if kind == 1:  # a recorded HELLO with a relay's own ephemeral key in place of the island's (MAC kept)
+            raw, _ = self.pick(self.replay)
             m = unpack(raw[HEADER_SIZE:])[0]
-            m["mac"] = welcome["server_mac"]
+            m["ephemeral"] = secure.Ephemeral().public.hex()
             return Case("auth", message(MsgType.HELLO, m), expect="auth")
 
         def build(ch):
-            nonce = bytes.fromhex(ch["nonce"])
             island = "eve-%d" % r.randrange(1 << 30)
             if kind == 2:  # wrong key
-                return message(self.pick([MsgType.HELLO, MsgType.PROBE]), hello_meta(os.urandom(32), nonce, island))
+                return message(self.pick([MsgType.HELLO, MsgType.PROBE]), hello_meta(os.urandom(32), ch, island))
             if kind == 3:  # right key, one island too many
                 return hello_and_manifest(key, ch, island)
             if kind == 4:  # right key, the manifest changed after it was signed

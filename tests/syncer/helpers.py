@@ -147,20 +147,19 @@ class SealedFrames:
         return self._frame(msg_type, [pack_meta(meta, len(body)) + body], 0)
 
 
-def raw_hello(addr, island: str, digest: bytes, key: bytes = KEY, incarnation: int = 1, mac_key=None):
-    """Connect and send a HELLO by hand (its MAC made with ``mac_key``, default ``key``), then protect the
-    connection with ``key`` as the challenge agreed; returns (connection, island -> syncer frame key, encrypt)."""
-    from yeto_patch.wire import auth, secure
+def raw_hello(addr, island: str, digest: bytes, key: bytes = KEY, incarnation: int = 1):
+    """Connect and send a HELLO by hand, then protect the connection with the session keys the handshake agreed;
+    returns (connection, island -> syncer frame key, encrypt)."""
     from yeto_patch.wire.frames import MsgType
+    from yeto_patch.wire.handshake import IslandHello
     from yeto_patch.wire.transport import connect
     conn = connect(addr, timeout=10, retries=2)
     _, ch, _ = conn.recv()
-    nonce = auth.new_nonce()
-    hello = hello_meta(ch, island, incarnation, nonce, digest, mac_key or key)
-    conn.send(MsgType.HELLO, hello)
-    c2s, s2c = secure.derive_keys(key, bytes.fromhex(ch["nonce"]), nonce, ch["frames"], secure.transcript(ch, hello))
-    conn.protect(c2s, s2c, ch["frames"] == "aead", clear_error_first=True)
-    return conn, c2s, ch["frames"] == "aead"
+    hello = IslandHello(ch, key, island, incarnation, digest)
+    conn.send(MsgType.HELLO, hello.meta)
+    sess = hello.session()
+    conn.protect(sess.c2s, sess.s2c, sess.encrypt, clear_error_first=True)
+    return conn, sess.c2s, sess.encrypt
 
 
 def raw_join(addr, island: str, manifest, key: bytes = KEY, incarnation: int = 1):
@@ -180,13 +179,13 @@ def raw_join(addr, island: str, manifest, key: bytes = KEY, incarnation: int = 1
 
 
 def hello_meta(challenge: dict, island: str, incarnation: int, nonce: bytes, digest: bytes, key=KEY) -> dict:
-    """A HELLO meta (protocol 2: no manifest) for ``challenge``, its MAC made with ``key`` (None: insecure)."""
-    from yeto_patch.wire import auth
+    """A HELLO meta (protocol 3) for ``challenge``, its MAC made with ``key`` (None: insecure) over the transcript.
+    Its ephemeral key is a fresh one nobody keeps: for HELLOs whose session is never used."""
+    from yeto_patch.wire import secure
     hello = {"island_id": island, "incarnation": incarnation, "nonce": nonce.hex(), "manifest_digest": digest.hex(),
-             "insecure": key is None, "protocol": 2, "mac": ""}
-    if key is not None:
-        hello["mac"] = auth.client_mac(key, bytes.fromhex(challenge["nonce"]), nonce, island, incarnation,
-                                       digest).hex()
+             "insecure": key is None, "protocol": 3,
+             "ephemeral": secure.Ephemeral().public.hex() if key is not None else ""}
+    hello["mac"] = secure.hello_mac(key, secure.transcript(challenge, hello)).hex() if key is not None else ""
     return hello
 
 

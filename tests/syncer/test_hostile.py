@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from yeto_patch.wire import auth, codecs
+from yeto_patch.wire import auth, codecs, secure
 from yeto_patch.wire import transport as transport_mod
 from yeto_patch.wire.client import SyncerRefusal
 from yeto_patch.wire.frames import MsgType, PeerError, ProtocolError
@@ -80,10 +80,8 @@ def handshake_error(addr, meta, msg_type=MsgType.HELLO, key=None) -> PeerError:
     try:
         _, ch, _ = conn.recv(timeout=5)
         if key is not None:
-            nonce = auth.new_nonce()
-            meta = dict(meta, nonce=nonce.hex(), mac=auth.client_mac(
-                key, bytes.fromhex(ch["nonce"]), nonce, meta["island_id"], meta["incarnation"],
-                bytes.fromhex(meta["manifest_digest"])).hex())
+            meta = dict(meta, nonce=auth.new_nonce().hex(), ephemeral=secure.Ephemeral().public.hex())
+            meta["mac"] = secure.hello_mac(key, secure.transcript(ch, meta)).hex()
         conn.send(msg_type, meta)
         with pytest.raises(PeerError) as e:
             conn.recv(timeout=5)
@@ -235,23 +233,18 @@ def chunk_frame(inner, total, data, msg_id=1):
 def manual_join(addr, recorded):
     """Island b's handshake by hand, up to its MANIFEST; returns (connection, SealedFrames for its next raw frames,
     which follow the MANIFEST in its sequence)."""
-    from yeto_patch.wire import secure
+    from yeto_patch.wire import client as client_mod
+    from yeto_patch.wire.handshake import IslandHello
     conn = connect(addr, timeout=5, retries=0)
     _, ch, _ = conn.recv(timeout=5)
-    nonce = auth.new_nonce()
-    from yeto_patch.wire import client as client_mod
-    sn = bytes.fromhex(ch["nonce"])
-    hello = dict(recorded, nonce=nonce.hex(), mac=auth.client_mac(
-        KEY, sn, nonce, "b", recorded["incarnation"], DIGEST).hex())
     # island b is connected: only its own session may take the id over (the proof its process would send)
-    hello["resume"] = secure.resumption_proof(client_mod._RESUME[(addr, "b")], sn, nonce, "b").hex()
-    conn.send(MsgType.HELLO, hello)
-    th = secure.transcript(ch, hello)
-    c2s, s2c = secure.derive_keys(KEY, sn, nonce, ch["frames"], th)
-    client_mod._RESUME[(addr, "b")] = secure.derive_resumption(KEY, sn, nonce, th)
-    conn.protect(c2s, s2c, ch["frames"] == "aead")
+    hello = IslandHello(ch, KEY, "b", recorded["incarnation"], DIGEST, resume=client_mod._RESUME[(addr, "b")])
+    conn.send(MsgType.HELLO, hello.meta)
+    sess = hello.session()
+    client_mod._RESUME[(addr, "b")] = sess.resumption
+    conn.protect(sess.c2s, sess.s2c, sess.encrypt)
     assert conn.recv(timeout=5)[0] == MsgType.HELLO_OK
-    frames = SealedFrames(c2s, ch["frames"] == "aead")
+    frames = SealedFrames(sess.c2s, sess.encrypt)
     conn.sock.sendall(frames.message(MsgType.MANIFEST, manifest_meta(MANIFEST)))
     return conn, frames
 

@@ -34,7 +34,7 @@ def hello_with(addr, island, key=KEY):
         _, ch, _ = conn.recv(timeout=5)
         nonce = auth.new_nonce()
         meta = {"island_id": island, "incarnation": 7, "nonce": nonce.hex(), "manifest_digest": DIGEST.hex(),
-                "mac": "00" * 32, "insecure": key is None, "protocol": 2}
+                "mac": "00" * 32, "insecure": key is None, "protocol": 3, "ephemeral": "00" * 32}
         conn.sock.sendall(raw_frame(MsgType.HELLO, meta))
         with pytest.raises(PeerError) as e:
             conn.recv(timeout=5)

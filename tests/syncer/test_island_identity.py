@@ -123,3 +123,81 @@ def test_island_key_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(AuthError, match="no <island id>.key"):
         auth.load_island_keys(str(tmp_path / "empty"))
+
+
+def _hkdf(salt, ikm, info, n):
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    return HKDF(algorithm=hashes.SHA256(), length=n, salt=salt, info=info).derive(ikm)
+
+
+def _canon(meta):
+    import json
+    return json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def _key_holder_guesses(challenge, hello, label, n):
+    """Every secret a holder of the shared key can compute from a recorded handshake: the derivations of protocol
+    2 (the key, the nonces and the transcript) and of protocol 3 with each public value in place of the X25519
+    result it does not have."""
+    import hashlib
+    th = hashlib.sha256(_canon(challenge) + b"\0" + _canon({k: v for k, v in hello.items() if k != "mac"})).digest()
+    sn, cn = bytes.fromhex(challenge["nonce"]), bytes.fromhex(hello["nonce"])
+    out = [_hkdf(sn + cn, KEY, label(1) + th, n)]
+    for public in (challenge.get("ephemeral"), hello.get("ephemeral"), challenge["nonce"], hello["nonce"]):
+        if public:
+            out.append(_hkdf(KEY, bytes.fromhex(public), label(3) + th, n))
+    return out
+
+
+def test_a_key_holder_that_recorded_a_handshake_can_neither_resume_it_nor_read_its_traffic():
+    """Issue 26, finding 1: under the shared key a passive key holder X recorded island L1's whole handshake and
+    its encrypted PUSH. X cannot take over L1's connection with a resumption proof made from the recording (L1 stays
+    connected and keeps pushing), and cannot decrypt the PUSH: the session keys come from an ephemeral key
+    exchange (docs/protocol.md, Authentication)."""
+    import struct
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from yeto_patch.wire import client as client_mod
+    from yeto_patch.wire.message import unpack
+
+    from .relay import FrameRelay
+    server, addr = make_server(islands=2, fragments=1, encrypt=True, rounds={"quorum": 2, "grace_s": 0.0})
+    tape = []
+
+    def record(way, idx, n, hdr, rest):
+        tape.append((way, idx, n, hdr, rest))
+        return [hdr + rest]
+    with running(server):
+        relay = FrameRelay(int(addr.rsplit(":", 1)[1]), record)
+        l1 = client(relay.address, "L1")
+        w = _ready(l1)
+        delta = (np.arange(w.numels[0], dtype=np.float32) % 97 + 1) * np.float32(1e-3)
+        body = codecs.encode("f32", delta)
+        r = l1.push(0, base_version=0, local_step=1, steps=1, tokens=1, codec="f32", body=body, wait=True)
+        assert r.status == "accepted"
+        challenge = dict(unpack(memoryview(tape[[t[:3] for t in tape].index(("down", 0, 0))][4]))[0])
+        hello = dict(unpack(memoryview(tape[[t[:3] for t in tape].index(("up", 0, 0))][4]))[0])
+        up = [(hdr, rest) for way, idx, n, hdr, rest in tape if way == "up" and idx == 0 and n > 0]
+        assert body.tobytes()[:256] not in b"".join(rest for _, rest in up)   # encrypted on the wire
+
+        # 1. resume as L1 with each secret the recording gives a key holder (as a client of another process)
+        for guess in _key_holder_guesses(challenge, hello, lambda v: b"yeto-patch resume v%d\0" % v, 32):
+            with client_mod._RESUME_LOCK:
+                client_mod._RESUME[(_other_process(addr), "L1")] = guess
+            x = client(_other_process(addr), "L1", incarnation=l1.incarnation, connect_retries=0)
+            with pytest.raises(PeerError) as e:
+                x.connect()
+            assert e.value.code == "island-taken", e.value
+        assert server.sessions["L1"].conn is not None and not server.sessions["L1"].closed
+        l1.check()   # L1's link is undisturbed
+
+        # 2. decrypt L1's frames (its PUSH among them) with each frame key the recording gives a key holder
+        for guess in _key_holder_guesses(challenge, hello, lambda v: b"yeto-patch frames v%d\0aead\0" % v, 64):
+            aead = AESGCM(guess[:32])
+            for seq, (hdr, rest) in enumerate(up):
+                with pytest.raises(Exception):   # InvalidTag: not the key L1 sealed with
+                    aead.decrypt(struct.pack("<IQ", 0, seq), rest, hdr)
+        l1.close()
+        relay.close()

@@ -116,7 +116,8 @@ def test_refusals_stale_duplicate_nan_surface_as_exceptions_state_unchanged():
         cs, ws, layout, bases = join_all(addr, ["a", "b"])
         a, b = cs
         n = ws[0].numels[1]
-        one = codecs.encode("f32", np.ones(n, np.float32))
+        # (small: a push of 1 per value on a base of about 1, twice by one island alone, is refused as an outlier)
+        one = codecs.encode("f32", np.full(n, 0.01, np.float32))
         for v in range(2):  # fragment 1 to v2 with island a alone (quorum 1)
             a.push(1, base_version=v, local_step=v, steps=1, tokens=1, codec="f32", body=one, wait=True)
             a.wait_base(1, v + 1, 10)
@@ -358,8 +359,9 @@ def test_hostile_peers_do_not_disturb_the_run():
 
 
 def test_island_verifies_the_syncer():
-    """An impostor syncer without the key cannot produce a valid WELCOME; a keyless syncer is refused too."""
-    from yeto_patch.wire import auth
+    """An impostor syncer without the key cannot produce a valid HELLO_OK; a keyless syncer is refused too."""
+    from yeto_patch.wire import auth, secure
+    from yeto_patch.wire.client import recoverable
     from yeto_patch.wire.transport import Connection, listen
     srv = listen("127.0.0.1:0")
     addr = "127.0.0.1:%d" % srv.getsockname()[1]
@@ -367,8 +369,8 @@ def test_island_verifies_the_syncer():
     def impostor(keyed):
         s, _ = srv.accept()
         c = Connection(s, timeout=5)
-        c.send(MsgType.CHALLENGE, {"nonce": auth.new_nonce().hex(), "protocol": 2, "auth": keyed,
-                                   "frames": "mac" if keyed else "none"})
+        c.send(MsgType.CHALLENGE, {"nonce": auth.new_nonce().hex(), "protocol": 3, "auth": keyed,
+                                   "frames": "mac" if keyed else "none", "ephemeral": secure.Ephemeral().public.hex()})
         try:
             c.recv(timeout=5)
             c.send(MsgType.WELCOME, {"island_id": "a", "server_mac": "00" * 32, "layout": [[0]], "numels": [1],
@@ -382,8 +384,9 @@ def test_island_verifies_the_syncer():
     for keyed, match in ((True, "HELLO_OK failed authentication"), (False, "without a key")):
         th = threading.Thread(target=impostor, args=(keyed,), daemon=True)
         th.start()
-        with pytest.raises(AuthError, match=match):
+        with pytest.raises(AuthError, match=match) as e:
             client(addr, "a", connect_retries=0).connect()
+        assert recoverable(e.value)   # nothing authenticated it (issue 26): the island's link tries again
         th.join(10)
     srv.close()
 
@@ -504,3 +507,33 @@ def test_client_declares_a_silent_link_dead_and_classifies_errors():
         FrameError("bad magic"))
     assert not any(recoverable(x) for x in (PeerError("auth", "bad key"), AuthError("mac"),
                                             SyncerRefusal("stale", "pull")))
+
+
+def test_an_island_reserves_nothing_large_for_a_syncer_it_has_not_authenticated():
+    """A rogue syncer (or a relay) announcing a 1 GiB message before the island verified it is refused from the
+    chunk's envelope: the island reads at most 64 KiB from an unauthenticated peer (transient: its link retries)."""
+    import struct
+
+    import xxhash
+
+    from yeto_patch.wire.client import recoverable
+    from yeto_patch.wire.frames import FrameError
+    from yeto_patch.wire.transport import listen
+    srv = listen("127.0.0.1:0")
+    addr = "127.0.0.1:%d" % srv.getsockname()[1]
+
+    def rogue():
+        s, _ = srv.accept()
+        env = struct.pack("<QHHQQ", 1, MsgType.BASE, 0, 1 << 30, 0) + b"\0" * 64
+        s.sendall(struct.pack("<4sHHIQQ", b"YETO", 1, MsgType.CHUNK, 0, len(env), xxhash.xxh3_64_intdigest(env)) + env)
+        time.sleep(2)
+        s.close()
+
+    th = threading.Thread(target=rogue, daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    with pytest.raises(FrameError, match="announces 1073741824 bytes, above the maximum 65536") as e:
+        client(addr, "a", connect_retries=0).connect()
+    assert time.monotonic() - t0 < 1.5 and recoverable(e.value)
+    th.join(10)
+    srv.close()

@@ -224,7 +224,7 @@ def test_an_island_refuses_a_syncer_of_another_protocol():
     th = threading.Thread(target=old_syncer, daemon=True)
     th.start()
     try:
-        with pytest.raises(ProtocolError, match="handshake protocol 1, this island speaks 2"):
+        with pytest.raises(ProtocolError, match="handshake protocol 1, this island speaks 3"):
             client(addr, "a", connect_retries=0).connect()
     finally:
         th.join(10)

@@ -81,3 +81,47 @@ def test_honest_islands_join_while_squatters_hold_every_handshake_slot(sources, 
             stop.set()
             t.join(10)
         assert joined == 45, (joined, attempts)
+
+
+def test_a_handshake_whose_hello_verified_never_gives_way_to_a_newcomer(monkeypatch):
+    """docs/protocol.md (Limits): when every slot is taken, only a handshake still UNAUTHENTICATED after
+    EVICT_AFTER_S gives way; a key holder whose HELLO verified (sending a large manifest over a slow link, say)
+    keeps its slot even when it is the oldest (issue 26, finding 7)."""
+    from yeto_patch.wire import auth
+    from yeto_patch.wire.frames import MsgType
+
+    from .helpers import MANIFEST, manifest_meta, raw_hello
+    monkeypatch.setattr(server_mod, "EVICT_AFTER_S", 0.5)
+    server, addr = make_server(islands=1, fragments=1, handshake_timeout_s=30.0, max_handshakes=4)
+    host, port = addr.rsplit(":", 1)
+    with running(server):
+        conn = raw_hello(addr, "a", auth.manifest_digest(MANIFEST))[0]   # the oldest handshake: HELLO verified
+        assert conn.recv(timeout=5)[0] == MsgType.HELLO_OK               # ... and its MANIFEST not sent yet
+        squatters = [socket.create_connection((host, int(port)), timeout=2, source_address=(f"127.0.0.{i}", 0))
+                     for i in (2, 3, 4)]
+        time.sleep(0.8)   # every handshake is older than EVICT_AFTER_S; the table is full
+        newcomer = socket.create_connection((host, int(port)), timeout=2, source_address=("127.0.0.5", 0))
+        newcomer.settimeout(5)
+        assert newcomer.recv(28)[:4] == b"YETO"   # admitted: its CHALLENGE came
+        assert _drained_until_closed(squatters[0], 5)   # the oldest stranger gave way ...
+        assert not any(_drained_until_closed(s, 0.3) for s in squatters[1:])   # ... and only it
+        conn.send(MsgType.MANIFEST, manifest_meta(MANIFEST))
+        assert conn.recv(timeout=5)[0] == MsgType.WELCOME   # the key holder's handshake completed
+        for s in squatters + [newcomer]:
+            s.close()
+        conn.close()
+
+
+def _drained_until_closed(s, timeout) -> bool:
+    """Read what ``s`` received (its CHALLENGE) until the syncer closes it (True) or ``timeout`` passes (False)."""
+    s.settimeout(0.1)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if s.recv(1 << 16) == b"":
+                return True
+        except socket.timeout:
+            continue
+        except OSError:
+            return True
+    return False

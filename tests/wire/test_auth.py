@@ -1,10 +1,12 @@
-"""Authentication: key loading, MACs, replay/alteration refusal, keyless policy."""
+"""Authentication: key loading, the HELLO's MAC and the session keys of protocol 3, replay/alteration refusal,
+keyless policy."""
 import os
 
 import pytest
 
-from yeto_patch.wire import auth
+from yeto_patch.wire import auth, secure
 from yeto_patch.wire.frames import AuthError
+from yeto_patch.wire.handshake import IslandHello
 
 KEY = b"k" * 32
 MD = auth.manifest_digest([("embedding.word_embeddings.weight", (128, 64), "float32"),
@@ -73,64 +75,81 @@ GOLDEN_MANIFEST = __import__("hashlib").sha256(
         "02000000" "0200000000000000" "0300000000000000" "07000000") + b"float32").hexdigest()
 
 
-def _handshake(key_c, key_s, *, island="island-a", inc=3, md_c=MD, md_s=MD, server_nonce=None):
-    """Run the MAC exchange as both sides would; returns after the client verified the server."""
-    sn = server_nonce or auth.new_nonce()  # CHALLENGE
-    cn = auth.new_nonce()
-    hello_mac = auth.client_mac(key_c, sn, cn, island, inc, md_c)  # HELLO
-    auth.verify(auth.client_mac(key_s, sn, cn, island, inc, md_s), hello_mac, "HELLO")  # server side
-    welcome_mac = auth.server_mac(key_s, sn, cn, island, inc, md_s)  # WELCOME
-    auth.verify(auth.server_mac(key_c, sn, cn, island, inc, md_c), welcome_mac, "WELCOME")
-    return sn, cn, hello_mac
+def _pair(key_island=KEY, key_syncer=KEY, resume=None, **fields):
+    """Both halves of a handshake as documented (protocol 3): the syncer's CHALLENGE with its ephemeral key, the
+    island's HELLO (IslandHello), the syncer's MAC check and both sides' session keys."""
+    e_s = secure.Ephemeral()
+    ch = {"nonce": auth.new_nonce().hex(), "protocol": 3, "auth": True, "frames": "mac", "ephemeral": e_s.public.hex()}
+    hello = IslandHello(ch, key_island, "island-a", 3, MD, resume=resume, **fields)
+    th = secure.transcript(ch, hello.meta)
+    auth.verify(secure.hello_mac(key_syncer, th), bytes.fromhex(hello.meta["mac"]), "HELLO")
+    syncer = secure.SessionKeys(key_syncer, e_s.shared(bytes.fromhex(hello.meta["ephemeral"])), "mac", th)
+    return ch, hello, syncer
 
 
 def test_handshake_ok_and_wrong_key():
-    _handshake(KEY, KEY)
+    ch, hello, syncer = _pair()
+    island = hello.session()
+    assert (island.c2s, island.s2c, island.resumption) == (syncer.c2s, syncer.s2c, syncer.resumption)
+    assert len({island.c2s, island.s2c, island.resumption}) == 3
     with pytest.raises(AuthError, match="HELLO refused"):
-        _handshake(KEY, b"x" * 32)
-    with pytest.raises(AuthError):
-        _handshake(KEY, KEY, md_c=auth.manifest_digest([("other", (1,), "float32")]))
+        _pair(key_syncer=b"x" * 32)
 
 
 def test_replayed_hello_refused():
-    sn, cn, hello_mac = _handshake(KEY, KEY)
-    fresh_sn = auth.new_nonce()  # the server's next connection has a new nonce
-    assert fresh_sn != sn
+    ch, hello, _ = _pair()
+    fresh = dict(ch, nonce=auth.new_nonce().hex(), ephemeral=secure.Ephemeral().public.hex())   # a new connection
     with pytest.raises(AuthError, match="replayed"):
-        auth.verify(auth.client_mac(KEY, fresh_sn, cn, "island-a", 3, MD), hello_mac, "HELLO")
+        auth.verify(secure.hello_mac(KEY, secure.transcript(fresh, hello.meta)), bytes.fromhex(hello.meta["mac"]),
+                    "HELLO")
 
 
-@pytest.mark.parametrize("field", ["island", "inc", "md", "cn", "sn"])
-def test_altered_hello_refused(field):
-    sn, cn = auth.new_nonce(), auth.new_nonce()
-    mac = auth.client_mac(KEY, sn, cn, "island-a", 3, MD)
-    args = dict(server_nonce=sn, client_nonce=cn, island_id="island-a", incarnation=3, manifest_digest=MD)
-    alt = {"island": ("island_id", "island-b"), "inc": ("incarnation", 4),
-           "md": ("manifest_digest", bytes(32)), "cn": ("client_nonce", auth.new_nonce()),
-           "sn": ("server_nonce", auth.new_nonce())}[field]
-    args[alt[0]] = alt[1]
+@pytest.mark.parametrize("field,value", [("island_id", "island-b"), ("incarnation", 4), ("manifest_digest", "00" * 32),
+                                         ("nonce", "11" * 32), ("ephemeral", "22" * 32), ("resume", "33" * 32),
+                                         ("protocol", 2)])
+def test_altered_hello_refused(field, value):
+    ch, hello, _ = _pair()
+    altered = dict(hello.meta, **{field: value})
     with pytest.raises(AuthError):
-        auth.verify(auth.client_mac(KEY, **args), mac)
+        auth.verify(secure.hello_mac(KEY, secure.transcript(ch, altered)), bytes.fromhex(hello.meta["mac"]))
+    with pytest.raises(AuthError):   # a CHALLENGE altered on the way (frames offered, nonce, ephemeral) as well
+        auth.verify(secure.hello_mac(KEY, secure.transcript(dict(ch, frames="aead"), hello.meta)),
+                    bytes.fromhex(hello.meta["mac"]))
 
 
-def test_client_and_server_macs_differ_no_reflection():
-    sn, cn = auth.new_nonce(), auth.new_nonce()
-    assert auth.client_mac(KEY, sn, cn, "i", 0, MD) != auth.server_mac(KEY, sn, cn, "i", 0, MD)
-    with pytest.raises(AuthError):
-        auth.verify(auth.server_mac(KEY, sn, cn, "i", 0, MD), auth.client_mac(KEY, sn, cn, "i", 0, MD))
+def test_session_keys_need_an_ephemeral_private_key():
+    """What a key holder who recorded the handshake can compute (the key, both nonces, both public ephemeral keys,
+    the transcript) does not give the session: every derivation takes the X25519 result as input."""
+    ch, hello, syncer = _pair()
+    th = secure.transcript(ch, hello.meta)
+    public = [bytes.fromhex(ch["ephemeral"]), bytes.fromhex(hello.meta["ephemeral"]), bytes.fromhex(ch["nonce"]),
+              bytes.fromhex(hello.meta["nonce"]), bytes(32)]
+    for guess in public:
+        assert secure.SessionKeys(KEY, guess, "mac", th).resumption != syncer.resumption
+        assert secure.derive_keys(KEY, guess, "mac", th) != (syncer.c2s, syncer.s2c)
+    # a resumption proof is bound to the handshake it is sent in
+    ch2, hello2, _ = _pair(resume=syncer.resumption)
+    proof = secure.resumption_proof(syncer.resumption, bytes.fromhex(ch2["nonce"]), bytes.fromhex(hello2.meta["nonce"]),
+                                    bytes.fromhex(ch2["ephemeral"]), bytes.fromhex(hello2.meta["ephemeral"]), "island-a")
+    assert hello2.meta["resume"] == proof.hex()
+    assert secure.resumption_proof(syncer.resumption, bytes.fromhex(ch["nonce"]), bytes.fromhex(hello2.meta["nonce"]),
+                                   bytes.fromhex(ch2["ephemeral"]), bytes.fromhex(hello2.meta["ephemeral"]),
+                                   "island-a") != proof
 
 
 def test_mac_golden_and_input_checks():
-    sn, cn = bytes(range(32)), bytes(range(32, 64))
-    msg = auth.mac_message(auth.CLIENT_LABEL, sn, cn, "is", 5, bytes(32))
-    assert msg == (b"yeto-patch client v1\0" + b"\x01\x00" + sn + cn + b"\x02\x00\x00\x00is" +
-                   (5).to_bytes(8, "little") + bytes(32))
-    for bad in (dict(server_nonce=b"short"), dict(client_nonce=b""), dict(manifest_digest=b"x" * 31),
-                dict(incarnation=-1), dict(incarnation=1 << 64)):
-        kw = dict(server_nonce=sn, client_nonce=cn, island_id="i", incarnation=0, manifest_digest=MD)
-        kw.update(bad)
-        with pytest.raises(AuthError):
-            auth.client_mac(KEY, **kw)
+    import hashlib
+    import hmac
+    ch = {"nonce": "00" * 32, "protocol": 3, "auth": True, "frames": "mac", "ephemeral": "01" * 32}
+    hello = {"island_id": "is", "incarnation": 5, "mac": "ff"}
+    th = hashlib.sha256(b'{"auth":true,"ephemeral":"' + b"01" * 32 + b'","frames":"mac","nonce":"' + b"00" * 32
+                        + b'","protocol":3}\0{"incarnation":5,"island_id":"is"}').digest()
+    assert secure.transcript(ch, hello) == th
+    assert secure.hello_mac(KEY, th) == hmac.new(KEY, b"yeto-patch hello v3\0" + th, hashlib.sha256).digest()
+    e = secure.Ephemeral()
+    for bad in (b"short", bytes(32), b"\1" + bytes(31)):   # malformed and low-order keys give no secret
+        with pytest.raises(ValueError):
+            e.shared(bad)
     with pytest.raises(AuthError):
         auth.verify(b"a" * 32, "not bytes")
     assert len(auth.new_nonce()) == 32 and auth.new_nonce() != auth.new_nonce()

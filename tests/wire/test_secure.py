@@ -119,22 +119,23 @@ def test_unprotected_frames_are_refused_once_protection_is_on():
 
 
 def test_keys_depend_on_every_handshake_input():
-    ch = {"nonce": "00" * 32, "protocol": 1, "auth": True, "frames": "mac"}
-    hello = {"island_id": "a", "incarnation": 1, "nonce": "11" * 32, "mac": "ff"}
-    base = secure.derive_keys(K1, b"\0" * 32, b"\1" * 32, "mac", secure.transcript(ch, hello))
+    ch = {"nonce": "00" * 32, "protocol": 3, "auth": True, "frames": "mac", "ephemeral": "01" * 32}
+    hello = {"island_id": "a", "incarnation": 1, "nonce": "11" * 32, "ephemeral": "22" * 32, "mac": "ff"}
+    dh = b"\3" * 32
+    base = secure.derive_keys(K1, dh, "mac", secure.transcript(ch, hello))
     assert base[0] != base[1]
-    variants = [secure.derive_keys(K2, b"\0" * 32, b"\1" * 32, "mac", secure.transcript(ch, hello)),
-                secure.derive_keys(K1, b"\2" * 32, b"\1" * 32, "mac", secure.transcript(ch, hello)),
-                secure.derive_keys(K1, b"\0" * 32, b"\1" * 32, "aead", secure.transcript(ch, hello)),
-                secure.derive_keys(K1, b"\0" * 32, b"\1" * 32, "mac",
-                                   secure.transcript(dict(ch, frames="aead"), hello)),
-                secure.derive_keys(K1, b"\0" * 32, b"\1" * 32, "mac",
-                                   secure.transcript(ch, dict(hello, held=["0" * 16])))]
+    variants = [secure.derive_keys(K2, dh, "mac", secure.transcript(ch, hello)),
+                secure.derive_keys(K1, b"\4" * 32, "mac", secure.transcript(ch, hello)),
+                secure.derive_keys(K1, dh, "aead", secure.transcript(ch, hello)),
+                secure.derive_keys(K1, dh, "mac", secure.transcript(dict(ch, frames="aead"), hello)),
+                secure.derive_keys(K1, dh, "mac", secure.transcript(dict(ch, ephemeral="05" * 32), hello)),
+                secure.derive_keys(K1, dh, "mac", secure.transcript(ch, dict(hello, held=["0" * 16])))]
     assert all(v != base for v in variants)
+    assert secure.derive_resumption(K1, dh, secure.transcript(ch, hello)) not in base
     # the MAC field itself is not part of the transcript (it is checked on its own)
     assert secure.transcript(ch, hello) == secure.transcript(ch, dict(hello, mac="00"))
     with pytest.raises(ValueError):
-        secure.derive_keys(K1, b"\0" * 32, b"\1" * 32, "none", b"")
+        secure.derive_keys(K1, dh, "none", b"")
     with pytest.raises(FrameError):   # a protected frame where no keys were agreed
         a, b = socket.socketpair()
         conn = transport.Connection(b, timeout=2)

@@ -180,7 +180,10 @@ class Engine:
         from yeto_patch.island.startup import join
         t0 = time.time()
         self.total = final_step(self.settings.total_steps, self.train_iters, self.step)
-        joined = join(self.settings, self.model, self.optimizer, self.vocab_size, lambda: self.step, self.total)
+        from yeto_patch.island.boundary.sync_state import saved_runs
+        runs = saved_runs(*self._resume) if self._resume is not None else None   # (used by rank 0)
+        joined = join(self.settings, self.model, self.optimizer, self.vocab_size, lambda: self.step, self.total,
+                      runs=runs)
         self.settings, self.parts, self.rank = joined.settings, joined.parts, joined.parts.rank
         self.installer, self.boundaries = joined.installer, joined.boundaries
         state, arrays = self._read_sync_state()
@@ -242,7 +245,8 @@ class Engine:
 
         def write():
             return sync_state.save(directory, int(iteration), self.settings, self.step,
-                                   self.parts.view.manifest.digest(), self.parts.frags)
+                                   self.parts.view.manifest.digest(), self.parts.frags,
+                                   run_ids=self.parts.link.run_ids)
         self._guarded(lambda: self.parts.channel.rank0(write, what))
 
     def _read_sync_state(self):

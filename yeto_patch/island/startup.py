@@ -27,8 +27,10 @@ class Joined:
     needs_init: List[int]     # fragments the syncer asked this island to initialize
 
 
-def join(settings, model, optimizer, vocab_size, step: Callable[[], int], total: int) -> Joined:
-    """Every rank: connect the island to its syncer and build its parts (see the module docstring)."""
+def join(settings, model, optimizer, vocab_size, step: Callable[[], int], total: int, runs=None) -> Joined:
+    """Every rank: connect the island to its syncer and build its parts (see the module docstring). `runs`
+    (rank 0): the syncer run ids saved with the sync state this island restarts from (a syncer of another run is
+    refused)."""
     from yeto_patch.island.boundary.channel import IslandChannel
     from yeto_patch.island.boundary.driver import Boundaries
     from yeto_patch.island.boundary.fragment import Fragments
@@ -45,7 +47,7 @@ def join(settings, model, optimizer, vocab_size, step: Callable[[], int], total:
         from yeto_patch.island.boundary.log import BoundaryLog
         boundary_log = BoundaryLog(settings.metrics_path, settings.island_id)
     settings, view, io, link, welcome = _hello(settings, chunks, optimizer, vocab_size, comm, channel,
-                                               boundary_log, step)
+                                               boundary_log, step, runs)
     if welcome["final"]:
         raise EngineError(f"the syncer at {settings.syncer} has already ended its run (final cut done); start a "
                           f"new syncer run for this training")
@@ -62,7 +64,7 @@ def join(settings, model, optimizer, vocab_size, step: Callable[[], int], total:
     return Joined(settings, parts, installer, Boundaries(parts, installer), list(welcome["needs_init"]))
 
 
-def _hello(settings, chunks, optimizer, vocab_size, comm, channel, boundary_log, step):
+def _hello(settings, chunks, optimizer, vocab_size, comm, channel, boundary_log, step, runs):
     """Every rank: manifest, master view and fragment I/O; rank 0's link, connected. Returns (settings, view, io,
     link (rank 0), welcome as JSON)."""
     from yeto_patch.island import auto_settings
@@ -81,7 +83,7 @@ def _hello(settings, chunks, optimizer, vocab_size, comm, channel, boundary_log,
         holder: list = []
 
         def connect():
-            link, welcome = _connect(settings, manifest, declared, boundary_log, step)
+            link, welcome = _connect(settings, manifest, declared, boundary_log, step, runs)
             holder.append(link)
             return welcome
         welcome = channel.rank0(connect, f"connect to the syncer at {settings.syncer}")
@@ -94,14 +96,14 @@ def _hello(settings, chunks, optimizer, vocab_size, comm, channel, boundary_log,
     raise EngineError(f"the syncer at {settings.syncer} keeps refusing this island's vocabulary rows {vocab_rows}")
 
 
-def _connect(settings, manifest, declared, boundary_log, step):
+def _connect(settings, manifest, declared, boundary_log, step, runs):
     """Rank 0: the link to the syncer, connected (waiting for a syncer not up yet, see link/syncer.py); returns
     (link, welcome as JSON), or (None, {"vocab_rows": ...}) when the run pads the vocabulary otherwise."""
     from yeto_patch.island.link.sharded import ShardedLink
     from yeto_patch.island.masters.names import run_vocab_rows
     from yeto_patch.wire.frames import PeerError
     link = ShardedLink(settings, manifest.wire_manifest(), start_digests=declared, step=step,
-                       record=boundary_log.write)
+                       record=boundary_log.write, runs=runs)
     try:
         w = link.open()
     except PeerError as e:   # the run pads the vocabulary otherwise: connect again with its rows

@@ -50,6 +50,13 @@ def _pos_float(s: str) -> float:
     return v
 
 
+def _growth(s: str) -> float:
+    v = float(s)
+    if not (v >= 1 or v == 0):
+        raise argparse.ArgumentTypeError(f"must be >= 1 (0: no bound), got {s}")
+    return v
+
+
 def _nonneg_float(s: str) -> float:
     v = float(s)
     if not v >= 0:
@@ -142,8 +149,12 @@ def _round_flags(g) -> None:
     g.add_argument("--exact", action="store_true", help="hold pushes (encoded) and fold them in island order at "
                    "merge time: bit-reproducible whatever the arrival order (more memory)")
     g.add_argument("--max-push-norm-ratio", type=_nonneg_float, default=10.0, help="refuse (code outlier) a push "
-                   "whose delta norm is above this many times the median of the fragment's recent accepted push "
-                   "norms (before 3 were accepted: of the base norm); 0 disables the guard")
+                   "whose delta norm, or the rms of its densest quantization block, is above this many times the "
+                   "lower median of the OTHER islands' recent accepted pushes of the fragment (each island's median); "
+                   "0 disables the guard")
+    g.add_argument("--first-push-growth", type=_growth, default=2.0, help="before any other island's push of a "
+                   "fragment was accepted (nothing to compare with), refuse a push that, applied alone, would leave "
+                   "the base with more than this many times its norm (as first seen); 0: no bound then")
 
 
 def _outer_flags(g) -> None:
@@ -200,7 +211,9 @@ def _checkpoint_flags(g) -> None:
 def _observability_flags(g) -> None:
     g.add_argument("--metrics-port", type=_nonneg_int, default=None, help="serve Prometheus metrics on this "
                    "port, 0 for any free port (default: none, no metrics server)")
-    g.add_argument("--metrics-addr", default="0.0.0.0", help="address for the metrics server")
+    g.add_argument("--metrics-addr", default="127.0.0.1", help="address for the metrics server: loopback by "
+                   "default (scrape from the syncer's host, or pass 0.0.0.0 / a private address to expose it); one "
+                   "thread serves it, at most 16 connections, each closed after 5 s")
     g.add_argument("--log", default=None, help="also append the log to this file (default: none, "
                    "stderr only)")
     g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -259,7 +272,8 @@ def config_from_args(a: argparse.Namespace):
                         max_handshakes_per_host=a.max_handshakes_per_host, max_model_bytes=a.max_model_bytes,
                         island_buffer_bytes=a.island_buffer_bytes, init_timeout_s=a.init_timeout,
                         init_lowest_id=a.init_lowest_id,
-                        max_push_norm_ratio=a.max_push_norm_ratio, shard=shard,
+                        max_push_norm_ratio=a.max_push_norm_ratio, first_push_growth=a.first_push_growth,
+                        shard=shard,
                         shard_addresses=tuple(a.shard_addresses or ()), run_id=a.run_id)
 
 

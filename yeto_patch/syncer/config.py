@@ -29,7 +29,7 @@ class ServerConfig:
     background_checkpoint: bool = False
     resume: bool = False
     metrics_port: Optional[int] = None
-    metrics_addr: str = "0.0.0.0"
+    metrics_addr: str = "127.0.0.1"   # --metrics-addr: loopback unless told otherwise
     tape: Optional[str] = None
     merge_threads: Optional[int] = None
     heartbeat_s: Optional[float] = None  # default lease / 4
@@ -42,7 +42,8 @@ class ServerConfig:
     island_buffer_bytes: int = 0   # unfinished chunked messages one island may hold (0: one push + 2 MiB)
     init_timeout_s: Optional[float] = None   # INIT progress bound of the initializing island (None: lease + io)
     init_lowest_id: bool = False   # --init-lowest-id: INIT from the lowest id once all --islands joined
-    max_push_norm_ratio: float = 10.0   # refuse pushes above this x the recent median push norm (0: off)
+    max_push_norm_ratio: float = 10.0   # refuse pushes above this x the other islands' recent pushes (0: off)
+    first_push_growth: float = 2.0   # before any other island pushed: applied alone, at most this x the base norm
     shard: ShardSpec = ShardSpec()   # --shard I/N: this process holds shard I of N of the fragments
     shard_addresses: tuple = ()   # --shard-addresses: every shard's host:port in shard order (told to islands)
     run_id: Optional[str] = None   # --run-id: ties the shards' checkpoints together

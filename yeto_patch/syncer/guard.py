@@ -1,11 +1,25 @@
-"""One push must not wreck the global model: a norm guard on pushes and a usability check on bases.
+"""One push must not wreck the global model: an outlier guard on pushes and a usability check on bases.
 
-* A push whose delta norm ``||decode(body)||_2`` is above ``ratio`` times the median of the recent accepted
-  (non-zero) push norms of its fragment (the last ``WINDOW``; with fewer than ``MIN_HISTORY`` of them: above
-  ``ratio`` times the larger of the fragment's base norm and the largest accepted norm) is refused with code
-  ``outlier`` before it touches anything; the log names the island (escaped) and both norms. ``ratio`` 0
-  disables the guard. A push that cannot be measured (malformed, non-finite) is left to the usual validation,
-  which refuses it with its own code.
+* A push is measured twice: its total norm ``||decode(body)||_2`` and its *peak*, the root mean square of its
+  densest block (the codec's quantization blocks, each with its own scale; 256 values for f32/bf16), so a push
+  that puts its whole norm into a few values is seen for what it does to them.
+* It is judged against the OTHER islands' history, never its own: per fragment, each island's last ``WINDOW``
+  accepted non-zero pushes are kept; the reference of island ``i`` is the lower median, over the other islands
+  that have a history, of each one's median norm (and median peak). A push above ``ratio`` times the reference
+  norm, or with a peak above ``ratio`` times the reference peak, is refused with code ``outlier`` before it
+  touches anything; the log names the island (escaped) and the bound. So an island cannot walk its own bound up
+  (its history never counts for itself), and colluders walk it only if they are at least half of the others.
+* Cold start (no other island has an accepted push yet, so nothing to compare with): a push is refused when,
+  applied alone to the fragment's current base, it would leave a base whose norm is above ``first_growth``
+  (default 2) times the norm of the base as the guard first saw it (not the current one, which accepted pushes
+  may have grown). Relative to its own anchor a push applied alone gives the island's own trained weights, so an
+  honest island passes unless its training more than doubled the weights' norm, and one island cannot multiply
+  the base before anyone else has pushed (a push of -5 x the base would leave 6 x). In a run of one island
+  (``single``), whose base is its own model and which never gets a reference, the bound is relative to the
+  current base: no single push may multiply it, while the weights may grow over a long run. The per-block bound
+  needs a reference and applies once other islands have pushed.
+* ``ratio`` 0 disables the guard. A push that cannot be measured (malformed, non-finite) is left to the usual
+  validation, which refuses it with its own code.
 * A base is *usable* when every value is finite and at most ``USABLE_MAX`` in magnitude (the outer step refuses a
   merge whose result would not be, see outer.py); a checkpoint whose arrays are not usable is refused at
   ``--resume``.
@@ -16,6 +30,7 @@ import collections
 import logging
 import statistics
 import threading
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -26,16 +41,33 @@ from ..wire.text import printable
 from .merge import ChunkRunner
 from .outer import USABLE_MAX
 
-__all__ = ["NormGuard", "unusable", "too_large", "USABLE_MAX", "WINDOW", "MIN_HISTORY"]
+__all__ = ["NormGuard", "PushStats", "unusable", "too_large", "USABLE_MAX", "WINDOW", "FIRST_GROWTH", "push_stats"]
 
 log = logging.getLogger("yeto.syncer")
-WINDOW = 16
-MIN_HISTORY = 3
+WINDOW = 16          # accepted pushes remembered per island and fragment
+MAX_ISLANDS = 256    # islands remembered per fragment (the least recently heard from is forgotten first)
+FIRST_GROWTH = 2.0   # cold start: applied alone, a push may leave the base at most this times its first norm
+PLAIN_BLOCK = 256    # the block over which f32 / bf16 pushes (and bases) are measured
 
 
-def _sumsq(x: np.ndarray) -> float:
+@dataclass(frozen=True)
+class PushStats:
+    norm: float   # ||x||_2
+    peak: float   # root mean square of the densest block
+    grown: Optional[float] = None   # ||base - x||_2: the base's norm were the push applied alone (cold start)
+    base_now: Optional[float] = None   # ||base||_2 of the current base it was applied to
+
+
+def _block_sums(x: np.ndarray, block: int) -> np.ndarray:
+    """Sum of squares per ``block`` values of ``x`` (float64; the last block may be partial)."""
+    full = x.size // block
     with np.errstate(over="ignore", invalid="ignore"):
-        return float(np.einsum("i,i->", x, x, dtype=np.float64))
+        v = x[:full * block].reshape(full, block)
+        out = np.einsum("ij,ij->i", v, v, dtype=np.float64)
+        if full * block < x.size:
+            t = x[full * block:]
+            out = np.append(out, np.einsum("i,i->", t, t, dtype=np.float64))
+    return out
 
 
 def _luts() -> dict:
@@ -54,52 +86,71 @@ _LUT = _luts()
 _BLOCKS_PER_STEP = 4096
 
 
-def _block_sumsq(codec: str, mv: memoryview, numel: int, block: int) -> float:
-    """Sum of squared decoded values of a (validated) block-codec body: per block, the scale squared times the
-    sum of the squared codes (a table lookup per code byte; no decode)."""
+def _block_codec_stats(codec: str, mv: memoryview, numel: int, block: int) -> tuple:
+    """(sum of squares, largest block mean square) of a (validated) block-codec body: per block, the scale squared
+    times the sum of the squared codes (a table lookup per code byte; no decode)."""
     nb = -(-numel // block)
     scales = np.frombuffer(mv, np.float32, nb).astype(np.float64)
     codes = np.frombuffer(mv, np.uint8, offset=4 * nb)
     per = block if codec == "int8" else block // 2   # code bytes per full block
     full = numel // block
     lut = _LUT[codec]
-    total = 0.0
+    total, top = 0.0, 0.0
     for b0 in range(0, full, _BLOCKS_PER_STEP):
         b1 = min(full, b0 + _BLOCKS_PER_STEP)
         sq = np.take(lut, codes[b0 * per: b1 * per]).reshape(b1 - b0, per).sum(axis=1, dtype=np.float64)
         s = scales[b0:b1]
-        total += float(np.dot(s * s, sq))
+        blocks = s * s * sq
+        total += float(blocks.sum())
+        top = max(top, float(blocks.max()) / block)
     if full < nb:   # the last, partial block
         tail = codecs.decode_range(codec, mv, numel, full * block, numel - full * block, block)
-        total += _sumsq(tail)
-    return total
+        t = float(np.einsum("i,i->", tail, tail, dtype=np.float64))
+        total += t
+        top = max(top, t / tail.size)
+    return total, top
 
 
-def push_norm(codec: str, body, numel: int, block: int, runner: ChunkRunner) -> Optional[float]:
-    """||decode(body)||_2 in float64 without a full-size temporary (f32: one pass over the values; block codecs:
-    from the scales and a table of squared codes); None when the body does not pass the codec checks."""
+def _plain_stats(values: np.ndarray, runner: ChunkRunner, widen=None) -> tuple:
+    """(sum of squares, largest block mean square) of float values (``widen``: bf16 bits -> float32), chunk by chunk
+    in a fixed order (CHUNK is a multiple of PLAIN_BLOCK, so blocks never straddle chunks)."""
+    total, top = 0.0, 0.0
+
+    def part(a, b):
+        x = values[a:b] if widen is None else widen(values[a:b])
+        sums = _block_sums(x, PLAIN_BLOCK)
+        sizes = np.full(sums.size, PLAIN_BLOCK, np.float64)
+        sizes[-1] = x.size - PLAIN_BLOCK * (sums.size - 1)
+        return float(sums.sum()), float((sums / sizes).max()) if sums.size else 0.0
+    for t, m in runner.map(values.size, part):
+        total += t
+        top = max(top, m)
+    return total, top
+
+
+def push_stats(codec: str, body, numel: int, block: int, runner: ChunkRunner) -> Optional[PushStats]:
+    """Norm and peak of ``decode(body)`` in float64 without a full-size temporary (f32/bf16: one pass over the
+    values; block codecs: from the scales and a table of squared codes); None when the body does not pass the
+    codec checks or the result is not finite."""
     try:
         codecs.check_codec(codec, block)
         mv = memoryview(body).cast("B")
         if mv.nbytes != codecs.encoded_nbytes(codec, numel, block):
             return None
         if codec == "f32":
-            v = np.frombuffer(mv, np.float32)
-            total = 0.0
-            for p in runner.map(numel, lambda a, b: _sumsq(v[a:b])):  # fixed order
-                total += p
+            total, top = _plain_stats(np.frombuffer(mv, np.float32), runner)
         elif codec == "bf16":
-            total = 0.0
-            h = np.frombuffer(mv, np.uint16)
-            for p in runner.map(numel, lambda a, b: _sumsq((h[a:b].astype(np.uint32) << 16).view(np.float32))):
-                total += p
+            total, top = _plain_stats(np.frombuffer(mv, np.uint16), runner,
+                                      lambda h: (h.astype(np.uint32) << 16).view(np.float32))
         else:
             codecs.check_encoded(codec, mv, numel, block, threads=1)   # lengths and scales only: cheap
             with np.errstate(over="ignore", invalid="ignore"):
-                total = _block_sumsq(codec, mv, numel, block)
+                total, top = _block_codec_stats(codec, mv, numel, block)
     except (CodecError, ValueError, TypeError):
         return None
-    return float(np.sqrt(total)) if np.isfinite(total) else None
+    if not (np.isfinite(total) and np.isfinite(top)):
+        return None
+    return PushStats(float(np.sqrt(total)), float(np.sqrt(top)))
 
 
 def unusable(name: str, a: Optional[np.ndarray], chunk: int = 1 << 20) -> Optional[str]:
@@ -129,14 +180,39 @@ def too_large(name: str, a: np.ndarray, chunk: int = 1 << 20) -> Optional[str]:
     return None
 
 
+def _growth(codec: str, body, numel: int, block: int, base: np.ndarray, runner: ChunkRunner) -> tuple:
+    """(||base - decode(body)||_2, ||base||_2) in float64, chunk by chunk in a fixed order ((None, None): not
+    measurable)."""
+    def part(a, b):
+        y = base[a:b].astype(np.float64)
+        d = y - codecs.decode_range(codec, body, numel, a, b - a, block)
+        return float(np.dot(d, d)), float(np.dot(y, y))
+    try:
+        total, norm = 0.0, 0.0
+        for t, n in runner.map(numel, part):
+            total += t
+            norm += n
+    except (CodecError, ValueError, TypeError):
+        return None, None
+    return (float(np.sqrt(total)), float(np.sqrt(norm))) if np.isfinite(total) and np.isfinite(norm) else (None, None)
+
+
 class NormGuard:
-    def __init__(self, ratio: float = 10.0, runner: Optional[ChunkRunner] = None):
+    """The outlier guard of every fragment (see the module docstring). ``admit`` runs under the coordinator's lock,
+    ``measure`` and ``base_norm`` outside it."""
+
+    def __init__(self, ratio: float = 10.0, runner: Optional[ChunkRunner] = None, first_growth: float = FIRST_GROWTH,
+                 single: bool = False):
         if not (np.isfinite(ratio) and ratio >= 0):
             raise ValueError(f"max push norm ratio must be >= 0 (0 disables it), got {ratio}")
+        if not (np.isfinite(first_growth) and (first_growth >= 1 or first_growth == 0)):
+            raise ValueError(f"first push growth must be >= 1 (0: no bound), got {first_growth}")
         self.ratio = float(ratio)
+        self.first_growth = float(first_growth)
+        self.single = single   # a run of one island: no one to protect, the base is its own model (see _overs)
         self.runner = runner or ChunkRunner(1)
-        self._hist: dict = collections.defaultdict(lambda: collections.deque(maxlen=WINDOW))
-        self._base_norm: dict = {}   # fragment -> (version, norm)
+        self._hist: dict = collections.defaultdict(collections.OrderedDict)   # fragment -> island -> deque
+        self._base: dict = {}   # fragment -> PushStats of its base when the guard first measured it
         self._lock = threading.Lock()
         self.refused = 0
 
@@ -144,48 +220,98 @@ class NormGuard:
     def enabled(self) -> bool:
         return self.ratio > 0
 
-    def measure(self, codec: str, body, numel: int, block: int) -> Optional[float]:
-        return push_norm(codec, body, numel, block, self.runner) if self.enabled else None
+    def measure(self, codec: str, body, numel: int, block: int, cold: Optional[tuple] = None) -> Optional[PushStats]:
+        """The push's figures; ``cold``: (fragment, island, the fragment's current base): when nobody else pushed
+        that fragment yet, also the norm the base would have were the push applied alone (one more pass)."""
+        if not self.enabled:
+            return None
+        st = push_stats(codec, body, numel, block, self.runner)
+        if st is None or cold is None or not self.first_growth:
+            return st
+        fragment, island, base = cold
+        if base is None or base.size != numel or self.reference(fragment, island) is not None:
+            return st
+        return PushStats(st.norm, st.peak, *_growth(codec, body, numel, block, base, self.runner))
 
-    def base_norm(self, fragment: int, version: int, base: Optional[np.ndarray]) -> float:
-        """||base||_2 of a fragment's version (cached; called outside the coordinator lock)."""
+    def base_norm(self, fragment: int, version: int, base: Optional[np.ndarray]) -> PushStats:
+        """The cold-start reference of a fragment: its base's norm and peak when first measured (cached; called
+        outside the coordinator lock)."""
         with self._lock:
-            got = self._base_norm.get(fragment)
-            if got is not None and got[0] == version:
-                return got[1]
+            got = self._base.get(fragment)
+        if got is not None:
+            return got
         if base is None:
-            return 0.0
-        n = push_norm("f32", memoryview(base).cast("B"), base.size, codecs.DEFAULT_BLOCK, self.runner) or 0.0
+            return PushStats(0.0, 0.0)
+        st = push_stats("f32", memoryview(base).cast("B"), base.size, codecs.DEFAULT_BLOCK, self.runner) \
+            or PushStats(0.0, 0.0)
         with self._lock:
-            self._base_norm[fragment] = (version, n)
-        return n
+            return self._base.setdefault(fragment, st)
 
     def needs_base_norm(self, fragment: int) -> bool:
         with self._lock:
-            return len(self._hist[fragment]) < MIN_HISTORY
+            return fragment not in self._base
 
-    def limit(self, fragment: int, base_norm: float) -> Optional[float]:
+    def reference(self, fragment: int, island: str) -> Optional[PushStats]:
+        """The lower median, over the islands other than ``island`` with accepted pushes of this fragment, of each
+        one's median norm and median peak (None: nobody else has pushed yet)."""
         with self._lock:
-            h = list(self._hist[fragment])
-        if len(h) >= MIN_HISTORY:
-            return self.ratio * statistics.median(h)
-        ref = max([base_norm] + h)
-        return self.ratio * ref if ref > 0 else None
-
-    def admit(self, fragment: int, norm: Optional[float], island: str, base_norm: float) -> Optional[str]:
-        """The refusal message for a push of this norm (None: admitted, and its norm joins the history)."""
-        if norm is None or not self.enabled:
+            per = [(statistics.median(x.norm for x in h), statistics.median(x.peak for x in h))
+                   for other, h in self._hist[fragment].items() if other != island and h]
+        if not per:
             return None
-        lim = self.limit(fragment, base_norm)
-        if lim is not None and norm > lim:
+        k = (len(per) - 1) // 2
+        return PushStats(sorted(n for n, _ in per)[k], sorted(p for _, p in per)[k])
+
+    def _overs(self, fragment: int, stats: PushStats, island: str, base) -> tuple:
+        """(what the push exceeds, what the bounds are relative to)."""
+        ref = self.reference(fragment, island)
+        if ref is not None:
+            over = []
+            if stats.norm > self.ratio * ref.norm:
+                over.append(f"norm {stats.norm:.4g} above {self.ratio * ref.norm:.4g}")
+            if stats.peak > self.ratio * ref.peak:
+                over.append(f"densest block (rms {stats.peak:.4g}) above {self.ratio * ref.peak:.4g}")
+            return over, (f"the other islands' recent pushes (--max-push-norm-ratio {self.ratio:g}: norm "
+                          f"{ref.norm:.4g}, densest block rms {ref.peak:.4g})")
+        with self._lock:
+            b = self._base.get(fragment) or base
+        ref, which = (b.norm if b is not None else 0.0), "first"
+        if self.single and stats.base_now is not None:   # one island alone for good: its weights may grow slowly,
+            ref, which = stats.base_now, "current"          # but no push may more than multiply them at once
+        if not ref or not self.first_growth:
+            return [], "nothing (no other island has pushed yet and the base is zero)"
+        lim = self.first_growth * ref
+        what = (f"the base's {which} norm {ref:.4g} (--first-push-growth {self.first_growth:g}: no other island "
+                f"has pushed yet)")
+        if stats.grown is not None:   # applied alone, it would leave a base of this norm
+            return ([f"applied alone it would leave the base with norm {stats.grown:.4g}, above {lim:.4g}"]
+                    if stats.grown > lim else []), what
+        # (not measured against the base: its norm alone must keep the base within the bound)
+        return ([f"norm {stats.norm:.4g} above {lim - ref:.4g}"] if stats.norm > lim - ref else []), what
+
+    def admit(self, fragment: int, stats: Optional[PushStats], island: str, base_norm=None) -> Optional[str]:
+        """The refusal message for a push with these ``stats`` (None: admitted, and it joins ``island``'s
+        history). ``base_norm``: :meth:`base_norm`'s result when it was needed (a float 0.0 otherwise)."""
+        if stats is None or not self.enabled:
+            return None
+        over, what = self._overs(fragment, stats, island, base_norm if isinstance(base_norm, PushStats) else None)
+        if over:
             self.refused += 1
-            log.warning("refused push of fragment %d from island %s: norm %.4g above %.4g (--max-push-norm-ratio "
-                        "%g x the recent median of accepted push norms, or of the base norm)", fragment,
-                        printable(island), norm, lim, self.ratio)
-            return (f"push of fragment {fragment} has norm {norm:.4g}, above the limit {lim:.4g} "
-                    f"(--max-push-norm-ratio {self.ratio:g} x the recent median of accepted push norms, or of the "
-                    f"base norm before there are {MIN_HISTORY}); refused")
-        if norm > 0:
+            why = " and ".join(over)
+            log.warning("refused push of fragment %d from island %s: %s (relative to %s)", fragment,
+                        printable(island), why, what)
+            return f"push of fragment {fragment} refused as an outlier: {why} (relative to {what})"
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("outlier guard: push of fragment %d from island %s: norm %.4g, densest block rms %.4g%s; "
+                      "admitted relative to %s", fragment, printable(island), stats.norm, stats.peak,
+                      "" if stats.grown is None else f", applied alone the base's norm would be {stats.grown:.4g}",
+                      what)
+        if stats.norm > 0:
             with self._lock:
-                self._hist[fragment].append(norm)
+                hist = self._hist[fragment]
+                h = hist.pop(island, None) or collections.deque(maxlen=WINDOW)
+                h.append(stats)
+                hist[island] = h   # (the most recently heard from last)
+                while len(hist) > MAX_ISLANDS:
+                    hist.popitem(last=False)
         return None

@@ -1,6 +1,9 @@
-"""The syncer's side of the handshake: CHALLENGE, HELLO (or PROBE) checked (its MAC), HELLO_OK, the MANIFEST
-read (protected) and checked, the island joined, WELCOME. Nothing larger than a HELLO (64 KiB) is read from a peer
-that has not proved its key.
+"""The syncer's side of the handshake (protocol 3): CHALLENGE (with the syncer's ephemeral X25519 key), HELLO (or
+PROBE) checked (its MAC under the key over the transcript), session keys from the ephemeral key exchange and the
+key (wire/secure.py), HELLO_OK (protected: it proves the syncer, and names the run), the MANIFEST read
+(protected) and checked, the island joined, WELCOME. Nothing larger than a HELLO (64 KiB) is read from a peer that
+has not proved its key; every refusal after the HELLO verified is protected (the island treats it as final, and a
+clear one as transient).
 
 ``accept_handshake(server, session)`` runs on the connection's reader thread before anything else; it returns
 True when the island joined the run (the session then reads messages), False when the connection is to be
@@ -89,26 +92,33 @@ def _refuse(s, code: str, message: str, stranger=None) -> None:
         pass
 
 
-PROTOCOL = 2   # handshake protocol (CHALLENGE "protocol", HELLO "protocol"); see wire/handshake.py
+PROTOCOL = 3   # handshake protocol (CHALLENGE "protocol", HELLO "protocol"); see wire/handshake.py
 
 
-def _parse_hello(t, meta) -> tuple:
-    """(island, incarnation, client nonce, manifest digest, mac) of a HELLO/PROBE; ValueError/KeyError/
-    TypeError when malformed."""
-    if meta.get("protocol") != PROTOCOL:
-        raise ValueError(f"the island speaks handshake protocol {printable(meta.get('protocol', 1), 20)} (protocol 1 "
-                         f"sent the manifest inside HELLO), this syncer speaks {PROTOCOL}: the manifest now "
-                         "follows the HELLO in its own MANIFEST frame; run the same yeto-patch version on the "
-                         "syncer and the islands")
-    if "manifest" in meta or "held" in meta:
-        raise ValueError("a HELLO carries no manifest (it follows in the MANIFEST frame)")
-    island = meta["island_id"]
-    incarnation = meta["incarnation"]
-    client_nonce = bytes.fromhex(meta["nonce"])
-    digest = bytes.fromhex(meta["manifest_digest"])
-    mac = bytes.fromhex(meta.get("mac", ""))
-    check_island_id(island)   # printable, encodable, 1..256 characters (no forged log lines, no MAC crash)
-    return island, incarnation, client_nonce, digest, mac
+class _Hello:
+    """A parsed HELLO/PROBE; ValueError/KeyError/TypeError when malformed."""
+
+    def __init__(self, meta: dict):
+        if meta.get("protocol") != PROTOCOL:
+            raise ValueError(f"the island speaks handshake protocol {printable(meta.get('protocol', 1), 20)}, this "
+                             f"syncer speaks {PROTOCOL} (session keys from an ephemeral key exchange; protocol 1 sent "
+                             "the manifest inside the HELLO, which now follows in its own MANIFEST frame): run the "
+                             "same yeto-patch version on the syncer and the islands")
+        if "manifest" in meta or "held" in meta:
+            raise ValueError("a HELLO carries no manifest (it follows in the MANIFEST frame)")
+        self.island = meta["island_id"]
+        self.incarnation = meta["incarnation"]
+        self.nonce = bytes.fromhex(meta["nonce"])
+        self.digest = bytes.fromhex(meta["manifest_digest"])
+        self.mac = bytes.fromhex(meta.get("mac", ""))
+        self.ephemeral = bytes.fromhex(meta.get("ephemeral") or "")
+        check_island_id(self.island)   # printable, encodable, 1..256 characters (no forged log lines)
+        if isinstance(self.incarnation, bool) or not isinstance(self.incarnation, int) \
+                or not 0 <= self.incarnation < 1 << 64:
+            raise ValueError(f"incarnation must be an integer in [0, 2**64), got {printable(self.incarnation, 40)}")
+        for what, v in (("nonce", self.nonce), ("manifest_digest", self.digest)):
+            if len(v) != auth.NONCE_SIZE:
+                raise ValueError(f"{what} must be {auth.NONCE_SIZE} bytes")
 
 
 def accept_handshake(server, s) -> bool:
@@ -144,7 +154,9 @@ def _handshake(server, s) -> bool:
     cfg = server.cfg
     server_nonce = auth.new_nonce()
     mode = "aead" if _keyed(cfg) and getattr(cfg, "encrypt", False) else "mac" if _keyed(cfg) else "none"
-    challenge = {"nonce": server_nonce.hex(), "protocol": PROTOCOL, "auth": _keyed(cfg), "frames": mode}
+    ephemeral = secure.Ephemeral() if _keyed(cfg) else None
+    challenge = {"nonce": server_nonce.hex(), "protocol": PROTOCOL, "auth": _keyed(cfg), "frames": mode,
+                 "ephemeral": ephemeral.public.hex() if ephemeral is not None else ""}
     s.conn.send(MsgType.CHALLENGE, challenge)
     # the whole HELLO within the handshake timeout: a peer trickling bytes cannot hold the connection
     t, meta, _ = s.conn.recv(timeout=cfg.handshake_timeout_s, within=cfg.handshake_timeout_s)
@@ -152,39 +164,39 @@ def _handshake(server, s) -> bool:
         _refuse(s, "protocol", f"expected HELLO or PROBE, got {t.name}", stranger=server)
         return False
     try:
-        island, incarnation, client_nonce, digest, mac = _parse_hello(t, meta)
+        hello = _Hello(meta)
     except (KeyError, ValueError, TypeError) as e:
         _refuse(s, "protocol", f"malformed {t.name}: {e}", stranger=server)
         return False
-    s.island = island
-    key = _key_for(cfg, island)
+    s.island = hello.island
+    key = _key_for(cfg, hello.island)
+    th = secure.transcript(challenge, meta)
     try:
-        _check_mac(cfg, key, t, meta, (server_nonce, client_nonce, island, incarnation, digest), mac)
+        _check_mac(cfg, key, t, meta, hello, th)
+        sess = _Keys(key, mode, ephemeral, challenge, hello, meta, th)
     except AuthError as e:
         _refuse(s, "auth", str(e), stranger=server)
         return False
-    smac = auth.server_mac(key, server_nonce, client_nonce, island, incarnation, digest).hex() \
-        if key is not None else ""
-    sess = _Keys(key, mode, server_nonce, client_nonce, challenge, meta)
+    s.authenticated = True   # a key holder: its handshake slot is never given to a newcomer (server.py)
     _protect(s, sess)   # from here on every frame both ways is authenticated (aead: and encrypted)
     if t == MsgType.PROBE:
-        s.conn.send(MsgType.WELCOME, {"probe": True, "server_mac": smac, **server.status()})
+        s.conn.send(MsgType.WELCOME, {"probe": True, **server.status()})
         return False
-    s.conn.send(MsgType.HELLO_OK, {})
-    manifest = _read_manifest(server, s, digest)
+    s.conn.send(MsgType.HELLO_OK, {"run_id": server.run_id})
+    manifest = _read_manifest(server, s, hello.digest)
     if manifest is None:
         return False
-    return _join(server, s, island, incarnation, manifest, digest, smac, sess)
+    return _join(server, s, hello.island, hello.incarnation, manifest, hello.digest, sess)
 
 
-def _check_mac(cfg, key, t, meta, fields: tuple, mac: bytes) -> None:
-    """Raise AuthError unless the HELLO/PROBE proves ``key`` (``fields``: what its MAC covers) or, without any
-    key, says it is insecure too."""
+def _check_mac(cfg, key, t, meta, hello: "_Hello", th: bytes) -> None:
+    """Raise AuthError unless the HELLO/PROBE proves ``key`` (its MAC over the transcript) or, without any key,
+    says it is insecure too."""
     if key is not None:
-        auth.verify(auth.client_mac(key, *fields), mac, what=f"{t.name} from island {fields[2]!r}")
+        auth.verify(secure.hello_mac(key, th), hello.mac, what=f"{t.name} from island {hello.island!r}")
     elif _keyed(cfg):
-        raise AuthError(f"no key for island {fields[2]!r}: it has no key file in --island-keys and the syncer has "
-                        "no shared key")
+        raise AuthError(f"no key for island {hello.island!r}: it has no key file in --island-keys and the syncer "
+                        "has no shared key")
     elif not meta.get("insecure"):
         raise AuthError("this syncer runs without a key (insecure, loopback only); the island must be "
                         "configured insecure too")
@@ -218,27 +230,36 @@ def _read_manifest(server, s, digest: bytes):
 
 
 class _Keys:
-    """What one authenticated handshake derives: frame keys, the session's resumption secret, and whether the
-    HELLO proved the previous session of its island id (None without a key)."""
+    """What one authenticated handshake derives (wire/secure.py): frame keys and the session's resumption secret
+    from the ephemeral key exchange and the key, and whether the HELLO proved the previous session of its island
+    id (all None without a key). AuthError for an ephemeral key that cannot be used (malformed, low order)."""
 
-    def __init__(self, key, mode, server_nonce, client_nonce, challenge, hello):
-        self.frames = self.resumption = None
+    def __init__(self, key, mode, ephemeral, challenge, hello: "_Hello", meta: dict, th: bytes):
+        self.session = None
         self.mode = mode
-        self.server_nonce, self.client_nonce, self.hello = server_nonce, client_nonce, hello
+        self.challenge, self.hello, self.meta = challenge, hello, meta
         if key is not None:
-            th = secure.transcript(challenge, hello)
-            self.frames = secure.derive_keys(key, server_nonce, client_nonce, mode, th)
-            self.resumption = secure.derive_resumption(key, server_nonce, client_nonce, th)
+            try:
+                dh = ephemeral.shared(hello.ephemeral)
+            except ValueError as e:
+                raise AuthError(f"the HELLO's ephemeral key cannot be used: {e}") from None
+            self.session = secure.SessionKeys(key, dh, mode, th)
+
+    @property
+    def resumption(self):
+        return None if self.session is None else self.session.resumption
 
     def proves(self, previous: "bytes | None", island: str) -> bool:
-        proof = self.hello.get("resume")
+        proof = self.meta.get("resume")
         if previous is None or not isinstance(proof, str):
             return False
         try:
             got = bytes.fromhex(proof)
         except ValueError:
             return False
-        return hmac.compare_digest(secure.resumption_proof(previous, self.server_nonce, self.client_nonce, island), got)
+        want = secure.resumption_proof(previous, bytes.fromhex(self.challenge["nonce"]), self.hello.nonce,
+                                       bytes.fromhex(self.challenge["ephemeral"]), self.hello.ephemeral, island)
+        return hmac.compare_digest(want, got)
 
 
 _resumption: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # syncer -> {island: secret}
@@ -262,11 +283,12 @@ def _taken(server, s, island: str, sess: _Keys) -> bool:
 
 
 def _protect(s, sess: _Keys) -> None:
-    if sess.frames is not None:   # from HELLO_OK on, every frame both ways is authenticated (aead: and encrypted)
-        s.conn.protect(sess.frames[1], sess.frames[0], sess.mode == "aead")
+    k = sess.session
+    if k is not None:   # from HELLO_OK on, every frame both ways is authenticated (aead: and encrypted)
+        s.conn.protect(k.s2c, k.c2s, k.encrypt)
 
 
-def _join(server, s, island, incarnation, manifest, digest, smac, sess) -> bool:
+def _join(server, s, island, incarnation, manifest, digest, sess) -> bool:
     cfg = server.cfg
     coord = server.coord
     with coord.lock:
@@ -304,7 +326,7 @@ def _join(server, s, island, incarnation, manifest, digest, smac, sess) -> bool:
         server.sessions[island] = s
         s.joined = True
         needs_init = server.pick_initializer(s) if not coord.initialized else []
-        welcome = {"island_id": island, "server_mac": smac, "layout": coord.layout,
+        welcome = {"island_id": island, "run_id": server.run_id, "layout": coord.layout,
                    "numels": [f.numel for f in coord.frags], "fragments": len(coord.frags),
                    "versions": coord.versions() if coord.initialized else None, "needs_init": needs_init,
                    "base_wire": cfg.base_wire, "heartbeat_s": server.heartbeat_s,

@@ -1,4 +1,5 @@
-"""Prometheus metrics (prometheus-client, own registry) and the JSONL merge tape.
+"""Prometheus metrics (prometheus-client, own registry), the bounded server that exposes them, and the JSONL merge
+tape.
 
 The operator's dashboard over them is ``docs/grafana/yeto-syncer.json`` (tests/syncer/test_dashboard.py checks
 that every metric and label it queries is one exported here). Island ids become label values only for islands
@@ -8,12 +9,16 @@ counted under ``island="other"``.
 from __future__ import annotations
 
 import json
+import selectors
+import socket
 import threading
+import time
 from typing import Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-__all__ = ["Metrics", "Tape", "MAX_ISLAND_LABELS"]
+__all__ = ["Metrics", "MetricsServer", "Tape", "MAX_ISLAND_LABELS"]
 
 MAX_ISLAND_LABELS = 256
 
@@ -58,17 +63,15 @@ class Metrics:
         self._islands: set = set()
         self.server = None
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        res = start_http_server(port, addr=addr, registry=self.registry)
-        if isinstance(res, tuple):  # prometheus-client >= 0.17 returns (server, thread)
-            self.server = res[0]
-            return self.server.server_port
-        return port
+    def serve(self, port: int, addr: str = "127.0.0.1", **limits) -> int:
+        """Serve the metrics on ``addr:port`` (port 0: any free port; returns the port). ``limits``: see
+        :class:`MetricsServer`."""
+        self.server = MetricsServer(lambda: generate_latest(self.registry), port, addr, **limits)
+        return self.server.port
 
     def close(self) -> None:
         if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+            self.server.close()
             self.server = None
 
     def _island(self, island) -> str:
@@ -108,6 +111,124 @@ class Metrics:
             self.merge_refusals.inc()
         self.merge_seconds.observe(rec.merge_s)
         self.quorum_seconds.observe(rec.quorum_s)
+
+
+class MetricsServer:
+    """A minimal HTTP/1.0 server for Prometheus scrapes on ONE thread (non-blocking sockets, a selector): whoever
+    can reach the port cannot make the syncer start threads or hold memory. ``GET /metrics`` (or ``/``) answers
+    ``body()``, anything else 404/405, then the connection closes. At most ``max_connections`` are open (a new one
+    closes the oldest, so idle connections cannot keep a scraper out); each one is closed ``idle_s`` after it was
+    accepted whether or not its request arrived or its answer was read; a request is at most ``max_request``
+    bytes."""
+
+    def __init__(self, body, port: int, addr: str = "127.0.0.1", *, max_connections: int = 16, idle_s: float = 5.0,
+                 max_request: int = 8192):
+        self.body, self.max_connections, self.idle_s, self.max_request = body, max_connections, idle_s, max_request
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((addr, port))
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self.port = self._listener.getsockname()[1]
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ, None)
+        self._open: dict = {}   # socket -> _Exchange
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="yeto-metrics", daemon=True)
+        self._thread.start()
+
+    @property
+    def connections(self) -> int:
+        return len(self._open)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for key, events in self._sel.select(timeout=0.2):
+                    if key.data is None:
+                        self._accept()
+                    else:
+                        self._serve(key.fileobj, key.data, events)
+                now = time.monotonic()
+                for sock in [s for s, x in self._open.items() if now - x.since > self.idle_s]:
+                    self._drop(sock)
+        finally:
+            for sock in list(self._open):
+                self._drop(sock)
+            self._sel.close()
+            self._listener.close()
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except OSError:
+            return
+        if len(self._open) >= self.max_connections:
+            self._drop(min(self._open, key=lambda s: self._open[s].since))
+        sock.setblocking(False)
+        x = self._open[sock] = _Exchange()
+        self._sel.register(sock, selectors.EVENT_READ, x)
+
+    def _serve(self, sock, x: "_Exchange", events: int) -> None:
+        try:
+            if events & selectors.EVENT_READ and not x.reply:
+                data = sock.recv(4096)
+                if not data:
+                    return self._drop(sock)
+                x.request += data
+                if b"\r\n\r\n" in x.request or b"\n\n" in x.request:
+                    x.reply = self._answer(bytes(x.request))
+                    self._sel.modify(sock, selectors.EVENT_WRITE, x)
+                elif len(x.request) > self.max_request:
+                    return self._drop(sock)
+            if events & selectors.EVENT_WRITE and x.reply:
+                n = sock.send(x.reply[x.sent:x.sent + (1 << 16)])
+                x.sent += n
+                if x.sent >= len(x.reply):
+                    self._drop(sock)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._drop(sock)
+
+    def _answer(self, request: bytes) -> bytes:
+        line = request.split(b"\n", 1)[0].split()
+        method, path = (line[0], line[1].split(b"?")[0]) if len(line) >= 2 else (b"", b"")
+        if method not in (b"GET", b"HEAD"):
+            status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET /metrics\n"
+        elif path not in (b"/metrics", b"/"):
+            status, ctype, body = "404 Not Found", "text/plain", b"GET /metrics\n"
+        else:
+            status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, self.body()
+        head = (f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n").encode("ascii")
+        return head + (b"" if method == b"HEAD" else body)
+
+    def _drop(self, sock) -> None:
+        self._open.pop(sock, None)
+        try:
+            self._sel.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+        try:
+            sock.close()
+        except OSError:
+            pass
+
+
+class _Exchange:
+    """One metrics connection: what it sent so far, the answer and how much of it went out."""
+
+    def __init__(self):
+        self.since = time.monotonic()
+        self.request = bytearray()
+        self.reply = b""
+        self.sent = 0
 
 
 class Tape:

@@ -321,7 +321,8 @@ class Coordinator:
             f, w = self._checked(p)
         key = (p.island, f.index, p.base_version)
         guard = self.guard
-        norm = guard.measure(p.codec, p.body, f.numel, p.block) if guard is not None else None
+        norm = guard.measure(p.codec, p.body, f.numel, p.block, cold=(f.index, p.island, f.t.base)) \
+            if guard is not None else None
         base_norm = guard.base_norm(f.index, f.version, f.t.base) \
             if norm is not None and guard.needs_base_norm(f.index) else 0.0
         validated = False

@@ -68,7 +68,9 @@ class SyncerServer:
         self.cfg = cfg
         self.runner = ChunkRunner(cfg.merge_threads)
         self.coord = Coordinator(cfg.merge, cfg.rounds, self.runner, shard=cfg.shard)
-        self.coord.guard = NormGuard(cfg.max_push_norm_ratio, self.runner) if cfg.max_push_norm_ratio else None
+        self.coord.guard = NormGuard(cfg.max_push_norm_ratio, self.runner, cfg.first_push_growth,
+                                     single=cfg.islands == 1) \
+            if cfg.max_push_norm_ratio else None
         if cfg.base_wire in BASE_UPDATES:
             self.coord.down_codec = cfg.base_wire
         self.fold_pool = ThreadPoolExecutor(max(2, min(8, cfg.islands)), thread_name_prefix="yeto-fold")
@@ -97,7 +99,7 @@ class SyncerServer:
         self._shut = False
         self._next_flood_log = 0.0
         self._shutdown_lock = threading.Lock()
-        self.run_id = open_checkpoint(self.coord, cfg)   # (--resume without --run-id: the checkpoint's)
+        self.run_id = open_checkpoint(self.coord, cfg)   # --run-id, the resumed checkpoint's, or a new one
 
     # --------------------------------------------------------------------------------------- lifecycle
     def start(self) -> tuple:
@@ -109,9 +111,9 @@ class SyncerServer:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
-        log.info("syncer %slistening on %s:%d (%d islands, %d fragments, %s)",
+        log.info("syncer %slistening on %s:%d (run %s, %d islands, %d fragments, %s)",
                  f"shard {self.cfg.shard} " if self.cfg.shard.sharded else "", self.address[0], self.address[1],
-                 self.cfg.islands, self.cfg.fragments, self.cfg.merge.resolved())
+                 printable(self.run_id), self.cfg.islands, self.cfg.fragments, self.cfg.merge.resolved())
         return self.address
 
     def wait(self, timeout: Optional[float] = None) -> Optional[int]:
@@ -186,11 +188,12 @@ class SyncerServer:
 
     def _handshake_slot(self, host: str) -> bool:
         """Whether a new connection from ``host`` may start its handshake. At most --max-handshakes-per-host
-        unauthenticated connections per address (a squatter only hurts itself there) and --max-handshakes in
-        all; when all are taken, the oldest handshake of the address holding the most gives way if that address
-        holds more than the newcomer's would, else the oldest one still unauthenticated after
+        connections in their handshake per address (a squatter only hurts itself there) and --max-handshakes in
+        all; when all are taken, the oldest unauthenticated handshake of the address holding the most gives way if
+        that address holds more than the newcomer's would, else the oldest handshake still unauthenticated after
         EVICT_AFTER_S (an honest handshake is two round trips and a manifest), so squatters from many addresses
-        cannot keep honest islands out (docs/protocol.md, Limits)."""
+        cannot keep honest islands out. A handshake whose HELLO verified (a key holder sending its manifest, which
+        may take longer than EVICT_AFTER_S on a slow link) never gives way (docs/protocol.md, Limits)."""
         waiting = [x for x in list(self.all_sessions) if not x.joined and not x.closed]
         mine = sum(1 for x in waiting if x.host == host)
         if mine >= self.cfg.max_handshakes_per_host:
@@ -198,15 +201,19 @@ class SyncerServer:
             return False
         if len(waiting) < self.cfg.max_handshakes:
             return True
-        per_host = collections.Counter(x.host for x in waiting)
-        top, most = per_host.most_common(1)[0]
-        if most > mine + 1:
-            victim = min((x for x in waiting if x.host == top), key=lambda x: x.since)
-        else:
-            victim = min(waiting, key=lambda x: x.since)
-            if time.monotonic() - victim.since < EVICT_AFTER_S:
-                self._log_full(len(waiting), host, mine, evicted=None)
-                return False
+        strangers = [x for x in waiting if not x.authenticated]
+        per_host = collections.Counter(x.host for x in strangers)
+        victim = None
+        if per_host:
+            top, most = per_host.most_common(1)[0]
+            if most > mine + 1:
+                victim = min((x for x in strangers if x.host == top), key=lambda x: x.since)
+            else:
+                oldest = min(strangers, key=lambda x: x.since)
+                victim = oldest if time.monotonic() - oldest.since >= EVICT_AFTER_S else None
+        if victim is None:
+            self._log_full(len(waiting), host, mine, evicted=None)
+            return False
         victim.close()
         self._log_full(len(waiting), host, mine, evicted=victim.host)
         return True
@@ -337,7 +344,7 @@ class SyncerServer:
             return {"initialized": c.initialized, "versions": c.versions() if c.frags else [],
                     "fragments": len(c.frags) or self.cfg.fragments, "islands": self.cfg.islands,
                     "members": c.alive_members(), "merges_total": c.merges_total,
-                    "final": self.final_started, "shard": self.cfg.shard.as_json(),
+                    "final": self.final_started, "shard": self.cfg.shard.as_json(), "run_id": self.run_id,
                     "manifest_digest": auth.manifest_digest(c.manifest).hex() if c.manifest else None}
 
     # ------------------------------------------------------------------------------------------ reading

@@ -52,6 +52,7 @@ class Session:
         self.closed = False
         self.bye = False
         self.joined = False
+        self.authenticated = False   # the HELLO's MAC verified (a key holder's handshake: never evicted)
         self.host = "?"
         self.since = time.monotonic()   # accepted at (the oldest handshake gives way first)
         self.final_acked: Optional[list] = None

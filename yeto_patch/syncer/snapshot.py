@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from typing import TYPE_CHECKING, Optional
 
@@ -94,12 +95,17 @@ def restore(coord: "Coordinator", meta: dict, arrays: list) -> None:
         coord.resumed(max(0, min(INT64_MAX, int(total))) if isinstance(total, int) else 0, members, merged)
 
 
-def open_checkpoint(coord: "Coordinator", cfg) -> Optional[str]:
+def new_run_id() -> str:
+    """A run id for a run started without --run-id (kept in its checkpoints, named in every handshake)."""
+    return "run-" + secrets.token_hex(8)
+
+
+def open_checkpoint(coord: "Coordinator", cfg) -> str:
     """The server's checkpoint at start-up: its directory must be writable; with --resume the checkpoint is read,
     checked (fragment count, shard, run id, usable values) and installed into `coord`; without it an existing file
-    is refused. Returns the run id (--run-id, or the resumed checkpoint's)."""
+    is refused. Returns the run id: --run-id, else the resumed checkpoint's, else a new one."""
     if not cfg.checkpoint:
-        return cfg.run_id
+        return cfg.run_id or new_run_id()
     d = os.path.dirname(os.path.abspath(cfg.checkpoint))
     if not os.path.isdir(d) or not os.access(d, os.W_OK):
         raise CheckpointError(f"checkpoint directory {d} does not exist or is not writable")
@@ -107,7 +113,7 @@ def open_checkpoint(coord: "Coordinator", cfg) -> Optional[str]:
         if os.path.exists(cfg.checkpoint):
             raise CheckpointError(f"checkpoint {cfg.checkpoint} already exists: pass --resume to continue that run, "
                                   "or move it away to start a new one")
-        return cfg.run_id
+        return cfg.run_id or new_run_id()
     meta, arrays = read_checkpoint(cfg.checkpoint)
     if len(meta["layout"]) != cfg.fragments:
         raise CheckpointError(f"checkpoint {cfg.checkpoint} has {len(meta['layout'])} fragments; "
@@ -123,7 +129,8 @@ def open_checkpoint(coord: "Coordinator", cfg) -> Optional[str]:
             if why:
                 raise CheckpointError(f"checkpoint {cfg.checkpoint} is not usable: {why}; resume from an "
                                       "earlier checkpoint")
+    run = have if isinstance(have, str) and have else new_run_id()   # (a checkpoint written before run ids)
     logging.getLogger("yeto.syncer").info(
-        "resumed from %s: %d fragments at versions %s, %d merges so far", cfg.checkpoint, len(coord.owned),
-        coord.versions(), coord.merges_total)
-    return have if isinstance(have, str) else None
+        "resumed run %s from %s: %d fragments at versions %s, %d merges so far", printable(run), cfg.checkpoint,
+        len(coord.owned), coord.versions(), coord.merges_total)
+    return run

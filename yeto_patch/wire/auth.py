@@ -1,10 +1,7 @@
-"""Authentication: shared key, challenge-response HMAC-SHA256, manifest digest, keyless policy.
+"""Authentication: the shared and per-island keys, nonces, the manifest digest, the keyless policy.
 
-Handshake (see docs/protocol.md, "Authentication"): the server sends CHALLENGE with a fresh 32-byte server
-nonce; the client answers HELLO with its own fresh nonce and ``client_mac``; the server verifies it and
-answers WELCOME with ``server_mac``, which the client verifies. Both MACs cover both nonces, the protocol
-version, the island id, the incarnation and the manifest digest, under different labels, so a recorded
-handshake cannot be replayed (the server nonce is new on every connection) nor reflected.
+The handshake itself (ephemeral key exchange, the HELLO's MAC, session keys, resumption) is in :mod:`.secure`
+(derivations) and :mod:`.handshake` (the island's side); see docs/protocol.md, "Authentication".
 """
 from __future__ import annotations
 
@@ -17,16 +14,14 @@ import stat
 import struct
 from typing import Iterable, Optional
 
-from .frames import VERSION, AuthError
+from .frames import AuthError
 
 NONCE_SIZE = 32
 DIGEST_SIZE = 32
 MIN_KEY_BYTES = 16
-CLIENT_LABEL = b"yeto-patch client v1\0"
-SERVER_LABEL = b"yeto-patch server v1\0"
 
-__all__ = ["NONCE_SIZE", "load_key", "load_island_keys", "manifest_digest", "new_nonce", "client_mac", "server_mac",
-           "verify", "check_insecure", "is_loopback", "mac_message"]
+__all__ = ["NONCE_SIZE", "load_key", "load_island_keys", "manifest_digest", "new_nonce", "verify", "check_insecure",
+           "is_loopback"]
 
 
 def load_key(path: Optional[str] = None, env: str = "YETO_KEY") -> Optional[bytes]:
@@ -111,35 +106,6 @@ def manifest_digest(manifest: Iterable[tuple[str, tuple[int, ...], str]]) -> byt
 
 def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_SIZE)
-
-
-def mac_message(label: bytes, server_nonce: bytes, client_nonce: bytes, island_id: str, incarnation: int,
-                manifest_digest: bytes) -> bytes:
-    """The exact bytes that are MACed (documented in docs/protocol.md)."""
-    for what, v, n in (("server nonce", server_nonce, NONCE_SIZE), ("client nonce", client_nonce, NONCE_SIZE),
-                       ("manifest digest", manifest_digest, DIGEST_SIZE)):
-        if not isinstance(v, (bytes, bytearray)) or len(v) != n:
-            raise AuthError(f"{what} must be {n} bytes")
-    if not isinstance(incarnation, int) or not 0 <= incarnation < 1 << 64:
-        raise AuthError(f"incarnation must be an integer in [0, 2**64), got {incarnation!r}")
-    try:
-        iid = str(island_id).encode("utf-8")
-    except UnicodeEncodeError:
-        raise AuthError("island id is not encodable as UTF-8 (an unpaired surrogate?)") from None
-    return b"".join([label, struct.pack("<H", VERSION), bytes(server_nonce), bytes(client_nonce),
-                     struct.pack("<I", len(iid)), iid, struct.pack("<Q", incarnation), bytes(manifest_digest)])
-
-
-def _mac(key: Optional[bytes], msg: bytes) -> bytes:
-    return hmac.new(key or b"", msg, hashlib.sha256).digest()
-
-
-def client_mac(key, server_nonce, client_nonce, island_id, incarnation, manifest_digest) -> bytes:
-    return _mac(key, mac_message(CLIENT_LABEL, server_nonce, client_nonce, island_id, incarnation, manifest_digest))
-
-
-def server_mac(key, server_nonce, client_nonce, island_id, incarnation, manifest_digest) -> bytes:
-    return _mac(key, mac_message(SERVER_LABEL, server_nonce, client_nonce, island_id, incarnation, manifest_digest))
 
 
 def verify(expected: bytes, got, what: str = "handshake") -> None:

@@ -6,14 +6,16 @@ incarnation); a reconnect after a failure is a new client with the same island i
 API::
 
     c = SyncerClient(address, key, island_id, manifest, *, incarnation=None, timeout=60.0, insecure=False,
-                     connect_retries=10, backoff=0.5, max_backoff=10.0)
+                     connect_retries=10, backoff=0.5, max_backoff=10.0, connect_timeout=None, run_id=None)
         manifest: ordered [(global name, full shape, dtype)]; key: bytes or None (None needs insecure=True and
-        a loopback address).
+        a loopback address). connect_timeout (default: timeout) bounds each attempt's TCP connect and the wait
+        for the syncer's CHALLENGE (a dead link fails an attempt within it); timeout bounds everything else.
+        run_id: the run this island joined earlier (None: any): a syncer of another run is refused (RunMismatch).
     c.connect() -> Welcome                   # connect (bounded exponential back-off), authenticated handshake
                                              # (islands pass connect_retries=0: island/link/syncer.py owns their policy)
         Welcome: island_id, layout (fragment -> manifest indices, ascending), numels, fragments, versions
         (None before INIT), needs_init (fragments this island must INIT), base_wire, heartbeat_s, lease_s,
-        islands, quorum, total_rounds, final.  Starts the reader and heartbeat threads.
+        islands, quorum, total_rounds, final, run_id (the syncer's run, authenticated), shard fields.  Starts the reader and heartbeat threads.
     c.send_init(fragment, arrays)            # float32 arrays of the fragment's tensors in layout order, streamed
     c.wait_ready(timeout, init_source=None) -> dict[int, Base]
         # sends INIT when the syncer asks (init_source(fragment) -> iterable of float32 arrays), then waits
@@ -70,7 +72,7 @@ import numpy as np
 
 from . import auth, codecs
 from .frames import CodecError, MsgType, PeerError, ProtocolError, WireTimeout
-from .handshake import _RESUME, _RESUME_LOCK, _handshake, probe  # noqa: F401 - re-exported
+from .handshake import _RESUME, _RESUME_LOCK, UNVERIFIED_MAX, _handshake, probe  # noqa: F401 - re-exported
 from .message import encode_meta
 from .text import check_island_id
 from .transport import Connection, connect
@@ -90,6 +92,17 @@ def _aligned(meta: dict, align: int = 64) -> dict:
     return m
 
 
+def _session_limits(w: Welcome) -> tuple:
+    """(per-type maxima, reassembly budget) of what the syncer may send after its WELCOME: a base is at most the
+    largest fragment in float32 plus room for its meta, everything else 1 MiB."""
+    numels = [int(n) for n in w.numels]
+    if not numels or min(numels) < 0:
+        raise ProtocolError("malformed WELCOME: no fragment sizes")
+    bulk = 4 * max(numels) + (1 << 20)
+    limits = {**{t: 1 << 20 for t in MsgType if t != MsgType.CHUNK}, MsgType.BASE: bulk, MsgType.FINAL_BASE: bulk}
+    return limits, bulk + (2 << 20)
+
+
 def _norm_manifest(manifest) -> list:
     out = []
     for e in manifest:
@@ -102,7 +115,8 @@ class SyncerClient:
     def __init__(self, address: str, key: Optional[bytes], island_id: str, manifest, *,
                  incarnation: Optional[int] = None, timeout: float = 60.0, insecure: bool = False,
                  connect_retries: int = 10, backoff: float = 0.5, max_backoff: float = 10.0,
-                 held: Optional[list] = None, bell: Optional[threading.Event] = None):
+                 held: Optional[list] = None, bell: Optional[threading.Event] = None,
+                 connect_timeout: Optional[float] = None, run_id: Optional[str] = None):
         if key is None:
             auth.check_insecure(address, insecure)
         self.address = address
@@ -112,7 +126,9 @@ class SyncerClient:
         self.digest = auth.manifest_digest(self.manifest)
         self.incarnation = random.getrandbits(63) if incarnation is None else int(incarnation)
         self.timeout = float(timeout)
+        self.connect_timeout = self.timeout if connect_timeout is None else min(float(connect_timeout), self.timeout)
         self.insecure = insecure
+        self.run_id = run_id
         self.connect_retries = connect_retries
         self.backoff = backoff
         self.max_backoff = max_backoff
@@ -149,20 +165,24 @@ class SyncerClient:
     def connect(self) -> Welcome:
         if self.conn is not None:
             raise ProtocolError("already connected")
-        conn = connect(self.address, timeout=self.timeout, retries=self.connect_retries, backoff=self.backoff,
-                       max_backoff=self.max_backoff)
+        conn = connect(self.address, timeout=self.connect_timeout, retries=self.connect_retries,
+                       backoff=self.backoff, max_backoff=self.max_backoff, max_payload=UNVERIFIED_MAX,
+                       max_reassembly_bytes=UNVERIFIED_MAX[MsgType.HELLO_OK])
+        conn.timeout = self.timeout   # (the connect timeout bounded the TCP connect; the CHALLENGE: below)
         try:
             meta = _handshake(conn, self.key, self.insecure, MsgType.HELLO, self.island_id, self.incarnation,
                               self.digest, {"manifest": [[n, list(s), d] for n, s, d in self.manifest],
                                             **({"held": self.held} if self.held is not None else {})},
-                              self.timeout, resume_slot=(self.address, self.island_id))
+                              self.timeout, resume_slot=(self.address, self.island_id),
+                              first_timeout=self.connect_timeout, run_id=self.run_id)
             w = Welcome(island_id=meta["island_id"], layout=meta["layout"], numels=meta["numels"],
                         fragments=meta["fragments"], versions=meta.get("versions"),
                         needs_init=list(meta.get("needs_init") or []), base_wire=meta.get("base_wire", "f32"),
                         heartbeat_s=float(meta.get("heartbeat_s", 5.0)), lease_s=float(meta.get("lease_s", 60.0)),
                         islands=meta.get("islands", 1), quorum=meta.get("quorum", 1),
                         total_rounds=meta.get("total_rounds"), final=bool(meta.get("final")),
-                        **shard_fields(meta))
+                        run_id=meta.get("run_id"), **shard_fields(meta))
+            conn.set_limits(*_session_limits(w))
         except BaseException:
             conn.close()
             raise

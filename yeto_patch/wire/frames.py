@@ -24,7 +24,7 @@ HEADER_SIZE = HEADER.size  # 28
 __all__ = [
     "MAGIC", "VERSION", "HEADER", "HEADER_SIZE", "MsgType", "MAX_PAYLOAD", "Header",
     "ProtocolError", "FrameError", "DigestError", "FrameAuthError", "AuthError", "CodecError", "PeerError",
-    "WireTimeout",
+    "WireTimeout", "UnverifiedHandshake", "UnverifiedRefusal", "RunMismatch",
     "encode_header", "decode_header", "digest", "type_name",
 ]
 
@@ -60,12 +60,46 @@ class CodecError(ProtocolError):
 
 
 class PeerError(ProtocolError):
-    """The peer sent an ERROR message."""
+    """The peer sent an ERROR message (``sealed``: in a frame that passed frame authentication)."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, sealed: bool = False):
         super().__init__(f"peer error [{code}]: {message}")
         self.code = code
         self.message = message
+        self.sealed = sealed
+
+
+_UNVERIFIED = ("nothing authenticated it: a wrong key on either side, or a handshake altered on the way; "
+               "trying again")
+
+
+class UnverifiedHandshake(AuthError):
+    """An island's handshake failed before anything from the syncer was authenticated (a CHALLENGE it cannot
+    answer, a first protected frame that does not verify). A wrong key and an on-path tamper look the same, so it
+    is transient: the island tries again until its timeout (``transient``)."""
+
+    transient = True
+
+    def __init__(self, message: str):
+        super().__init__(f"{message} ({_UNVERIFIED})")
+
+
+class UnverifiedRefusal(PeerError):
+    """A refusal (ERROR) that came in the clear, before the syncer's keys were verified: anyone on the path could
+    have written it, so it is transient (``transient``); only a refusal in a protected frame is final."""
+
+    transient = True
+
+    def __init__(self, code: str, message: str):
+        super().__init__(code, f"{message} ({_UNVERIFIED})")
+
+
+class RunMismatch(ProtocolError):
+    """The syncer (authenticated) belongs to another run than the one this island joined. Transient for the
+    island's dialing (another syncer may answer at that address, or the connection was redirected), named when
+    it gives up."""
+
+    transient = True
 
 
 class WireTimeout(ProtocolError, TimeoutError):

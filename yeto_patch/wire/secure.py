@@ -1,11 +1,18 @@
-"""Frame protection after the handshake: every frame authenticated (and optionally encrypted) with AES-256-GCM
-from ``cryptography``, keys derived from the handshake, one implicit sequence number per direction.
+"""Session keys and frame protection.
 
-Keys: HKDF-SHA256 (RFC 5869) with the shared key as input keying material, ``server_nonce | client_nonce`` as
-salt and ``b"yeto-patch frames v1\\0" | mode | b"\\0" | transcript`` as info, 64 bytes: the first 32 protect
-island -> syncer frames, the last 32 syncer -> island frames. ``transcript`` is the SHA-256 of the canonical
-JSON of the CHALLENGE and of the HELLO (without its ``mac``), so a relay that altered any handshake field
-(the offered mode included) leaves the two sides with different keys and the first protected frame fails.
+Session keys (handshake protocol 3, docs/protocol.md "Authentication"): both sides contribute a fresh X25519
+ephemeral key (``cryptography``) to every handshake; ``dh = X25519(own ephemeral, peer's ephemeral)``, and every
+session secret is HKDF-SHA256 (RFC 5869) with ``dh`` as input keying material and the shared (or per-island) key as
+salt, so it needs BOTH the key and one side's ephemeral private key: a recording of the handshake plus the key
+yields nothing (forward secrecy), and the resumption secret of one island's session is known to that island and
+the syncer only. ``info`` binds each secret to its use and to the transcript (the SHA-256 of the canonical JSON of
+the CHALLENGE and of the HELLO without its ``mac``), so a relay that altered any handshake field leaves the two
+sides with different keys. The pattern is Noise's NNpsk2 (ephemeral-ephemeral DH, a pre-shared key mixed in;
+the syncer sends the first ephemeral) written out with ``cryptography``'s X25519, HKDF and HMAC (not the Noise
+framework's own key schedule: the derivations below are the whole of it).
+
+Frame keys: ``HKDF(dh, salt=key, info=b"yeto-patch frames v3\\0" | mode | b"\\0" | transcript)``, 64 bytes: the
+first 32 protect island -> syncer frames, the last 32 syncer -> island frames.
 
 Per frame (flags bit 0 ``FLAG_AUTH``, bit 1 ``FLAG_ENC``; the header's digest field is 0, its length counts the
 payload without the tag), with ``nonce = u32 0 | u64 seq`` (``seq`` counts the frames of that direction from
@@ -21,24 +28,46 @@ the receiver's sequence number or data differ, so its tag does not verify: the c
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 from typing import Optional
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-__all__ = ["FLAG_AUTH", "FLAG_ENC", "TAG_SIZE", "MODES", "transcript", "derive_keys", "Sealer", "Opener",
-           "InvalidTag", "derive_resumption", "resumption_proof"]
+__all__ = ["FLAG_AUTH", "FLAG_ENC", "TAG_SIZE", "MODES", "EPHEMERAL_SIZE", "Ephemeral", "SessionKeys",
+           "transcript", "hello_mac", "derive_keys", "derive_resumption", "resumption_proof", "Sealer", "Opener",
+           "InvalidTag"]
 
 FLAG_AUTH = 1
 FLAG_ENC = 2
 TAG_SIZE = 16
 MODES = ("mac", "aead")
-INFO = b"yeto-patch frames v1\0"
+EPHEMERAL_SIZE = 32
+INFO = b"yeto-patch frames v3\0"
+RESUME_INFO = b"yeto-patch resume v3\0"
+PROOF_LABEL = b"yeto-patch resume proof v3\0"
+HELLO_LABEL = b"yeto-patch hello v3\0"
 _NONCE = struct.Struct("<IQ")
+
+
+class Ephemeral:
+    """One side's X25519 key pair for one handshake (never reused, never stored)."""
+
+    def __init__(self):
+        self._private = X25519PrivateKey.generate()
+        self.public = self._private.public_key().public_bytes_raw()
+
+    def shared(self, peer_public: bytes) -> bytes:
+        """``dh`` with the peer's public key (32 bytes); ValueError for a malformed or low-order key (an all-zero
+        result, which cryptography/OpenSSL refuses)."""
+        if not isinstance(peer_public, (bytes, bytearray)) or len(peer_public) != EPHEMERAL_SIZE:
+            raise ValueError(f"an ephemeral key must be {EPHEMERAL_SIZE} bytes")
+        return self._private.exchange(X25519PublicKey.from_public_bytes(bytes(peer_public)))
 
 
 def _canon(meta: dict) -> bytes:
@@ -54,13 +83,37 @@ def transcript(challenge: dict, hello: dict) -> bytes:
     return h.digest()
 
 
-def derive_keys(key: bytes, server_nonce: bytes, client_nonce: bytes, mode: str, th: bytes) -> tuple:
+def hello_mac(key: bytes, th: bytes) -> bytes:
+    """The HELLO's (or PROBE's) ``mac``: HMAC-SHA256 under the key over a label and the transcript, so the syncer
+    checks that the island holds the key, and that nothing of the handshake so far was altered or replayed, before
+    it reads anything more than the HELLO."""
+    return hmac.new(key, HELLO_LABEL + th, hashlib.sha256).digest()
+
+
+def _hkdf(key: bytes, dh: bytes, info: bytes, length: int) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=bytes(key), info=info).derive(bytes(dh))
+
+
+def derive_keys(key: bytes, dh: bytes, mode: str, th: bytes) -> tuple:
     """(island -> syncer key, syncer -> island key), 32 bytes each."""
     if mode not in MODES:
         raise ValueError(f"frame protection mode must be one of {MODES}, got {mode!r}")
-    okm = HKDF(algorithm=hashes.SHA256(), length=64, salt=bytes(server_nonce) + bytes(client_nonce),
-               info=INFO + mode.encode() + b"\0" + th).derive(key)
+    okm = _hkdf(key, dh, INFO + mode.encode() + b"\0" + th, 64)
     return okm[:32], okm[32:]
+
+
+class SessionKeys:
+    """What one authenticated handshake gives both sides: the frame keys of each direction and the session's
+    resumption secret (never sent)."""
+
+    def __init__(self, key: bytes, dh: bytes, mode: str, th: bytes):
+        self.mode = mode
+        self.c2s, self.s2c = derive_keys(key, dh, mode, th)
+        self.resumption = derive_resumption(key, dh, th)
+
+    @property
+    def encrypt(self) -> bool:
+        return self.mode == "aead"
 
 
 class _Dir:
@@ -116,20 +169,17 @@ class Opener(_Dir):
         body[:] = plain
 
 
-RESUME_INFO = b"yeto-patch resume v1\0"
-PROOF_LABEL = b"yeto-patch resume proof v1\0"
+def derive_resumption(key: bytes, dh: bytes, th: bytes) -> bytes:
+    """The session's resumption secret (32 bytes): both sides derive it from the handshake (it needs ``dh``, so no
+    other key holder can), it never travels. A later HELLO of the same island proves the session with
+    :func:`resumption_proof`."""
+    return _hkdf(key, dh, RESUME_INFO + th, 32)
 
 
-def derive_resumption(key: bytes, server_nonce: bytes, client_nonce: bytes, th: bytes) -> bytes:
-    """The session's resumption secret (32 bytes): both sides derive it from the handshake, it never travels.
-    A later HELLO of the same island proves the session with :func:`resumption_proof`."""
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=bytes(server_nonce) + bytes(client_nonce),
-                info=RESUME_INFO + th).derive(key)
-
-
-def resumption_proof(secret: bytes, server_nonce: bytes, client_nonce: bytes, island_id: str) -> bytes:
-    """HMAC-SHA256 under the previous session's resumption secret over this handshake's nonces and the id."""
-    import hmac
+def resumption_proof(secret: bytes, server_nonce: bytes, client_nonce: bytes, server_ephemeral: bytes,
+                     client_ephemeral: bytes, island_id: str) -> bytes:
+    """HMAC-SHA256 under the previous session's resumption secret over this handshake's nonces, ephemeral public
+    keys and the island id."""
     iid = island_id.encode("utf-8")
-    return hmac.new(secret, PROOF_LABEL + bytes(server_nonce) + bytes(client_nonce) + struct.pack("<I", len(iid))
-                    + iid, hashlib.sha256).digest()
+    return hmac.new(secret, PROOF_LABEL + bytes(server_nonce) + bytes(client_nonce) + bytes(server_ephemeral)
+                    + bytes(client_ephemeral) + struct.pack("<I", len(iid)) + iid, hashlib.sha256).digest()

@@ -355,14 +355,14 @@ class Connection:
             wait = self.timeout if timeout is None else timeout
             self._end, self._within = (None, None) if within is None else (time.monotonic() + within, within)
             try:
-                t, payload = self._recv(wait)
+                t, payload, sealed = self._recv(wait)
             except (FrameError, DigestError) as e:   # (FrameAuthError is a FrameError)
                 self._break(str(e))
                 raise
             finally:
                 self._end = None
         try:
-            return self._deliver(t, payload)
+            return self._deliver(t, payload, sealed)
         except FrameError as e:
             # a bad meta in a complete frame whose digest matched: nothing more is read, but the stream is in
             # step, so an ERROR naming the cause may still go out before the close (docs/protocol.md)
@@ -375,7 +375,8 @@ class Connection:
                     pass
             raise
 
-    def _recv(self, wait: float) -> tuple[MsgType, memoryview]:
+    def _recv(self, wait: float) -> tuple[MsgType, memoryview, bool]:
+        """(type, payload, whether its frames were protected) of the next complete message."""
         hdr = bytearray(HEADER_SIZE)
         deadline = time.monotonic() + wait
         while True:
@@ -396,7 +397,7 @@ class Connection:
                     self._open(hdr, None, memoryview(payload), h.msg_type.name)
                 elif xxhash.xxh3_64_intdigest(payload) != h.digest:
                     raise DigestError(f"digest mismatch in {h.msg_type.name} message from {self.peer}")
-                return h.msg_type, memoryview(payload)
+                return h.msg_type, memoryview(payload), sealed
             if h.length < ENVELOPE_SIZE:
                 raise FrameError(f"CHUNK frame of {h.length} bytes is shorter than its envelope")
             envb = bytearray(ENVELOPE_SIZE)
@@ -420,8 +421,8 @@ class Connection:
                 raise DigestError(f"digest mismatch in chunk of {_chunks._label(env)} from {self.peer} "
                                   f"(offset {env.offset})")
             done = self._reasm.commit(env, n)
-            if done is not None:
-                return done[0], memoryview(done[1])
+            if done is not None:   # (with protection on every chunk was sealed: only a lone ERROR may be clear)
+                return done[0], memoryview(done[1]), sealed
             # a message is flowing: wait for its next frame as long as for any stalled read
             deadline = max(deadline, time.monotonic() + self.timeout)
 
@@ -454,10 +455,10 @@ class Connection:
                                  "sealed by the peer (altered, injected, replayed, reordered or dropped on the "
                                  "path); closing the connection") from None
 
-    def _deliver(self, t: MsgType, payload: memoryview) -> tuple[MsgType, dict, memoryview]:
+    def _deliver(self, t: MsgType, payload: memoryview, sealed: bool) -> tuple[MsgType, dict, memoryview]:
         meta, body = unpack(payload)
         if t == MsgType.ERROR:
-            raise PeerError(str(meta.get("code", "error")), str(meta.get("message", "")))
+            raise PeerError(str(meta.get("code", "error")), str(meta.get("message", "")), sealed=sealed)
         return t, meta, body
 
 

@@ -42,6 +42,7 @@ class Welcome:
     quorum: int
     total_rounds: Optional[int]
     final: bool
+    run_id: Optional[str] = None    # the syncer's run (named in its authenticated HELLO_OK)
     shard: tuple = (0, 1)           # (index, count) of the syncer shard that answered
     owned: list = None              # the fragments that shard owns (default: every fragment)
     shard_addresses: tuple = ()     # every shard's address in shard order, when the syncer knows them
@@ -158,11 +159,18 @@ class PushReply:
     message: str = ""
 
 
+TRANSIENT_CODES = ("integrity", "island-taken")   # a frame altered on the path; an id held by a live connection
+
+
 def recoverable(e: BaseException) -> bool:
     """Whether ``e`` means the link to the syncer is gone (reconnecting may help) rather than a refusal: lost
-    or stalled connections, corrupt frames, connection refused while the syncer restarts.  Authentication,
-    manifest and island-count errors, refused pushes and codec errors are final."""
-    if isinstance(e, PeerError) and e.code == "integrity":   # a frame was altered on the path: a new link
+    or stalled connections, corrupt frames, connection refused while the syncer restarts, and anything in a
+    handshake that nothing authenticated (``transient``: a clear refusal, a CHALLENGE that cannot be answered,
+    a first protected frame that fails) or that names another run.  Authenticated refusals (auth, manifest,
+    too-many-islands), refused pushes and codec errors are final, except ``integrity`` and ``island-taken``."""
+    if getattr(e, "transient", False):
+        return True
+    if isinstance(e, PeerError) and e.code in TRANSIENT_CODES:
         return True
     if isinstance(e, (PeerError, AuthError, CodecError)):
         return False

@@ -4,7 +4,8 @@ rounds where the checkpoint left them (no pickle; written atomically).
 Saved by island rank 0 when Megatron saves iteration N, as ``<save dir>/yeto_sync/iter_<N:07d>.bin``; read when
 Megatron loads iteration N. Holds per fragment the base version its anchor is (the anchor's values are the
 syncer's base of that version, so they are not stored), the steps and tokens since the anchor, the push still
-waiting for its answer (its encoded body, to send again) and the error-feedback residual.
+waiting for its answer (its encoded body, to send again) and the error-feedback residual; and the syncer's run id
+(each shard's), so that a restarted island refuses a syncer of another run (``saved_runs``).
 
 File layout (little-endian)::
 
@@ -24,8 +25,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import xxhash
 
-__all__ = ["SyncStateError", "state_path", "write_state", "read_state", "capture", "save", "mismatch", "load",
-           "restore"]
+__all__ = ["SyncStateError", "state_path", "write_state", "read_state", "read_meta", "capture", "save", "mismatch", "load",
+           "restore", "saved_runs"]
 
 MAGIC = b"YETOSYNC"
 FORMAT_VERSION = 1
@@ -78,6 +79,25 @@ def write_state(path: str, meta: dict, arrays: Dict[str, np.ndarray]) -> int:
     return total
 
 
+def read_meta(path: str) -> dict:
+    """The meta alone (the arrays are not read)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_HEAD.size)
+            if len(head) < _HEAD.size:
+                raise SyncStateError(f"{path} is truncated ({len(head)} bytes)")
+            magic, version, _, n = _HEAD.unpack(head)
+            if magic != MAGIC or version != FORMAT_VERSION:
+                raise SyncStateError(f"{path} is not a yeto-patch island sync state (format {FORMAT_VERSION})")
+            raw = f.read(n)
+    except OSError as e:
+        raise SyncStateError(f"cannot read {path}: {e}") from None
+    try:
+        return json.loads(raw.decode())
+    except ValueError as e:
+        raise SyncStateError(f"{path}: bad meta: {e}") from None
+
+
 def read_state(path: str) -> Tuple[dict, Dict[str, np.ndarray]]:
     """(meta, arrays); SyncStateError naming what is wrong with a damaged or foreign file."""
     try:
@@ -111,9 +131,9 @@ def read_state(path: str) -> Tuple[dict, Dict[str, np.ndarray]]:
 
 
 # ------------------------------------------------------------------------------------------ the island's side
-def capture(settings, iteration: int, step: int, manifest_digest: str, fragments) -> Tuple[dict, Dict]:
+def capture(settings, iteration: int, step: int, manifest_digest: str, fragments, run_ids=None) -> Tuple[dict, Dict]:
     """Rank 0: (meta, arrays) of what a restart from this step needs (`fragments`: ``boundary.fragment``'s, every
-    push handed to the link: the engine drains the push lane first)."""
+    push handed to the link: the engine drains the push lane first; `run_ids`: each syncer shard's run id, in shard order)."""
     pending, arrays = {}, {}
     for frag in fragments.pushing():
         push, wire = frag.push, frag.side.wire
@@ -130,14 +150,15 @@ def capture(settings, iteration: int, step: int, manifest_digest: str, fragments
             "step": step, "manifest_digest": manifest_digest, "layout": fragments.layout,
             "push_dtype": settings.push_dtype, "block": settings.block, "error_feedback": bool(settings.error_feedback),
             "anchor_version": fragments.anchors(), "steps_since": [frag.steps_since for frag in fragments],
-            "tokens_since": [frag.tokens_since for frag in fragments], "pending": pending}
+            "tokens_since": [frag.tokens_since for frag in fragments], "pending": pending,
+            "run_ids": list(run_ids) if run_ids is not None else None}
     return meta, arrays
 
 
-def save(directory: str, iteration: int, settings, step: int, manifest_digest: str, fragments) -> bool:
+def save(directory: str, iteration: int, settings, step: int, manifest_digest: str, fragments, run_ids=None) -> bool:
     """Rank 0: write the island's sync state for `iteration` beside Megatron's checkpoint in `directory`."""
     path = state_path(directory, iteration)
-    meta, arrays = capture(settings, iteration, step, manifest_digest, fragments)
+    meta, arrays = capture(settings, iteration, step, manifest_digest, fragments, run_ids)
     n = write_state(path, meta, arrays)
     log.info("yeto-patch: saved the island's sync state for iteration %d (%.1f MB) to %s", iteration, n / 1e6, path)
     return True
@@ -191,6 +212,19 @@ def restore(state: dict, arrays: Dict[str, np.ndarray], fragments, versions: Dic
             if r is not None and r.size == frag.numel:
                 frag.side.residual = r.astype(np.float32, copy=True)
     return resend
+
+
+def saved_runs(directory: Optional[str], iteration: Optional[int]) -> Optional[list]:
+    """Rank 0, before connecting: the syncer run ids (one per shard) saved with the sync state of the Megatron
+    checkpoint this process resumed from, if there is one that names them; the link refuses a syncer of another
+    run (island/link/syncer.py)."""
+    if directory is None or iteration is None:
+        return None
+    path = state_path(directory, iteration)
+    if not os.path.exists(path):
+        return None
+    runs = read_meta(path).get("run_ids")
+    return [r if isinstance(r, str) else None for r in runs] if isinstance(runs, list) else None
 
 
 def load(path: str, iteration: int, arrays: Dict[str, np.ndarray], settings, *, manifest_digest: str,

@@ -24,8 +24,10 @@ log = logging.getLogger("yeto_patch")
 class ShardedLink:
     """The link to every shard of the syncer; the same interface as ``SyncerLink``."""
 
-    def __init__(self, settings, wire_manifest, *, start_digests=None, step: Callable[[], int] = lambda: 0, record=None):
+    def __init__(self, settings, wire_manifest, *, start_digests=None, step: Callable[[], int] = lambda: 0, record=None,
+                 runs=None):
         self.settings = settings
+        self.runs = list(runs or [])   # shard i's run id saved with the sync state this island restarted from
         self._args = dict(start_digests=start_digests, step=step, record=record)
         self.manifest = wire_manifest
         self.arrival = threading.Event()
@@ -34,7 +36,9 @@ class ShardedLink:
         self._final: dict = {}     # shard index -> its final bases, once complete
 
     def _link(self, address) -> SyncerLink:
-        return SyncerLink(self.settings, self.manifest, address=address, arrival=self.arrival, **self._args)
+        i = len(self.links)   # (opened in shard order)
+        return SyncerLink(self.settings, self.manifest, address=address, arrival=self.arrival,
+                          run_id=self.runs[i] if i < len(self.runs) else None, **self._args)
 
     # ---------------------------------------------------------------------------------------------- connecting
     def open(self):
@@ -92,6 +96,11 @@ class ShardedLink:
         return types.SimpleNamespace(layout=first.layout, numels=first.numels, fragments=first.fragments, versions=versions,
                        needs_init=sorted(f for w in welcomes for f in w.needs_init),
                        final=any(w.final for w in welcomes))
+
+    @property
+    def run_ids(self) -> list:
+        """Each shard's run id, in shard order (kept in the island's sync state)."""
+        return [link.run_id for link in self.links]
 
     def attach(self, fragments) -> None:
         for link in self.links:

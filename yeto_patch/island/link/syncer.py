@@ -4,7 +4,9 @@ that arrived (torch-free).
 Connecting (at start-up and after a lost link) follows ONE back-off policy, ``Backoff``: attempts 0.5 s apart at
 first, doubling up to 10 s, +-20% jitter, for up to YETO_DILOCO_TIMEOUT (an island may be started before its
 syncer; a syncer may restart). Each attempt is one TCP connect and handshake (``SyncerClient`` with
-``connect_retries=0``: ``wire.transport.connect``'s own retry loop is not used by islands). Errors that a retry
+``connect_retries=0``: ``wire.transport.connect``'s own retry loop is not used by islands); its TCP connect and
+the wait for the syncer's first message have their own short bound (``attempt_timeout``: at most 10 s), so a dead
+link fails an attempt quickly and the back-off applies even when YETO_DILOCO_TIMEOUT is short. Errors that a retry
 cannot help (a bad key, another run's manifest, a refusal) end the attempts at once.
 
 After a lost link (syncer restart, cut link, dead peer) ``reconnect`` keeps the incarnation and reconciles: a
@@ -26,6 +28,13 @@ from yeto_patch.island.masters.builds import explain_refusal
 from yeto_patch.wire.frames import PeerError
 
 log = logging.getLogger("yeto_patch")
+CONNECT_TIMEOUT_S = 10.0   # the longest one attempt waits for a TCP connect and for the syncer's CHALLENGE
+
+
+def attempt_timeout(total: float) -> float:
+    """One connection attempt's bound on its TCP connect and on the syncer's first message: a quarter of
+    YETO_DILOCO_TIMEOUT, at least 1 s and at most CONNECT_TIMEOUT_S (several attempts fit in any timeout)."""
+    return min(CONNECT_TIMEOUT_S, max(1.0, total / 4))
 
 
 class Backoff:
@@ -81,11 +90,13 @@ class SyncerLink:
     the boundary log (or None)."""
 
     def __init__(self, settings, wire_manifest, *, start_digests=None, step: Callable[[], int] = lambda: 0,
-                 record=None, address: Optional[str] = None, arrival=None):
+                 record=None, address: Optional[str] = None, arrival=None, run_id: Optional[str] = None):
         self.settings = settings
         self.address = address or settings.syncer   # (one shard's, for a sharded syncer)
         self.arrival = arrival                      # an Event the client sets on every arrival (sharded.py)
         self.owned: Optional[list] = None           # the fragments this syncer (shard) owns, from its welcome
+        self.run_id = run_id                        # the syncer's run: from the first welcome (or the sync state
+        #                                             this island restarted from); a syncer of another run is refused
         self.manifest = wire_manifest
         self.start_digests = start_digests          # per-tensor digests of this island's start (or None)
         self.step = step
@@ -99,24 +110,34 @@ class SyncerLink:
         self.refusals = collections.deque()   # refusals the sender thread met (raised by poll)
 
     # ---------------------------------------------------------------------------------------------- connecting
-    def _client(self, incarnation, timeout, start_digests):
+    def _client(self, incarnation, timeout, start_digests, connect_timeout):
         from yeto_patch.wire.client import SyncerClient
         s = self.settings
         return SyncerClient(self.address, self.key, s.island_id, self.manifest, incarnation=incarnation,
                             timeout=timeout, insecure=s.insecure, connect_retries=0, held=start_digests,
-                            bell=self.arrival)
+                            bell=self.arrival, connect_timeout=connect_timeout, run_id=self.run_id)
 
     def _dial(self, incarnation, timeout, start_digests, deadline, what, on_retry=None):
         from yeto_patch.wire.sender import BackgroundSender
+        per_attempt = attempt_timeout(self.settings.timeout)
 
         def attempt():
-            c = self._client(incarnation, timeout, start_digests)
+            left = deadline - time.monotonic()
+            c = self._client(incarnation, timeout, start_digests, max(0.5, min(per_attempt, left)))
             try:
                 return c, c.connect()
             except BaseException:
                 c.abort()
                 raise
-        (c, w), n = dial(attempt, deadline, what, on_retry=on_retry)
+        said = set()
+
+        def retrying(e, left):   # say once per kind what an attempt met that nothing authenticated, or another run
+            if getattr(e, "transient", False) and type(e) not in said:
+                said.add(type(e))
+                log.warning("yeto-patch: %s: %s: %s; trying again for up to %.0fs", what, type(e).__name__, e, left)
+            if on_retry is not None:
+                on_retry(e, left)
+        (c, w), n = dial(attempt, deadline, what, on_retry=retrying)
         self.client = c
         self.sender = BackgroundSender(self.settings.send_queue_bytes, name="yeto-push-sender")
         return w, n
@@ -142,6 +163,7 @@ class SyncerLink:
         if n > 1:
             log.info("yeto-patch: connected to the syncer at %s (attempt %d)", self.address, n)
         self.owned = list(w.owned)
+        self.run_id = w.run_id
         return w
 
     def attach(self, fragments) -> None:
