@@ -116,3 +116,17 @@ def test_guard_limits_follow_the_recent_median():
     assert g.admit(0, 11.0, "c\nforged line", base_norm=1.0) is not None
     assert g.admit(1, 1e9, "a", base_norm=0.0) is None        # no history, zero base: no bound (merge checks)
     assert NormGuard(0).measure("f32", np.zeros(4, np.float32).tobytes(), 4, 256) is None
+
+
+def test_first_round_pushes_do_not_set_the_scale():
+    """Streaming fragments in warm-up (issue 24): a fragment's first round covers 1-2 inner steps at lr ~0, so its
+    pushes are 50x below the next rounds'; they are checked (base-norm rule) but do not become the median."""
+    g = NormGuard(10.0)
+    for island in ("a", "b"):   # round 1 (relative to the initial base v0): tiny
+        assert g.admit(0, 0.015, island, base_norm=3.0, scale=False) is None
+    assert g.admit(0, 0.8, "a", base_norm=3.0) is None        # round 2: 10 x max(base norm, history)
+    assert g.admit(0, 0.8, "b", base_norm=3.0) is None        # (before: median(0.015, 0.015, 0.8) -> refused)
+    assert g.admit(0, 0.9, "a", base_norm=3.0) is None
+    assert g.limit(0, 3.0) == pytest.approx(8.0)              # the median of the later rounds only
+    assert g.admit(0, 9.0, "b", base_norm=3.0) is not None    # still an outlier guard
+    assert g.admit(0, 1e4, "b", base_norm=3.0, scale=False) is not None   # first-round pushes are checked too

@@ -5,7 +5,11 @@
   ``ratio`` times the larger of the fragment's base norm and the largest accepted norm) is refused with code
   ``outlier`` before it touches anything; the log names the island (escaped) and both norms. ``ratio`` 0
   disables the guard. A push that cannot be measured (malformed, non-finite) is left to the usual validation,
-  which refuses it with its own code.
+  which refuses it with its own code. The pushes of a fragment's first round (relative to the initial base) are
+  checked but do not join the history: they start from the initial weights, usually inside the learning-rate
+  warm-up (the first update often at lr 0), and with streaming fragments the first round covers only the
+  fragment's offset (1-2 inner steps of H = 10 with 4-8 fragments), so their norms can be 50x below every later
+  round's; as the median's scale they made the guard refuse the second round's ordinary pushes.
 * A base is *usable* when every value is finite and at most ``USABLE_MAX`` in magnitude (the outer step refuses a
   merge whose result would not be, see outer.py); a checkpoint whose arrays are not usable is refused at
   ``--resume``.
@@ -172,8 +176,10 @@ class NormGuard:
         ref = max([base_norm] + h)
         return self.ratio * ref if ref > 0 else None
 
-    def admit(self, fragment: int, norm: Optional[float], island: str, base_norm: float) -> Optional[str]:
-        """The refusal message for a push of this norm (None: admitted, and its norm joins the history)."""
+    def admit(self, fragment: int, norm: Optional[float], island: str, base_norm: float,
+              scale: bool = True) -> Optional[str]:
+        """The refusal message for a push of this norm (None: admitted, and with `scale` its norm joins the
+        history: False for a fragment's first round, see the module docstring)."""
         if norm is None or not self.enabled:
             return None
         lim = self.limit(fragment, base_norm)
@@ -185,7 +191,7 @@ class NormGuard:
             return (f"push of fragment {fragment} has norm {norm:.4g}, above the limit {lim:.4g} "
                     f"(--max-push-norm-ratio {self.ratio:g} x the recent median of accepted push norms, or of the "
                     f"base norm before there are {MIN_HISTORY}); refused")
-        if norm > 0:
+        if norm > 0 and scale:
             with self._lock:
                 self._hist[fragment].append(norm)
         return None
