@@ -155,3 +155,31 @@ def test_adoptions_own_weights_and_the_final_cut_install_synchronously_even_with
     fs[1].staging = [2, 0]
     p = plan(100, 100, [], fs, by_syncer=False, staged={1}, stage=True)    # the final cut: nothing staged now
     assert p.final and p.stage == [] and p.staged == [] and p.install == [[2, 2, 0, False]]
+
+
+def test_a_push_s_answer_is_installed_at_its_step_plus_tau_whenever_it_arrives():
+    """Issue 24: the install step is fixed by the plan (push step + tau), not by when the base arrived."""
+    fs = states()
+    fs[0].pending = {"step": 10, "fragment": 0, "base_version": 1}
+    fs[0].arrived = base(0, 2)                       # the answer arrives 1 step after the push
+    p = plan(11, 100, [], fs, by_syncer=False, stage=True, tau=5)
+    assert p.stage == [[0, 2, 0]] and p.staged == []  # staged at once (in the background) ...
+    fs[0].arrived, fs[0].staging = None, [2, 0]
+    for step in range(12, 15):                       # ... and held while it is not due
+        assert plan(step, 100, [], fs, by_syncer=False, staged={0}, stage=True, tau=5).staged == []
+    assert plan(15, 100, [], fs, by_syncer=False, staged={0}, stage=True, tau=5).staged == [0]   # 10 + 5
+    fs = states()                                    # installed synchronously (no stager): the same step
+    fs[1].pending = {"step": 10, "fragment": 1, "base_version": 1}
+    fs[1].arrived = base(1, 2)
+    assert plan(14, 100, [], fs, by_syncer=False, tau=5).install == []
+    assert plan(15, 100, [], fs, by_syncer=False, tau=5).install == [[1, 2, 0, False]]
+    assert overdue(14, 5, fs) == [] and overdue(15, 5, fs) == [1]   # not there by then: waited for after step 15
+
+
+def test_a_base_that_answers_no_push_of_this_island_is_installed_at_once():
+    fs = states()
+    fs[2].staging = [2, 0]                           # merged by a quorum without this island (no push pending)
+    assert plan(11, 100, [], fs, by_syncer=False, staged={2}, stage=True, tau=5).staged == [2]
+    fs[1].arrived, fs[1].adopt = base(1, 0), True    # an adoption after a restart
+    fs[1].pending = {"step": 10, "fragment": 1, "base_version": 1}
+    assert plan(11, 100, [], fs, by_syncer=False, tau=5).install == [[1, 0, 0, False]]

@@ -22,9 +22,10 @@ Life of an island:
   steps where something can happen (a fragment is due, a push awaits its base, or it is the last step), so most
   steps cost no collective at all; the pushes and waits it plans run after the update. A merged base arriving
   in the background is staged at the first plan after it arrived: every rank's worker takes part in sending it
-  to the ranks with a FP32 master of it, beside training (``base_stager.py``); a later plan arms it and, inside
-  that step, after the leaf optimizer's update and just before Megatron casts its masters into the model
-  params (and gathers them to the replicas), each rank installs it into its own masters in one pass
+  to the ranks with a FP32 master of it, beside training (``base_stager.py``); the plan of the step the push's
+  answer is due (push step + tau, ``plan.install_due``: fixed by the plan, whenever the base arrived) arms it
+  and, inside that step, after the leaf optimizer's update and just before Megatron casts its masters into the
+  model params (and gathers them to the replicas), each rank installs it into its own masters in one pass
   (``before_param_copy``): ``alpha * local + (1 - alpha) * base`` when tau > 0, the base itself when tau = 0;
   the base becomes the fragment's anchor (``engine_installs.py``). A base nobody on this island asked for
   (merged by a quorum without it) waits for the next such step. If tau steps pass after a push without its
@@ -416,7 +417,8 @@ class Engine(Installs):
             self.stager.check()
             self.link.poll()
             staged = {st.index for st in self.frags if self.stager.done(st.index)}
-            return plan(step, self.total, due, self.frags, self.link.final_cut, staged, stage=True).as_json()
+            return plan(step, self.total, due, self.frags, self.link.final_cut, staged, stage=True,
+                        tau=self.settings.overlap_steps).as_json()
         p = Plan.from_json(self.channel.rank0(decide, f"plan step {step}"))
         return p, time.perf_counter() - t0
 

@@ -11,7 +11,13 @@ Rank 0 computes the plan and broadcasts it (as JSON) so that every rank runs the
   progress away (a fragment the syncer is behind on adopts the syncer's base first); so does a fragment whose
   push is still in the background (island/boundary/push_lane.py). With a base stager the arrived bases are staged
   first (every holder gets its part in the background, island/boundary/base_lane.py) and installed, locally on every
-  rank, at the first plan after rank 0's part of the staging ended.
+  rank, at a plan after rank 0's part of the staging ended.
+- The install step of a push's answer is fixed by the plan, not by when the base arrives (``install_due``): the
+  base answering fragment f's push of step t is installed in step t + tau (after that step's update), as the
+  Streaming DiLoCo paper does; arriving earlier it is staged at once and waits, staged, for that step; not there by
+  then, the island waits for it after that step (``overdue``). So with a fixed roster the run does not depend on
+  how fast the syncer answers (a quiet or a busy machine, a near or a far syncer). A base that answers no push of
+  this island (merged by a quorum without it) or an adoption after a restart is installed at once.
 - ``overdue``: pushes waited on because tau steps passed without their answer.
 """
 from __future__ import annotations
@@ -67,12 +73,19 @@ def stageable(state) -> bool:
     return not state.adopt and not (state.arrived.relative and state.arrived.held)
 
 
+def install_due(state, step: int, tau: int) -> bool:
+    """The base held for `state` may be installed in `step`: it answers no pending push of this island, or `step`
+    is at or past the push's step + tau (the step the plan fixes for it)."""
+    return state.pending is None or step >= int(state.pending["step"]) + tau
+
+
 def plan(step: int, total: int, due: Sequence[int], states, by_syncer: bool, staged: AbstractSet[int] = frozenset(),
-         stage: bool = False) -> Plan:
+         stage: bool = False, tau: int = 0) -> Plan:
     """The plan of `step` (rank 0, after taking the bases received): `due` from the schedule, `states` the
     fragments' states, `by_syncer` whether the syncer started its final cut; `staged`: fragments whose staged
     base is ready on rank 0; `stage`: arrived bases are staged in the background (installed at a later plan)
-    rather than installed synchronously."""
+    rather than installed synchronously; `tau`: a push's answer is installed at its step + tau
+    (``install_due``), not before."""
     final = step >= total or by_syncer
     due = [] if final else list(due)
     skip = [f for f in due if states[f].skip]
@@ -85,12 +98,12 @@ def plan(step: int, total: int, due: Sequence[int], states, by_syncer: bool, sta
         return p
     for s in states:
         if s.staging is not None:   # nothing else goes into a fragment while its base is staged
-            if s.index in staged and s.index not in pushing:
+            if s.index in staged and s.index not in pushing and install_due(s, step, tau):
                 p.staged.append(s.index)
         elif s.arrived is not None and (s.adopt or (s.arrived.version > s.anchor_version and s.index not in pushing)):
             if stage and not final and stageable(s):
-                p.stage.append(install_spec(s)[:3])
-            else:
+                p.stage.append(install_spec(s)[:3])   # staged at once, installed when due
+            elif s.adopt or final or install_due(s, step, tau):
                 p.install.append(install_spec(s))
     return p
 
