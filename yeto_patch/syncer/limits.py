@@ -75,12 +75,4 @@ class InitWatch:
     def clear(self) -> None:
         self.since = None
 
-    def pick(self, candidates: Iterable):
-        """The first candidate whose island has not failed to INIT before, else the first one (or None)."""
-        cs = list(candidates)
-        for c in cs:
-            if c.island not in self.failed:
-                return c
-        return cs[0] if cs else None
-
 

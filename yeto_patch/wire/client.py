@@ -100,7 +100,7 @@ class SyncerClient:
     def __init__(self, address: str, key: Optional[bytes], island_id: str, manifest, *,
                  incarnation: Optional[int] = None, timeout: float = 60.0, insecure: bool = False,
                  connect_retries: int = 10, backoff: float = 0.5, max_backoff: float = 10.0,
-                 held: Optional[list] = None, bell: Optional[threading.Event] = None):
+                 held: Optional[list] = None, bell: Optional[threading.Event] = None, initializer: bool = False):
         if key is None:
             auth.check_insecure(address, insecure)
         self.address = address
@@ -118,6 +118,7 @@ class SyncerClient:
                 isinstance(h, str) and len(h) == 16 for h in held)):
             raise ValueError("held: one 16-hex-digit xxh3_64 digest per manifest tensor")
         self.held = None if held is None else list(held)
+        self.initializer = bool(initializer)   # MANIFEST says: this island's weights are the run's start
         self.conn: Optional[Connection] = None
         self.welcome: Optional[Welcome] = None
         self.local_step = 0
@@ -152,7 +153,8 @@ class SyncerClient:
         try:
             meta = _handshake(conn, self.key, self.insecure, MsgType.HELLO, self.island_id, self.incarnation,
                               self.digest, {"manifest": [[n, list(s), d] for n, s, d in self.manifest],
-                                            **({"held": self.held} if self.held is not None else {})},
+                                            **({"held": self.held} if self.held is not None else {}),
+                                            **({"initializer": True} if self.initializer else {})},
                               self.timeout, resume_slot=(self.address, self.island_id))
             w = Welcome(island_id=meta["island_id"], layout=meta["layout"], numels=meta["numels"],
                         fragments=meta["fragments"], versions=meta.get("versions"),

@@ -101,7 +101,8 @@ class SyncerLink:
         from yeto_patch.wire.client import SyncerClient
         s = self.settings
         return SyncerClient(self.address, self.key, s.island_id, self.manifest, incarnation=incarnation,
-                            timeout=timeout, insecure=s.insecure, connect_retries=0, held=held, bell=self.bell)
+                            timeout=timeout, insecure=s.insecure, connect_retries=0, held=held, bell=self.bell,
+                            initializer=bool(getattr(s, "initializer", False)))
 
     def _dial(self, incarnation, timeout, held, deadline, what, on_retry=None):
         from yeto_patch.wire.sender import BackgroundSender
