@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 
 __all__ = ["default_max_model_bytes", "model_size_error", "island_buffer_bytes", "stateless_members", "InitWatch"]
