@@ -76,6 +76,19 @@ class Cell:
     setting: str = "defaults"
     rep: int = 0
 
+    def command(self) -> str:
+        """The command that runs this cell alone (with what it compares to: DDP, the lone run, the reference)."""
+        s = f"python benchmarks/convergence_mlm.py --seeds {self.seeds[0]}:{self.seeds[1]}"
+        if self.kind == "ddp":
+            return s + " --only ddp"
+        s += f" --init {self.init}"
+        if self.kind == "lone":
+            return s + " --only lone"
+        s += f" --fragments {self.fragments} --only {self.kind}"
+        if self.kind == "diloco" and self.load != "quiet":
+            s += f" --load {self.load}"
+        return s + ("" if self.setting == "defaults" else f" --settings '{self.setting}'")
+
     @property
     def name(self) -> str:
         s = f"{self.kind} {self.seeds[0]}:{self.seeds[1]}"
@@ -349,7 +362,7 @@ def tables(res: dict) -> str:
         ddp = res.get(Cell("ddp", seeds), {}).get("loss")
         out += [f"\nseeds {seeds[0]}:{seeds[1]}" + (f" (DDP {ddp:.4f})" if ddp else ""),
                 "| init | F | load | setting | yeto-patch | / DDP | lone (same start) | yeto / lone | reference | "
-                "yeto / ref | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "yeto / ref | wall s | command |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c, v in res.items():
             if c.seeds != seeds or c.kind != "diloco":
                 continue
@@ -359,7 +372,7 @@ def tables(res: dict) -> str:
                 c.init, str(c.fragments), c.load, c.setting + (f" #{c.rep}" if c.rep else ""), f"{v['loss']:.4f}",
                 f"{v['loss'] / ddp:.4f}" if ddp else "n/a", f"{lone:.4f}" if lone else "n/a",
                 f"{v['loss'] / lone:.4f}" if lone else "n/a", f"{ref:.4f}" if ref else "n/a",
-                f"{v['loss'] / ref:.4f}" if ref else "n/a", f"{v['wall_s']:.0f}"]) + " |")
+                f"{v['loss'] / ref:.4f}" if ref else "n/a", f"{v['wall_s']:.0f}", f"`{c.command()}`"]) + " |")
         for c, v in res.items():
             if c.seeds == seeds and c.kind in ("lone", "ref"):
                 out.append(f"{c.name}: {v['loss']:.4f}" + (f" ({v['loss'] / ddp:.4f}x DDP)" if ddp else ""))

@@ -104,13 +104,14 @@ def test_a_declared_initializer_is_taken_as_soon_as_it_joins():
             x.close()
 
 
-@pytest.mark.parametrize("case", ["two declarations", "named another", "after the run started"])
+@pytest.mark.parametrize("case", ["two declarations", "named another", "after the run started", "while it starts"])
 def test_a_declaration_the_syncer_cannot_honour_is_refused_at_the_join(case):
     server, addr = make_server(islands=2, fragments=2, rounds={"quorum": 1, "grace_s": 0.0},
                                initializer="a" if case == "named another" else "first")
     with running(server):
         first = client(addr, "a", held=DIGESTS[0], initializer=case == "two declarations")
         w = first.connect()
+        assert w.needs_init == [0, 1]   # ("while it starts": asked to INIT, nothing sent yet)
         if case == "after the run started":
             first.wait_ready(20, init_source=lambda f: [init_values()[i] for i in w.layout[f]])
         with pytest.raises(PeerError) as e:

@@ -298,7 +298,7 @@ def _join(server, s, island, incarnation, manifest, digest, smac, sess) -> bool:
             _refuse(s, "island-taken", f"island id {island!r} is held by a live connection; only that session "
                     f"(its resumption proof) can reconnect before its lease of {cfg.rounds.lease_s:g}s expires")
             return False
-        why = server.init.choice.conflict(s, list(server.sessions.values()), coord.initialized)
+        why = server.init.choice.conflict(s, list(server.sessions.values()), coord.initialized, server.init.session)
         if why is not None:
             _refuse(s, "init", why)
             return False

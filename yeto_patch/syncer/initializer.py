@@ -17,7 +17,7 @@ loaded the pretrained weights of a fine-tune): under ``lowest-id`` and ``first``
 whoever else is there. A declaration the syncer cannot honour is refused at the join, naming why, rather than
 losing a start silently: a syncer told ``--initializer X`` refuses another island's declaration; two islands that
 declare different start digests (YETO_DILOCO_START_DIGEST, on by default) refuse the second; and an island that
-declares after the run was initialized from another island with other weights is refused. Without any
+declares while or after the run is initialized from another island with other weights is refused. Without any
 declaration, islands that start from different weights (their digests differ: every pretraining from random
 weights) take the chosen island's INIT; the syncer logs that it did and how to name an initializer.
 
@@ -85,9 +85,9 @@ class InitChoice:
             return None
         return self.first_join + self.wait_s
 
-    def conflict(self, s, live: Iterable, initialized: bool) -> Optional[str]:
+    def conflict(self, s, live: Iterable, initialized: bool, chosen=None) -> Optional[str]:
         """Why the join of session `s` must be refused (None: it may join): its declaration to initialize the run
-        cannot be honoured."""
+        cannot be honoured. `chosen`: the session already asked to INIT the run (None: none yet)."""
         if not getattr(s, "declares_init", False):
             return None
         if self.named is not None and s.island != self.named:
@@ -99,6 +99,11 @@ class InitChoice:
                     and not _same(x.declared, s.declared):
                 return (f"islands {x.island!r} and {s.island!r} both declare their weights the run's start "
                         f"(YETO_DILOCO_INITIALIZER=1) and their start digests differ; set it on one island only")
+        if not initialized and chosen is not None and not chosen.closed and chosen.island != s.island \
+                and not _same(chosen.declared, s.declared):
+            return (f"island {s.island!r} declares its weights the run's start (YETO_DILOCO_INITIALIZER=1), but "
+                    f"the run is being initialized from island {chosen.island!r}'s weights, which differ; restart "
+                    f"the syncer run with this island joining first, or name it with --initializer")
         if initialized and self.init_from is not None and self.init_from[0] != s.island \
                 and not _same(self.init_from[1], s.declared):
             return (f"island {s.island!r} declares its weights the run's start (YETO_DILOCO_INITIALIZER=1), but "
