@@ -186,10 +186,13 @@ def main(argv=None):
     ap.add_argument("--seq-length", type=int, default=64)
     ap.add_argument("--eval-seqs", type=int, default=128)
     ap.add_argument("--runs", default="diloco", help="comma-separated: diloco, lone")
+    ap.add_argument("--dropout-seed", type=int, default=None, help="seed of the dropout draws (default: SA); "
+                    "other values measure how much the draws alone move the result")
     ap.add_argument("--cache", default=None, help="Megatron's dataset index cache (default: beside --data)")
     ap.add_argument("--json", default=None)
     o = ap.parse_args(argv)
     o.seeds = [int(x) for x in o.seeds.split(":")]
+    o.dropout_seed = o.seeds[0] if o.dropout_seed is None else o.dropout_seed
     o.cache = o.cache or os.path.join(o.data, "ref-cache")
     from yeto_patch.config import AUTO_TAU_MAX
     from yeto_patch.syncer.outer import lr_for_steps
@@ -203,8 +206,8 @@ def main(argv=None):
     for run in [r for r in o.runs.split(",") if r]:
         t0 = time.time()
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-        torch.manual_seed(o.seeds[0])
-        model_parallel_cuda_manual_seed(o.seeds[0])   # (dropout draws: every run of this script the same)
+        torch.manual_seed(o.dropout_seed)
+        model_parallel_cuda_manual_seed(o.dropout_seed)   # (dropout draws: every run of this script the same)
         reps = [Replica(S, o, o.init, shard, seed) for shard, seed in (("shard0", o.seeds[0]), ("shard1", o.seeds[1]))]
         if run == "lone":
             for k in range(o.iters):
