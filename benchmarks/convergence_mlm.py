@@ -1,34 +1,50 @@
 #!/usr/bin/env python
 """DiLoCo through yeto-patch on Megatron-LM's own training loop: two islands (TP2 and PP2) against one data-parallel
-job and against each island training alone, on byte-level text; held-out loss.
+job, against the initializing island training alone from the same start, and against textbook DiLoCo from the
+same start; held-out loss, over fragment counts, seeds, the island that initializes and machine load.
 
 Every run is Megatron-LM's real ``pretrain()`` (tests/shim/scripts/pretrain_gpt_cpu.py: local layer spec, bf16,
 distributed optimizer, Megatron's GPTDataset over indexed .bin/.idx files, NullTokenizer with vocabulary 257 =
 256 bytes + end of document), 2 gloo ranks per job on CPU, launched with torchrun; yeto-patch is attached only
 through PYTHONPATH and YETO_* variables.  Data: the Python standard library's sources split by document
-(examples/byte_corpus.py) into island shards 0 and 1 and a held-out file.
+(examples/byte_corpus.py) into island shards 0 and 1 and a held-out file.  Island a is TP2 on shard 0 with seed
+SA, island b PP2 on shard 1 with seed SB (``--seeds SA:SB,...``; the seed sets the initial weights, dropout and
+the order of each island's samples).
 
-- ``ddp``: one DP2 job, global batch 8 over both shards (the islands' tokens in total);
-- ``lone-tp2`` / ``lone-pp2``: one island alone on its own shard, global batch 4, the same steps;
-- DiLoCo rows: a syncer and the two islands (TP2 on shard 0, PP2 on shard 1, global batch 4 each, the TP2 island
-  padding its vocabulary like the PP2 one so the final models are identical), ``YETO_DILOCO_SYNC_EVERY=H`` and
-  the row's settings; ``defaults`` sets nothing else.
+Cells (each a separate job; the held-out samples are drawn with ``--valid-seed`` whatever the seed, so every
+cell evaluates the same sequences):
 
-Every job ends with Megatron's own evaluation of its final model on the same held-out samples (128 sequences);
-the DiLoCo rows evaluate the final cut on both islands (the same model; both figures are printed).  The last line:
-``convergence_mlm: defaults X.XXXx DDP, best measured Y.YYYx DDP, lone island Z.ZZZx DDP`` (docs/convergence.md).
+- ``ddp``: one DP2 job, global batch 8 over both shards (the islands' tokens in total), seed SA;
+- ``lone``: the initializing island alone (its layout, shard and seed: the same start as a DiLoCo run it
+  initializes), global batch 4, the same steps; it also writes its start (the INIT) for the reference;
+- ``diloco``: a syncer (``--islands 2 --fragments F``, the setting's flags) and the two islands (global batch 4
+  each, ``YETO_DILOCO_SYNC_EVERY=H`` and the setting's variables; ``defaults`` sets nothing else), the syncer
+  told which island initializes (``--init a|b``); the final cut evaluated on both islands;
+- ``ref``: benchmarks/diloco_reference_mlm.py, textbook Streaming DiLoCo in fp32 from the lone island's start
+  with the islands' samples, F, tau, alpha and outer optimizer (the resolved defaults unless the setting names
+  them).
 
-    python benchmarks/convergence_mlm.py          # ddp, lone islands, defaults, previous defaults, best measured
-    python benchmarks/convergence_mlm.py --only ddp,defaults --row 'lr1|YETO_DILOCO_OVERLAP_STEPS=5|--outer-lr 1'
-    python benchmarks/convergence_mlm.py --only lone-tp2,defaults --iters 20     # a smoke run (tests/shim)
+Load (``--load``): ``quiet`` (whatever else the machine runs), ``hog`` (``--hog`` busy processes beside the
+islands for the whole run), ``delay`` (every message from the syncer to an island held ``--delay-s`` seconds by
+a relay: bases arrive late).
+
+    python benchmarks/convergence_mlm.py                          # the default grid (docs/convergence.md)
+    python benchmarks/convergence_mlm.py --seeds 11:22 --fragments 4 --init a,b --load quiet
+    python benchmarks/convergence_mlm.py --only diloco --row 'lr1|YETO_DILOCO_OVERLAP_STEPS=5|--outer-lr 1'
+    python benchmarks/convergence_mlm.py --ci                     # the CI setting (tests/shim)
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import pathlib
 import re
+import socket
+import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,15 +55,51 @@ from tests.shim import procs as P  # noqa: E402
 SCRIPT = os.path.join(ROOT, "tests", "shim", "scripts", "pretrain_gpt_cpu.py")
 LAYOUT = {"tp2": ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"],
           "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
-# DiLoCo rows: (island variables beyond H, syncer flags)
+ISLANDS = {"a": ("tp2", "shard0"), "b": ("pp2", "shard1")}
+# DiLoCo settings: (island variables beyond H, syncer flags)
 SETTINGS = {
     "defaults": ({}, []),
     "previous defaults": ({"YETO_DILOCO_OVERLAP_STEPS": 0, "YETO_DILOCO_ERROR_FEEDBACK": 0}, ["--outer-lr", "0.7"]),
-    "best measured": ({"YETO_DILOCO_OVERLAP_STEPS": 5, "YETO_DILOCO_ERROR_FEEDBACK": 1,
-                       "YETO_DILOCO_MERGE_ALPHA": 0.5}, ["--outer-lr", "0.7"]),
 }
-ROWS = ("ddp", "lone-tp2", "lone-pp2", *SETTINGS)
+KINDS = ("ddp", "lone", "diloco", "ref")
+LOADS = ("quiet", "hog", "delay")
 VALID = re.compile(r"validation loss at iteration (\d+) on validation set \| lm loss value: ([0-9.eE+-]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    kind: str                   # ddp | lone | diloco | ref
+    seeds: tuple                # (seed of island a, seed of island b)
+    init: str = "a"             # the island whose start the run takes (lone: the island itself)
+    fragments: int = 0
+    load: str = "quiet"
+    setting: str = "defaults"
+    rep: int = 0
+
+    def command(self) -> str:
+        """The command that runs this cell alone (with what it compares to: DDP, the lone run, the reference)."""
+        s = f"python benchmarks/convergence_mlm.py --seeds {self.seeds[0]}:{self.seeds[1]}"
+        if self.kind == "ddp":
+            return s + " --only ddp"
+        s += f" --init {self.init}"
+        if self.kind == "lone":
+            return s + " --only lone"
+        s += f" --fragments {self.fragments} --only {self.kind}"
+        if self.kind == "diloco" and self.load != "quiet":
+            s += f" --load {self.load}"
+        return s + ("" if self.setting == "defaults" else f" --settings '{self.setting}'")
+
+    @property
+    def name(self) -> str:
+        s = f"{self.kind} {self.seeds[0]}:{self.seeds[1]}"
+        if self.kind == "ddp":
+            return s
+        s += f" init {self.init}"
+        if self.kind in ("diloco", "ref"):
+            s += f" F{self.fragments}"
+        if self.kind == "diloco":
+            s += f" {self.load}" + ("" if self.setting == "defaults" else f" [{self.setting}]")
+        return s + (f" #{self.rep}" if self.rep else "")
 
 
 def build_data(out: str) -> dict:
@@ -74,7 +126,7 @@ def build_data(out: str) -> dict:
     return paths
 
 
-def megatron_args(a, gbs: int, train: list, data: dict, cache: str) -> list:
+def megatron_args(a, gbs: int, train: list, data: dict, cache: str, seed: int) -> list:
     return ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", "4",
             "--seq-length", str(a.seq_length), "--max-position-embeddings", str(a.seq_length),
             "--micro-batch-size", "2", "--global-batch-size", str(gbs), "--train-iters", str(a.iters),
@@ -84,15 +136,16 @@ def megatron_args(a, gbs: int, train: list, data: dict, cache: str) -> list:
             "--eval-interval", "1000000", "--transformer-impl", "local", "--use-distributed-optimizer", "--bf16",
             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
             "--no-bias-dropout-fusion", "--distributed-backend", "gloo", "--log-interval", "50",
-            "--seed", str(a.seed)]
+            "--seed", str(seed), "--valid-seed", str(a.valid_seed)]
 
 
-def job(tmp: str, name: str, layout: str, margs: list, env: dict) -> P.Proc:
-    out = os.path.join(tmp, name)
-    os.makedirs(out, exist_ok=True)
+def job(out: pathlib.Path, layout: str, margs: list, env: dict, start_dump: bool = False) -> P.Proc:
+    out.mkdir(parents=True, exist_ok=True)
+    extra = ["--export-npz-at-start", str(out / "start")] if start_dump else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(P.free_port()), SCRIPT, *LAYOUT[layout], *margs]
-    return P.Proc(name, cmd, P.base_env(**env), os.path.join(tmp, f"{name}.log"), cwd=out)
+           "--master-addr", "127.0.0.1", "--master-port", str(P.free_port()), SCRIPT, *LAYOUT[layout], *margs,
+           *extra]
+    return P.Proc(out.name, cmd, P.base_env(**env), str(out) + ".log", cwd=str(out))
 
 
 def final_loss(proc: P.Proc) -> float:
@@ -102,101 +155,376 @@ def final_loss(proc: P.Proc) -> float:
     return float(found[-1][1])
 
 
-def run_plain(a, row: str, data: dict, tmp: str) -> dict:
-    layout, gbs, train = {"ddp": ("dp2", 8, ["1", data["shard0"], "1", data["shard1"]]),
-                          "lone-tp2": ("tp2", 4, [data["shard0"]]),
-                          "lone-pp2": ("pp2", 4, [data["shard1"]])}[row]
-    p = job(tmp, row, layout, megatron_args(a, gbs, train, data, os.path.join(tmp, row, "cache")), {})
+def cell_dir(tmp: str, cell: Cell) -> pathlib.Path:
+    return pathlib.Path(tmp) / re.sub(r"[^A-Za-z0-9._-]+", "-", cell.name).strip("-")
+
+
+# ------------------------------------------------------------------------------------------------ load
+class Hog:
+    """`n` busy processes (a CPU hog) for the duration of a run."""
+
+    def __init__(self, n: int):
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+    def stop(self):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+class DelayRelay:
+    """A TCP relay in front of the syncer that holds every byte from the syncer to an island `delay_s` seconds
+    (islands -> syncer passes at once): merged bases arrive late, as over a slow link."""
+
+    def __init__(self, target_port: int, delay_s: float):
+        self.target, self.delay_s = ("127.0.0.1", target_port), delay_s
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self.srv.getsockname()[1]
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                a, _ = self.srv.accept()
+                b = socket.create_connection(self.target, timeout=10)
+                b.settimeout(None)   # (a connect timeout only: a quiet link is no error)
+            except OSError:
+                continue
+            threading.Thread(target=self._pump, args=(a, b, 0.0), daemon=True).start()
+            threading.Thread(target=self._pump, args=(b, a, self.delay_s), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst, delay):
+        import queue
+        q: "queue.Queue" = queue.Queue()
+
+        def writer():
+            while True:
+                t, data = q.get()
+                if data is None:
+                    break
+                time.sleep(max(0.0, t + delay - time.monotonic()))
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    break
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        threading.Thread(target=writer, daemon=True).start()
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                q.put((time.monotonic(), data))
+        except OSError:
+            pass
+        q.put((time.monotonic(), None))
+
+    def close(self):
+        self.closed = True
+        self.srv.close()
+
+
+# ------------------------------------------------------------------------------------------------ runs
+def run_ddp(a, cell: Cell, data: dict, tmp: str) -> dict:
+    d = cell_dir(tmp, cell)
+    margs = megatron_args(a, 8, ["1", data["shard0"], "1", data["shard1"]], data, str(d / "cache"), cell.seeds[0])
+    p = job(d, "dp2", margs, {})
     rcs = P.wait_all([p], timeout=a.timeout)
     if rcs != [0]:
-        raise RuntimeError(f"{row} failed (rc {rcs[0]}); log {p.log_path}:\n{p.text()[-3000:]}")
+        raise RuntimeError(f"{cell.name} failed (rc {rcs[0]}); log {p.log_path}:\n{p.text()[-3000:]}")
     return {"loss": final_loss(p)}
 
 
-def run_diloco(a, row: str, data: dict, tmp: str) -> dict:
-    env, flags = SETTINGS[row]
-    d = pathlib.Path(tmp) / row.replace(" ", "-")
+def run_lone(a, cell: Cell, data: dict, tmp: str) -> dict:
+    layout, shard = ISLANDS[cell.init]
+    seed = cell.seeds["ab".index(cell.init)]
+    d = cell_dir(tmp, cell)
+    p = job(d, layout, megatron_args(a, 4, [data[shard]], data, str(d / "cache"), seed), {}, start_dump=True)
+    rcs = P.wait_all([p], timeout=a.timeout)
+    if rcs != [0]:
+        raise RuntimeError(f"{cell.name} failed (rc {rcs[0]}); log {p.log_path}:\n{p.text()[-3000:]}")
+    return {"loss": final_loss(p), "start": str(d / "start")}
+
+
+def island_ids(init: str) -> dict:
+    """Island ids: the initializing island's is the lowest (the syncer's default --initializer lowest-id takes
+    it)."""
+    return {x: ("0-" if x == init else "1-") + ISLANDS[x][0] for x in ISLANDS}
+
+
+def init_flags(a) -> list:
+    """The syncer's initializer policy: the default (lowest-id), or --policy first (the first island to join: with
+    --stagger the initializing island starts first and trains ahead, as a race won by it would)."""
+    return [] if a.policy == "lowest-id" else ["--initializer", a.policy]
+
+
+def run_diloco(a, cell: Cell, data: dict, tmp: str) -> dict:
+    env, flags = SETTINGS[cell.setting]
+    d = cell_dir(tmp, cell)
     d.mkdir(parents=True, exist_ok=True)
     port = P.free_port()
     key = P.key_file(d)
-    syncer = P.start_syncer(d, port, islands=2, fragments=a.fragments, key=key, extra=flags)
+    syncer = P.start_syncer(d, port, islands=2, fragments=cell.fragments, key=key, extra=[*init_flags(a), *flags])
+    relay = DelayRelay(port, a.delay_s) if cell.load == "delay" else None
+    hog = Hog(a.hog) if cell.load == "hog" else None
+    ids = island_ids(cell.init)
     islands = []
-    for name, layout, shard in (("tp2", "tp2", "shard0"), ("pp2", "pp2", "shard1")):
-        yeto = dict(YETO_DILOCO_SYNCER=f"127.0.0.1:{port}", YETO_DILOCO_KEY_FILE=key, YETO_DILOCO_ISLAND_ID=name,
-                    YETO_DILOCO_SYNC_EVERY=a.sync_every, YETO_DILOCO_TIMEOUT=900,
-                    YETO_DILOCO_METRICS=str(d / name / "metrics.jsonl"), **env)
-        margs = megatron_args(a, 4, [data[shard]], data, str(d / name / "cache"))
-        islands.append(job(str(d), name, layout, margs, yeto))
-    rcs = P.wait_all([*islands, syncer], timeout=a.timeout)
+    try:
+        for x, (layout, shard) in sorted(ISLANDS.items(), key=lambda kv: kv[0] != cell.init):
+            if x != cell.init and a.stagger:
+                time.sleep(a.stagger)
+            yeto = dict(YETO_DILOCO_SYNCER=f"127.0.0.1:{relay.port if relay else port}", YETO_DILOCO_KEY_FILE=key,
+                        YETO_DILOCO_ISLAND_ID=ids[x], YETO_DILOCO_SYNC_EVERY=a.sync_every,
+                        YETO_DILOCO_TIMEOUT=900, YETO_DILOCO_METRICS=str(d / x / "metrics.jsonl"), **env)
+            seed = cell.seeds["ab".index(x)]
+            margs = megatron_args(a, 4, [data[shard]], data, str(d / x / "cache"), seed)
+            islands.append(job(d / x, layout, margs, yeto, start_dump=a.dump_start))
+        islands.sort(key=lambda p: p.name)   # a, b
+        rcs = P.wait_all([*islands, syncer], timeout=a.timeout)
+    finally:
+        if hog:
+            hog.stop()
+        if relay:
+            relay.close()
     if rcs != [0, 0, 0]:
-        raise RuntimeError(f"{row} failed (rcs {rcs}):\n{P.logs([*islands, syncer])}")
+        raise RuntimeError(f"{cell.name} failed (rcs {rcs}):\n{P.logs([*islands, syncer])}")
     losses = [final_loss(p) for p in islands]
-    return {"loss": sum(losses) / 2, "islands": losses}
+    who = re.search(r"run initialized from island (\S+)'s INIT", syncer.text())
+    got = who and who[1].strip("'")
+    if got != ids[cell.init]:
+        raise RuntimeError(f"{cell.name}: the syncer took the INIT of {got}, not of {ids[cell.init]}")
+    return {"loss": sum(losses) / 2, "islands": losses, "dir": str(d)}
 
 
-def main(argv=None) -> int:
+def run_ref(a, cell: Cell, data: dict, tmp: str, start: str) -> dict:
+    d = cell_dir(tmp, cell)
+    d.mkdir(parents=True, exist_ok=True)
+    out = d / "ref.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "diloco_reference_mlm.py"), "--init", start,
+           "--data", os.path.dirname(data["shard0"]), "--seeds", f"{cell.seeds[0]}:{cell.seeds[1]}",
+           "--valid-seed", str(a.valid_seed), "--fragments", str(cell.fragments), "-H", str(a.sync_every),
+           "--iters", str(a.iters), "--lr", str(a.lr), "--warmup", str(a.warmup), "--layers", str(a.layers),
+           "--hidden", str(a.hidden), "--seq-length", str(a.seq_length), "--eval-seqs", str(a.eval_seqs),
+           "--json", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, env=P.base_env(), capture_output=True, text=True, timeout=a.timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{cell.name} failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
+    res = json.loads(out.read_text())
+    return {"loss": res["diloco"], "ref": res}
+
+
+# ------------------------------------------------------------------------------------------------ grid
+def grid(a) -> list:
+    """The cells of this invocation, in the order they run (the lone runs first: the references need their
+    starts)."""
+    cells = []
+    for seeds in a.seeds:
+        if "ddp" in a.only:
+            cells.append(Cell("ddp", seeds))
+        for init in a.init:
+            if "lone" in a.only or "ref" in a.only:
+                cells.append(Cell("lone", seeds, init))
+            for f in a.fragments:
+                if "ref" in a.only:
+                    cells.append(Cell("ref", seeds, init, f))
+                if "diloco" in a.only:
+                    for load in a.load:
+                        for setting in a.settings:
+                            for rep in range(a.repeat):
+                                cells.append(Cell("diloco", seeds, init, f, load, setting, rep))
+    return cells
+
+
+def run_cell(a, cell: Cell, data: dict, tmp: str, res: dict) -> dict:
+    if cell.kind == "ddp":
+        return run_ddp(a, cell, data, tmp)
+    if cell.kind == "lone":
+        return run_lone(a, cell, data, tmp)
+    if cell.kind == "diloco":
+        return run_diloco(a, cell, data, tmp)
+    lone = res.get(Cell("lone", cell.seeds, cell.init))
+    if lone is None:
+        raise RuntimeError(f"{cell.name}: its lone run (the start) failed")
+    start = lone["start"]
+    return run_ref(a, cell, data, tmp, start)
+
+
+def tables(res: dict) -> str:
+    """One table per seed pair: every DiLoCo cell beside DDP, the lone island from the same start and the
+    reference from the same start and F."""
+    out = []
+    for seeds in sorted({c.seeds for c in res}, key=lambda s: list(res).index(next(c for c in res if c.seeds == s))):
+        ddp = res.get(Cell("ddp", seeds), {}).get("loss")
+        out += [f"\nseeds {seeds[0]}:{seeds[1]}" + (f" (DDP {ddp:.4f})" if ddp else ""),
+                "| init | F | load | setting | yeto-patch | / DDP | lone (same start) | yeto / lone | reference | "
+                "yeto / ref | wall s | command |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for c, v in res.items():
+            if c.seeds != seeds or c.kind != "diloco":
+                continue
+            lone = res.get(Cell("lone", seeds, c.init), {}).get("loss")
+            ref = res.get(Cell("ref", seeds, c.init, c.fragments), {}).get("loss")
+            out.append("| " + " | ".join([
+                c.init, str(c.fragments), c.load, c.setting + (f" #{c.rep}" if c.rep else ""), f"{v['loss']:.4f}",
+                f"{v['loss'] / ddp:.4f}" if ddp else "n/a", f"{lone:.4f}" if lone else "n/a",
+                f"{v['loss'] / lone:.4f}" if lone else "n/a", f"{ref:.4f}" if ref else "n/a",
+                f"{v['loss'] / ref:.4f}" if ref else "n/a", f"{v['wall_s']:.0f}", f"`{c.command()}`"]) + " |")
+        for c, v in res.items():
+            if c.seeds == seeds and c.kind in ("lone", "ref"):
+                out.append(f"{c.name}: {v['loss']:.4f}" + (f" ({v['loss'] / ddp:.4f}x DDP)" if ddp else ""))
+    return "\n".join(out)
+
+
+def summary(res: dict) -> str:
+    """The last line: the defaults' mean / DDP, the worst yeto / lone and yeto / ref over the cells run."""
+    dl = [(c, v) for c, v in res.items() if c.kind == "diloco" and c.setting == "defaults"]
+
+    def get(cell):
+        return res.get(cell, {}).get("loss")
+    ratios = [v["loss"] / get(Cell("ddp", c.seeds)) for c, v in dl if get(Cell("ddp", c.seeds))]
+    lone = [v["loss"] / get(Cell("lone", c.seeds, c.init)) for c, v in dl if get(Cell("lone", c.seeds, c.init))]
+    ref = [v["loss"] / get(Cell("ref", c.seeds, c.init, c.fragments)) for c, v in dl
+           if get(Cell("ref", c.seeds, c.init, c.fragments))]
+
+    def fmt(xs, f):
+        return f"{f(xs):.4f}" if xs else "n/a"
+    return (f"convergence_mlm: defaults {fmt(ratios, lambda x: sum(x) / len(x))}x DDP (mean of {len(ratios)}), "
+            f"worst yeto/lone {fmt(lone, max)}, worst yeto/ref {fmt(ref, max)}")
+
+
+def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--only", default=",".join(ROWS), help="comma-separated rows: " + ", ".join(ROWS))
+    ap.add_argument("--only", default="ddp,lone,diloco,ref", help="comma-separated kinds: " + ", ".join(KINDS))
+    ap.add_argument("--seeds", default="11:22,33:44,1234:1234", help="seed pairs SA:SB of islands a and b")
+    ap.add_argument("--init", default="a,b", help="the island(s) that initialize, one DiLoCo run each")
+    ap.add_argument("--fragments", default="1,2,4,8", help="the syncer's --fragments, one run each")
+    ap.add_argument("--load", default="quiet", help="comma-separated, of " + ", ".join(LOADS))
+    ap.add_argument("--settings", default="defaults", help="comma-separated DiLoCo settings: "
+                    + ", ".join(SETTINGS) + " or a --row's name")
     ap.add_argument("--row", action="append", default=[], metavar="'NAME|VAR=V ...|SYNCER FLAGS'",
-                    help="an extra DiLoCo row (repeatable), e.g. 'lr0.4|YETO_DILOCO_ERROR_FEEDBACK=1|--outer-lr 0.4'")
+                    help="an extra DiLoCo setting (repeatable; run when named in --settings, or alone when "
+                    "--settings is not given), e.g. 'lr0.4|YETO_DILOCO_ERROR_FEEDBACK=1|--outer-lr 0.4'")
+    ap.add_argument("--repeat", type=int, default=1, help="DiLoCo runs per cell (run-to-run spread)")
+    ap.add_argument("--policy", default="lowest-id", choices=("lowest-id", "first"), help="the syncer's "
+                    "--initializer")
+    ap.add_argument("--stagger", type=float, default=0.0, help="seconds the other island starts after the "
+                    "initializing one")
+    ap.add_argument("--hog", type=int, default=2, help="busy processes of the hog load")
+    ap.add_argument("--delay-s", type=float, default=2.0, help="seconds the delay load holds syncer messages")
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--sync-every", type=int, default=10, help="H")
-    ap.add_argument("--fragments", type=int, default=1, help="the syncer's --fragments")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--seq-length", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--eval-seqs", type=int, default=128, help="held-out sequences in the final evaluation")
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per row")
+    ap.add_argument("--valid-seed", type=int, default=1234, help="seed that draws the held-out sequences")
+    ap.add_argument("--dump-start", action="store_true", help="DiLoCo islands write their state after the start")
+    ap.add_argument("--ci", "--quick", action="store_true", help="the CI setting: 20 iterations, H 5, 16 held-out sequences, "
+                    "seeds 11:22, F 4, lone, DiLoCo and reference from each island's start, --dump-start")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at a time (a load run beside others is not "
+                    "alone with its load)")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench-out", "convergence_mlm"))
+    ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args(argv)
-    rows = [r.strip() for r in a.only.split(",") if r.strip()]
+    if a.ci:
+        a.iters, a.sync_every, a.eval_seqs, a.seeds, a.fragments, a.only = 20, 5, 16, "11:22", "4", "lone,diloco,ref"
+        a.dump_start = True
+    a.only = [k.strip() for k in a.only.split(",") if k.strip()]
+    a.seeds = [tuple(int(x) for x in s.split(":")) for s in a.seeds.split(",") if s.strip()]
+    a.init = [x.strip() for x in a.init.split(",") if x.strip()]
+    a.fragments = [int(f) for f in a.fragments.split(",") if f.strip()]
+    a.load = [x.strip() for x in a.load.split(",") if x.strip()]
+    named = [s.strip() for s in a.settings.split(",") if s.strip()]
     for spec in a.row:
         name, _, rest = spec.partition("|")
         env, _, flags = rest.partition("|")
         SETTINGS[name.strip()] = (dict(kv.split("=", 1) for kv in env.split()), flags.split())
-        rows.append(name.strip())
-    bad = [r for r in rows if r not in ROWS and r not in SETTINGS]
-    if bad:
-        ap.error(f"unknown rows {bad}; choose from {', '.join(ROWS)}")
+        if "--settings" not in (argv if argv is not None else sys.argv):
+            named = [n for n in named if n != "defaults"] + [name.strip()]
+    a.settings = named
+    bad = ([k for k in a.only if k not in KINDS] + [x for x in a.init if x not in ISLANDS]
+           + [x for x in a.load if x not in LOADS] + [s for s in a.settings if s not in SETTINGS])
+    if bad or any(len(s) != 2 for s in a.seeds):
+        ap.error(f"unknown values {bad} (or a seed pair that is not SA:SB)")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
     data = build_data(os.path.join(a.out, "data"))
     tmp = os.path.join(a.out, time.strftime("run-%Y%m%d-%H%M%S"))
     os.makedirs(tmp)
+    cells = grid(a)
     print(f"convergence_mlm: Megatron-LM pretrain(), GPT {a.layers}x{a.hidden} seq {a.seq_length}, {a.iters} "
-          f"iterations, lr {a.lr} cosine, H={a.sync_every}, {a.fragments} fragment(s); output {tmp}", flush=True)
-    res = {}
-    for r in rows:
+          f"iterations, lr {a.lr} cosine, H={a.sync_every}; {len(cells)} runs; output {tmp}", flush=True)
+    res = run_all(a, cells, data, tmp)
+    print(tables(res))
+    print(summary(res))
+    failed = [c.name for c in cells if c not in res]
+    if failed:
+        print(f"convergence_mlm: {len(failed)} runs failed: {failed}")
+    return 1 if failed else 0
+
+
+def run_all(a, cells: list, data: dict, tmp: str) -> dict:
+    """Every cell, `--jobs` at a time (the references after the lone runs whose starts they take); a failed run
+    is reported and the others go on. Returns {cell: result} in grid order."""
+    from concurrent.futures import ThreadPoolExecutor
+    res, lock = {}, threading.Lock()
+
+    def one(cell):
         t0 = time.time()
-        res[r] = (run_plain if r in ("ddp", "lone-tp2", "lone-pp2") else run_diloco)(a, r, data, tmp)
-        res[r]["wall_s"] = time.time() - t0
-        extra = "" if "islands" not in res[r] else " (islands %.4f / %.4f)" % tuple(res[r]["islands"])
-        print(f"  {r:18s} held-out loss {res[r]['loss']:.4f}{extra}  {res[r]['wall_s']:.0f}s", flush=True)
-    print(table(res))
-    ddp, lone = reference_losses(res)
-    fig = {k: f"{res[k]['loss'] / ddp:.3f}x" if ddp and k in res else "n/a" for k in ("defaults", "best measured")}
-    print(f"convergence_mlm: defaults {fig['defaults']} DDP, best measured {fig['best measured']} DDP, lone island "
-          + (f"{lone / ddp:.3f}x" if lone and ddp else "n/a") + " DDP")
-    return 0
+        try:
+            r = run_cell(a, cell, data, tmp, res)
+        except Exception as e:  # noqa: BLE001 - reported, the other runs go on
+            print(f"  {cell.name:40s} FAILED: {str(e)[:3000]}", flush=True)
+            return
+        r["wall_s"] = time.time() - t0
+        extra = "" if "islands" not in r else " (islands %.4f / %.4f)" % tuple(r["islands"])
+        with lock:
+            res[cell] = r
+            print(f"  {cell.name:40s} held-out loss {r['loss']:.4f}{extra}  {r['wall_s']:.0f}s  (load "
+                  f"{os.getloadavg()[0]:.0f})", flush=True)
+            write_json(a, res)
+    for batch in ([c for c in cells if c.kind != "ref"], [c for c in cells if c.kind == "ref"]):
+        with ThreadPoolExecutor(max(1, a.jobs)) as ex:
+            list(ex.map(one, batch))
+    out = {c: res[c] for c in cells if c in res}
+    check_starts(out)
+    write_json(a, out)
+    return out
 
 
-def reference_losses(res: dict) -> tuple:
-    """(DDP's loss, the better lone island's loss) of the rows run, None where not run."""
-    lone = min((res[r]["loss"] for r in ("lone-tp2", "lone-pp2") if r in res), default=None)
-    return res.get("ddp", {}).get("loss"), lone
+def write_json(a, res: dict) -> None:
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([{**dataclasses.asdict(c), "name": c.name, **{k: x for k, x in v.items() if k != "ref"}}
+                       for c, v in res.items()], f, indent=1)
 
 
-def table(res: dict) -> str:
-    ddp, lone = reference_losses(res)
-    out = ["| run | held-out loss | / DDP | share of the lone-island gap recovered | wall s |", "|---|---|---|---|---|"]
-    for r, v in res.items():
-        ratio = f"{v['loss'] / ddp:.4f}" if ddp else "n/a"
-        share = (f"{(lone - v['loss']) / (lone - ddp):+.2f}" if ddp and lone and lone != ddp and r in SETTINGS
-                 else "")
-        out.append(f"| {r} | {v['loss']:.4f} | {ratio} | {share} | {v['wall_s']:.0f} |")
-    return "\n".join(out)
+def check_starts(res: dict) -> None:
+    """With --dump-start: whether every DiLoCo run's islands started from exactly the lone run's start of the same
+    island and seeds (the INIT its initializer sent, installed on the other island); `same_start` in the result."""
+    import numpy as np
+    for c, v in res.items():
+        lone = res.get(Cell("lone", c.seeds, c.init))
+        if c.kind != "diloco" or lone is None or not v.get("dir"):
+            continue
+        ref = P.npz_parts(lone["start"] + ".rank*.npz", "master")
+        got = [P.npz_parts(os.path.join(v["dir"], x, "start.rank*.npz"), "master") for x in ISLANDS]
+        if not ref or not all(got):
+            continue
+        v["same_start"] = all(np.array_equal(g[k], ref["embedding.word_embeddings.weight" if k.endswith("(tied)")
+                                                         else k]) for g in got for k in g)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ Benchmarks (each is a script in this folder that prints its own table and exits)
   overhead     boundary_overhead.py   island throughput with yeto-patch next to without
   scaling      boundary_scaling.py    training-thread time per boundary against model size and own-shard memcpy
   convergence  convergence.py         DiLoCo via yeto-patch against synchronous data parallel, loss and bytes
+  mlm          convergence_mlm.py     two islands on Megatron-LM's pretrain() against the lone island from the same
+                                      start and textbook DiLoCo (--quick: the CI setting, F = 4, each island
+                                      initializing)
   fuzz         fuzz_syncer.py         hostile frames and handshakes against a running syncer; state unchanged
 
 The report starts with one summary table (benchmark, command, status, wall time) followed by each benchmark's
@@ -36,6 +39,7 @@ BENCHMARKS = [
     ("overhead", "boundary_overhead.py"),
     ("scaling", "boundary_scaling.py"),
     ("convergence", "convergence.py"),
+    ("mlm", "convergence_mlm.py"),
     ("fuzz", "fuzz_syncer.py"),
 ]
 

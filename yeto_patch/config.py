@@ -266,6 +266,9 @@ TABLE = (
         "`1`: fragments already equal to the syncer's initial base (same seed and layout, or checkpoint) are "
         "declared by xxh3 digests, not downloaded; `0`: always download",
         bool),
+    Var("YETO_DILOCO_INITIALIZER", "initializer", boolean(), False,
+        "`1`: this island's weights start the run (a fine-tune's pretrained island): the syncer takes its INIT",
+        bool),
     Var("YETO_DILOCO_OVERLAP_STEPS", "overlap_steps", or_auto(integer(0, 10**9, "tau, steps a merged base may "
         "trail its push")), None, "tau: steps a fragment's merged base may trail its push before the island "
         "waits; `0`: synchronous DiLoCo (reproducible bits); must be < H; `>= 1`: pushes and bases leave the "

@@ -26,6 +26,7 @@ def test_defaults():
     assert s.island_id == "node17:29500" and s.island_id_default
     assert (s.sync_every, s.push_dtype, s.block, s.error_feedback) == (100, "int4", 256, None)   # None: auto
     assert (s.overlap_steps, s.merge_alpha, s.start_digest) == (5, 0.5, True)   # auto tau: min(5, H // 2)
+    assert s.initializer is False
     assert (s.chunk_bytes, s.send_queue_bytes) == (64 << 20, 1 << 30)
     assert s.total_steps is None and s.vocab_size is None and s.metrics_path is None
     assert (s.timeout, s.log_level) == (600.0, "INFO")
@@ -51,13 +52,13 @@ def test_every_value_form():
                      YETO_DILOCO_SEND_QUEUE_BYTES="2G", YETO_DILOCO_TOTAL_STEPS="1000",
                      YETO_DILOCO_VOCAB_SIZE="50257", YETO_DILOCO_TIMEOUT="10m",
                      YETO_DILOCO_METRICS="/tmp/m-{island}.jsonl", YETO_DILOCO_ISLAND_ID="east-1",
-                     YETO_DILOCO_LOG_LEVEL="debug", YETO_DILOCO_START_DIGEST="0"))
+                     YETO_DILOCO_LOG_LEVEL="debug", YETO_DILOCO_START_DIGEST="0", YETO_DILOCO_INITIALIZER="1"))
     assert (s.sync_every, s.push_dtype, s.block, s.error_feedback, s.overlap_steps) == (50, "int4-log", 128,
                                                                                         True, 2)
     assert (s.merge_alpha, s.chunk_bytes, s.send_queue_bytes) == (0.25, 16 << 20, 2 << 30)
     assert (s.total_steps, s.vocab_size, s.timeout) == (1000, 50257, 600.0)
     assert s.metrics_path == "/tmp/m-east-1.jsonl" and s.island_id == "east-1" and not s.island_id_default
-    assert s.log_level == "DEBUG" and s.start_digest is False
+    assert s.log_level == "DEBUG" and s.start_digest is False and s.initializer is True
     assert from_env(env(YETO_DILOCO_SYNCER="[::1]:7640", YETO_DILOCO_KEY_FILE=None,
                         YETO_DILOCO_INSECURE="1")).syncer == "[::1]:7640"
     assert from_env(env(YETO_DILOCO_KEY_FILE=None, YETO_KEY="s3cret")).key_source == "environment YETO_KEY"
@@ -184,7 +185,8 @@ def test_doctor_rows_are_unchanged():
         ("YETO_DILOCO_SYNCER", "syncer.example.org:7640"), ("key", "file /secrets/yeto.key"),
         ("YETO_DILOCO_ISLAND_ID", "node17:29500  (default)"), ("YETO_DILOCO_SYNC_EVERY", 100),
         ("YETO_DILOCO_PUSH_DTYPE", "int4"), ("YETO_DILOCO_BLOCK", 256), ("YETO_DILOCO_ERROR_FEEDBACK", "(auto)"),
-        ("YETO_DILOCO_START_DIGEST", 1), ("YETO_DILOCO_OVERLAP_STEPS", 5), ("YETO_DILOCO_MERGE_ALPHA", 0.5),
+        ("YETO_DILOCO_START_DIGEST", 1), ("YETO_DILOCO_INITIALIZER", 0), ("YETO_DILOCO_OVERLAP_STEPS", 5),
+        ("YETO_DILOCO_MERGE_ALPHA", 0.5),
         ("YETO_DILOCO_CHUNK_BYTES", "64MiB"), ("YETO_DILOCO_SEND_QUEUE_BYTES", "1GiB"),
         ("YETO_DILOCO_TOTAL_STEPS", "(Megatron's train_iters)"), ("YETO_DILOCO_VOCAB_SIZE", "(tokenizer's, when known)"),
         ("YETO_DILOCO_TIMEOUT", "90s"), ("YETO_DILOCO_METRICS", "(unset)"), ("YETO_DILOCO_FIGURES", 1),

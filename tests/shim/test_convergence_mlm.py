@@ -1,9 +1,11 @@
-"""benchmarks/convergence_mlm.py in its smoke setting: Megatron-LM's pretrain() on indexed byte-level text (the
-benchmark's data files, Megatron's GPTDataset, NullTokenizer with vocabulary 257), one island alone and the two
-islands (TP2 + PP2) at the defaults, 20 iterations; the table and the summary line are printed, the losses are
-Megatron's own final evaluations on the held-out file and fell from the start (ln 257 = 5.55)."""
+"""benchmarks/convergence_mlm.py in its CI setting (issue 24): Megatron-LM's pretrain() on indexed byte-level text,
+two islands (TP2 seed 11 on shard 0, PP2 seed 22 on shard 1) at the defaults with 4 fragments, once with each
+island initializing (the syncer's default policy takes the lowest id), and the lone island from each of those
+starts, and textbook DiLoCo (benchmarks/diloco_reference_mlm.py) from each. Each DiLoCo run ends with one final
+model (both islands' evaluations agree) that is no worse than the lone island from the same start and within 3% of
+the reference, and the lone runs start bit for bit from the INIT their DiLoCo run took."""
 import importlib.util
-import re
+import json
 import subprocess
 import sys
 
@@ -13,17 +15,28 @@ from tests.shim import procs as P
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron.training") is None,
                                 reason="megatron-core < 0.17 ships no megatron.training")
+# DiLoCo from a start may be at most this much worse than the lone island from it (loss ratio); measured at this
+# setting: see docs/convergence.md ("The CI setting")
+SLACK = 1.0
 
 
 @pytest.mark.timeout(900)
-def test_convergence_mlm_smoke(tmp_path):
-    cmd = [sys.executable, "benchmarks/convergence_mlm.py", "--only", "lone-tp2,defaults", "--iters", "20",
-           "--sync-every", "5", "--eval-seqs", "16", "--out", str(tmp_path), "--timeout", "600"]
+def test_two_islands_f4_each_initializing_are_no_worse_than_the_lone_island(tmp_path):
+    out = tmp_path / "res.json"
+    cmd = [sys.executable, "benchmarks/convergence_mlm.py", "--ci", "--jobs", "4", "--out", str(tmp_path),
+           "--json", str(out), "--timeout", "700"]
     r = subprocess.run(cmd, cwd=P.ROOT, env=P.base_env(), capture_output=True, text=True, timeout=840)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    rows = dict(re.findall(r"^\| (lone-tp2|defaults) \| ([0-9.]+) \|", r.stdout, re.M))
-    assert set(rows) == {"lone-tp2", "defaults"}, r.stdout[-3000:]
-    assert all(2.0 < float(v) < 5.0 for v in rows.values()), rows
-    islands = re.search(r"defaults +held-out loss [0-9.]+ \(islands ([0-9.]+) / ([0-9.]+)\)", r.stdout)
-    assert islands and abs(float(islands[1]) - float(islands[2])) < 2e-3, r.stdout[-3000:]   # one final model
-    assert "convergence_mlm: defaults n/a DDP" in r.stdout            # no DDP row in this run
+    res = {(c["kind"], c["init"]): c for c in json.loads(out.read_text())}
+    assert sorted(res) == [("diloco", "a"), ("diloco", "b"), ("lone", "a"), ("lone", "b"), ("ref", "a"),
+                           ("ref", "b")], r.stdout[-3000:]
+    for init in "ab":
+        d, lone = res[("diloco", init)], res[("lone", init)]
+        assert d["fragments"] == 4 and d["setting"] == "defaults"
+        assert abs(d["islands"][0] - d["islands"][1]) < 2e-3, d           # one final model
+        assert d["same_start"] is True, d                                  # the lone run's start is the INIT
+        assert 2.0 < lone["loss"] < 5.5 and 2.0 < d["loss"] < 5.5, (d, lone)   # trained (ln 257 = 5.55)
+        assert d["loss"] <= lone["loss"] * SLACK, (init, d["loss"], lone["loss"], r.stdout[-3000:])
+        ref = res[("ref", init)]                                           # textbook DiLoCo, fp32, same start
+        assert ref["fragments"] == 4 and abs(d["loss"] / ref["loss"] - 1) < 0.03, (d["loss"], ref["loss"])
+    assert "worst yeto/lone" in r.stdout

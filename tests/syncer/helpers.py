@@ -33,6 +33,7 @@ def make_server(islands=2, fragments=3, key=KEY, merge=None, rounds=None, **kw):
     rs.setdefault("grace_s", 0.2)
     rs.setdefault("timeout_s", 30.0)
     rs.setdefault("lease_s", 20.0)
+    kw.setdefault("initializer", "first")   # the scripted islands join one by one (test_initializer.py: the rest)
     cfg = ServerConfig(listen="127.0.0.1:0", islands=islands, fragments=fragments, key=key,
                        insecure=key is None, merge=MergeSettings(**(merge or {})), rounds=RoundSettings(**rs),
                        merge_threads=kw.pop("merge_threads", 2), **kw)

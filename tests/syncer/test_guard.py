@@ -254,3 +254,19 @@ def test_a_push_concentrated_in_one_value_is_refused():
         assert np.abs(got.values).max() < 10
         for c in (a, b):
             c.close()
+
+
+def test_first_round_pushes_do_not_become_the_other_islands_reference():
+    """Streaming fragments in warm-up (issue 24): a fragment's first round covers 1-2 inner steps at lr ~0, so its
+    pushes are 50x below the next rounds'; they are checked but do not join the history that the other islands'
+    pushes are judged against (else island b's first push would make a's ordinary second push an outlier)."""
+    g = NormGuard(10.0)
+    tiny, ordinary = PushStats(0.015, 0.001), PushStats(0.8, 0.05)
+    for island in ("a", "b"):   # round 1 (relative to the initial base v0): tiny, checked, not remembered
+        assert g.admit(0, tiny, island, scale=False) is None
+    assert g.reference(0, "a") is None and g.reference(0, "b") is None
+    assert g.admit(0, ordinary, "a") is None          # round 2: (before: 0.8 > 10 x b's 0.015, refused)
+    assert g.admit(0, ordinary, "b") is None
+    assert g.reference(0, "a").norm == pytest.approx(0.8)
+    assert g.admit(0, PushStats(9.0, 0.05), "b") is not None    # still an outlier guard
+    assert g.admit(0, PushStats(1e4, 0.05), "a", scale=False) is not None   # first-round pushes are checked too

@@ -57,6 +57,14 @@ def _growth(s: str) -> float:
     return v
 
 
+def _initializer(s: str) -> str:
+    from .initializer import policy_arg
+    try:
+        return policy_arg(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _nonneg_float(s: str) -> float:
     v = float(s)
     if not v >= 0:
@@ -191,9 +199,16 @@ def _transfer_flags(g) -> None:
     g.add_argument("--init-timeout", type=_pos_float, default=None, help="seconds the initializing island may "
                    "go without completing a fragment's INIT before its claim is dropped and another island is "
                    "asked (default: --lease plus --io-timeout)")
-    g.add_argument("--init-lowest-id", action="store_true", help="take the initial base from the lowest island "
-                   "id once all --islands joined (the start no longer depends on who connects first; islands wait "
-                   "for each other at start)")
+    g.add_argument("--initializer", type=_initializer, default="lowest-id", metavar="lowest-id|first|ISLAND",
+                   help="whose INIT is the run's start: lowest-id: the lowest island id once all --islands joined "
+                   "(or --init-wait after the first join), islands wait for each other at start; first: the first "
+                   "to join (no wait; the start depends on who connects first); or an island id. An island with "
+                   "YETO_DILOCO_INITIALIZER=1 (a fine-tune's pretrained weights) is taken as soon as it joins "
+                   "(docs/operations.md, 'Who initializes')")
+    g.add_argument("--init-wait", type=_pos_float, default=300.0, help="seconds lowest-id waits after the first "
+                   "island joined for the rest of the roster before it takes the lowest id of those present")
+    g.add_argument("--init-lowest-id", action="store_true", help="the same as --initializer lowest-id (the default "
+                   "now; kept for existing command lines)")
     g.add_argument("--final-ack-timeout", type=_pos_float, default=60.0, help="seconds to wait for the islands' "
                    "acknowledgements of the final model")
 
@@ -271,7 +286,7 @@ def config_from_args(a: argparse.Namespace):
                         final_ack_timeout_s=a.final_ack_timeout, max_handshakes=a.max_handshakes,
                         max_handshakes_per_host=a.max_handshakes_per_host, max_model_bytes=a.max_model_bytes,
                         island_buffer_bytes=a.island_buffer_bytes, init_timeout_s=a.init_timeout,
-                        init_lowest_id=a.init_lowest_id,
+                        initializer="lowest-id" if a.init_lowest_id else a.initializer, init_wait_s=a.init_wait,
                         max_push_norm_ratio=a.max_push_norm_ratio, first_push_growth=a.first_push_growth,
                         shard=shard,
                         shard_addresses=tuple(a.shard_addresses or ()), run_id=a.run_id)

@@ -20,6 +20,11 @@
   needs a reference and applies once other islands have pushed.
 * ``ratio`` 0 disables the guard. A push that cannot be measured (malformed, non-finite) is left to the usual
   validation, which refuses it with its own code.
+* The pushes of a fragment's first round (relative to the initial base, version 0) are checked but do not join
+  the history: they start from the initial weights, usually inside the learning-rate warm-up (the first update
+  often at lr 0), and with streaming fragments the first round covers only the fragment's offset (1-2 inner steps
+  of H = 10 with 4-8 fragments), so their norms can be 50x below every later round's; as the other islands'
+  reference they made the guard refuse the second round's ordinary pushes.
 * A base is *usable* when every value is finite and at most ``USABLE_MAX`` in magnitude (the outer step refuses a
   merge whose result would not be, see outer.py); a checkpoint whose arrays are not usable is refused at
   ``--resume``.
@@ -289,9 +294,11 @@ class NormGuard:
         # (not measured against the base: its norm alone must keep the base within the bound)
         return ([f"norm {stats.norm:.4g} above {lim - ref:.4g}"] if stats.norm > lim - ref else []), what
 
-    def admit(self, fragment: int, stats: Optional[PushStats], island: str, base_norm=None) -> Optional[str]:
-        """The refusal message for a push with these ``stats`` (None: admitted, and it joins ``island``'s
-        history). ``base_norm``: :meth:`base_norm`'s result when it was needed (a float 0.0 otherwise)."""
+    def admit(self, fragment: int, stats: Optional[PushStats], island: str, base_norm=None,
+              scale: bool = True) -> Optional[str]:
+        """The refusal message for a push with these ``stats`` (None: admitted, and with ``scale`` it joins
+        ``island``'s history: False for a fragment's first round, see the module docstring). ``base_norm``:
+        :meth:`base_norm`'s result when it was needed (a float 0.0 otherwise)."""
         if stats is None or not self.enabled:
             return None
         over, what = self._overs(fragment, stats, island, base_norm if isinstance(base_norm, PushStats) else None)
@@ -306,7 +313,7 @@ class NormGuard:
                       "admitted relative to %s", fragment, printable(island), stats.norm, stats.peak,
                       "" if stats.grown is None else f", applied alone the base's norm would be {stats.grown:.4g}",
                       what)
-        if stats.norm > 0:
+        if stats.norm > 0 and scale:
             with self._lock:
                 hist = self._hist[fragment]
                 h = hist.pop(island, None) or collections.deque(maxlen=WINDOW)

@@ -223,6 +223,11 @@ def _read_manifest(server, s, digest: bytes):
             _refuse(s, "protocol", "malformed MANIFEST: 'held' must hold one 16-hex-digit digest per tensor")
             return None
         s.declared = held
+    init = meta.get("initializer", False)
+    if not isinstance(init, bool):
+        _refuse(s, "protocol", "malformed MANIFEST: 'initializer' must be true or false")
+        return None
+    s.declares_init = init
     if auth.manifest_digest(manifest) != digest:
         _refuse(s, "auth", "the manifest does not match the authenticated manifest digest")
         return None
@@ -315,6 +320,10 @@ def _join(server, s, island, incarnation, manifest, digest, sess) -> bool:
             _refuse(s, "island-taken", f"island id {island!r} is held by a live connection; only that session "
                     f"(its resumption proof) can reconnect before its lease of {cfg.rounds.lease_s:g}s expires")
             return False
+        why = server.init.choice.conflict(s, list(server.sessions.values()), coord.initialized, server.init.session)
+        if why is not None:
+            _refuse(s, "init", why)
+            return False
         try:
             coord.join(island, str(incarnation))
         except PushRefused as e:
@@ -325,6 +334,7 @@ def _join(server, s, island, incarnation, manifest, digest, sess) -> bool:
         old = server.sessions.get(island)
         server.sessions[island] = s
         s.joined = True
+        server.init.choice.joined()
         needs_init = server.pick_initializer(s) if not coord.initialized else []
         welcome = {"island_id": island, "run_id": server.run_id, "layout": coord.layout,
                    "numels": [f.numel for f in coord.frags], "fragments": len(coord.frags),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 
 __all__ = ["default_max_model_bytes", "model_size_error", "island_buffer_bytes", "stateless_members", "InitWatch"]
@@ -74,13 +74,5 @@ class InitWatch:
 
     def clear(self) -> None:
         self.since = None
-
-    def pick(self, candidates: Iterable):
-        """The first candidate whose island has not failed to INIT before, else the first one (or None)."""
-        cs = list(candidates)
-        for c in cs:
-            if c.island not in self.failed:
-                return c
-        return cs[0] if cs else None
 
 

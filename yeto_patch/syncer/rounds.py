@@ -334,7 +334,8 @@ class Coordinator:
                 r = f.round
                 held = lag != 0 or self.ms.exact
                 if not held or validated:
-                    why = guard.admit(f.index, norm, p.island, base_norm) if guard is not None else None
+                    why = guard.admit(f.index, norm, p.island, base_norm, scale=p.base_version > 0) \
+                        if guard is not None else None
                     if why is not None:
                         raise PushRefused("outlier", why)
                     c = self._register(p, f, r, w, lag, held, key)

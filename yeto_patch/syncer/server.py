@@ -27,6 +27,7 @@ from .config import BASE_WIRE, ServerConfig
 from .final_cut import await_acks, goodbye
 from .guard import NormGuard, too_large
 from ..wire.text import printable
+from .initializer import InitChoice, Initializing
 from .limits import InitWatch, island_buffer_bytes
 from .merge import ChunkRunner
 from .handshake import accept_handshake
@@ -82,9 +83,9 @@ class SyncerServer:
         self.heartbeat_s = cfg.heartbeat_s or max(0.05, cfg.rounds.lease_s / 4)
         self.sessions: dict[str, _Session] = {}
         self.all_sessions: set = set()
-        self.initializer: Optional[_Session] = None
-        self.init_watch = InitWatch(cfg.init_timeout_s if cfg.init_timeout_s is not None
-                                    else cfg.rounds.lease_s + cfg.io_timeout_s)
+        self.init = Initializing(InitChoice(cfg.initializer, cfg.islands, cfg.init_wait_s),
+                                 InitWatch(cfg.init_timeout_s if cfg.init_timeout_s is not None
+                                           else cfg.rounds.lease_s + cfg.io_timeout_s))
         self._init_lock = threading.Lock()
         self.final_started = False
         self.final_done = False
@@ -277,60 +278,19 @@ class SyncerServer:
             x.close()
 
     def _check_init(self) -> None:
-        """(scheduler) The initializing island made no INIT progress within the INIT timeout: forget its claim
-        and its partial INIT, and ask another connected island (its later INIT is refused)."""
+        """(scheduler) The initializing island stalled its INIT, or the wait for the roster ended
+        (``Initializing.check``)."""
         if not self._init_lock.acquire(blocking=False):
             return   # an INIT is being installed right now: that is progress
         try:
-            self._drop_stalled_init()
+            self.init.check(self.sessions, self.coord)
         finally:
             self._init_lock.release()
 
-    def _drop_stalled_init(self) -> None:
-        coord = self.coord
-        with coord.lock:
-            old = self.initializer
-            if coord.initialized or old is None or old.closed or not self.init_watch.expired():
-                return
-            for f in coord.mine():
-                f.drop_init()
-            self.init_watch.failed.add(old.island)
-            self.init_watch.clear()
-            self.initializer = self.init_watch.pick(
-                x for x in self.sessions.values() if x is not old and not x.closed)
-            log.warning("initializing island %s completed no INIT within %.1fs (--init-timeout); its claim "
-                        "is dropped%s", printable(old.island), self.init_watch.timeout_s,
-                        f"; asking island {printable(self.initializer.island)}" if self.initializer
-                        else "; the next island to join initializes the run")
-            if self.initializer is not None:
-                self.initializer.post(MsgType.INIT, {"request": coord.missing_init()})
-                self.init_watch.assigned()
-
     def pick_initializer(self, joining: Optional[_Session]) -> list:
-        """Choose the island whose INIT becomes the run's initial base (under coord.lock, before INIT is complete).
-        By default the first island that joins. With --init-lowest-id the syncer waits until all --islands islands
-        are connected and takes the lowest island id, so the initial base (and with it a tau = 0 run, bit for bit)
-        does not depend on which island connects first (islands then wait for each other at start). Returns the
-        fragments `joining` must INIT (its WELCOME carries them); another chosen island gets an INIT request."""
-        if self.initializer is not None and not self.initializer.closed:
-            return []
-        self.initializer = None
-        live = [x for x in self.sessions.values() if not x.closed]
-        fit = [x for x in live if x.island not in self.init_watch.failed] or live   # (not one that stalled INIT)
-        if not self.cfg.init_lowest_id:
-            chosen = joining if joining is not None and joining in fit else (fit[0] if fit else None)
-        else:
-            chosen = min(fit, key=lambda x: x.island) if len(live) >= self.cfg.islands else None
-        if chosen is None:
-            return []
-        self.initializer = chosen
-        self.init_watch.assigned()
-        if chosen is joining:
-            return self.coord.missing_init()
-        log.info("island %s initializes the run (%s)", chosen.island,
-                 "the lowest id of the complete roster" if self.cfg.init_lowest_id else "the first to join")
-        chosen.post(MsgType.INIT, {"request": self.coord.missing_init()})
-        return []
+        """(coord.lock held) The fragments `joining` must INIT, if the initializer policy chose it now (see
+        syncer/initializer.py)."""
+        return self.init.pick(self.sessions, self.coord, joining)
 
     def _island_max(self) -> dict:
         """Per-type maxima for an authenticated island: INIT and PUSH bodies are one fragment (int8 with block 1
@@ -403,7 +363,7 @@ class SyncerServer:
             self._refuse(s, "init", "INIT after the run was initialized; refused")
             s.close()
             return
-        if s is not self.initializer:
+        if not self.init.expects(s):
             self._refuse(s, "init", "INIT not expected from this island (another island initializes the run)")
             s.close()
             return
@@ -425,9 +385,10 @@ class SyncerServer:
             s.close()
             return
         self.metrics.bytes_in.labels("init").inc(mv.nbytes)
-        self.init_watch.progress()
+        self.init.watch.progress()
         if done:
             log.info("run initialized from island %s's INIT (%d fragments)", s.island, len(coord.frags))
+            self.init.done(s, self.sessions)
             if self.writer is not None:  # version 0 on disk before any island trains from it
                 self._checkpoint(final=False)
             for other in list(self.sessions.values()):
@@ -479,14 +440,7 @@ class SyncerServer:
                 if self.sessions.get(s.island) is s:
                     del self.sessions[s.island]
                 coord.disconnected(s.island, s.bye)
-                if self.initializer is s and not coord.initialized:
-                    # INIT must come from one island: drop a partial INIT and ask another island
-                    coord.drop_partial_init()
-                    self.initializer = None
-                    self.pick_initializer(None)
-                    log.warning("initializing island %s left before INIT completed; %s", s.island,
-                                f"asking island {self.initializer.island}" if self.initializer is not None
-                                else "waiting for the roster to be complete again")
+                self.init.left(s, self.sessions, coord)   # INIT must come from one island: choose again
                 coord.cond.notify_all()
             log.info("island %s disconnected%s", s.island, " (goodbye)" if s.bye else "")
         self.metrics.connections.set(len(self.sessions))

@@ -62,6 +62,7 @@ class Session:
         self.pushes_inflight = 0
         self.held: dict = {}   # fragment -> version of the last base sent on this connection (writer thread)
         self.declared: Optional[list] = None   # MANIFEST's per-tensor digests of the weights the island holds
+        self.declares_init = False   # MANIFEST's "initializer": its weights are the run's start (initializer.py)
 
     def wait_pushes(self, timeout: float) -> None:
         """Wait (bounded) until the pushes this connection handed to the fold pool are accepted or refused."""

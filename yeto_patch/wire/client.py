@@ -116,7 +116,8 @@ class SyncerClient:
                  incarnation: Optional[int] = None, timeout: float = 60.0, insecure: bool = False,
                  connect_retries: int = 10, backoff: float = 0.5, max_backoff: float = 10.0,
                  held: Optional[list] = None, bell: Optional[threading.Event] = None,
-                 connect_timeout: Optional[float] = None, run_id: Optional[str] = None):
+                 connect_timeout: Optional[float] = None, run_id: Optional[str] = None,
+                 initializer: bool = False):
         if key is None:
             auth.check_insecure(address, insecure)
         self.address = address
@@ -136,6 +137,7 @@ class SyncerClient:
                 isinstance(h, str) and len(h) == 16 for h in held)):
             raise ValueError("held: one 16-hex-digit xxh3_64 digest per manifest tensor")
         self.held = None if held is None else list(held)
+        self.initializer = bool(initializer)   # MANIFEST says: this island's weights are the run's start
         self.conn: Optional[Connection] = None
         self.welcome: Optional[Welcome] = None
         self.local_step = 0
@@ -172,7 +174,8 @@ class SyncerClient:
         try:
             meta = _handshake(conn, self.key, self.insecure, MsgType.HELLO, self.island_id, self.incarnation,
                               self.digest, {"manifest": [[n, list(s), d] for n, s, d in self.manifest],
-                                            **({"held": self.held} if self.held is not None else {})},
+                                            **({"held": self.held} if self.held is not None else {}),
+                                            **({"initializer": True} if self.initializer else {})},
                               self.timeout, resume_slot=(self.address, self.island_id),
                               first_timeout=self.connect_timeout, run_id=self.run_id)
             w = Welcome(island_id=meta["island_id"], layout=meta["layout"], numels=meta["numels"],

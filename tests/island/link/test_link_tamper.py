@@ -94,7 +94,7 @@ def test_a_reconnect_gets_through_a_relay_that_tampers_with_its_first_handshakes
             link.wait(0.5)
             link.poll()
         assert tamper.done == 2 and st.side.arrived.version == 1
-        assert [e for e, _ in records] == ["reconnect"]
+        assert [e for e, _ in records if e != "merge"] == ["reconnect"]   # (one reconnect; merges are figures)
         link.close()
     finally:
         relay.close()

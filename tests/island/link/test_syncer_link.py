@@ -17,7 +17,7 @@ from yeto_patch.island.link.syncer import Backoff, SyncerLink, dial
 from yeto_patch.syncer.settings import MergeSettings, RoundSettings
 from yeto_patch.syncer.server import ServerConfig, SyncerServer
 from yeto_patch.wire import codecs
-from yeto_patch.wire.frames import AuthError
+from yeto_patch.wire.frames import AuthError, PeerError
 from yeto_patch.wire.transport import ConnectError
 
 
@@ -277,3 +277,24 @@ def test_a_reconnect_into_a_dead_link_makes_several_attempts_within_a_short_time
     finally:
         dead.close()
         link.shutdown_quietly()
+
+
+def test_a_declared_initializer_is_said_in_the_manifest_and_refused_when_another_island_is_named(tmp_path):
+    """YETO_DILOCO_INITIALIZER=1 reaches the syncer: a syncer that names another initializer refuses the join with
+    the reason (code init), at once and for good (no retries)."""
+    port = free_port()
+    cfg = ServerConfig(listen=f"127.0.0.1:{port}", islands=2, fragments=2, key=KEY, initializer="b",
+                       rounds=RoundSettings(islands=2, grace_s=0.2, timeout_s=30.0, lease_s=20.0), merge_threads=1)
+    server = SyncerServer(cfg)
+    server.start()
+    try:
+        st = settings(tmp_path, port, timeout=20.0)
+        st.initializer = True
+        link = SyncerLink(st, MANIFEST)
+        t0 = time.monotonic()
+        with pytest.raises(PeerError) as e:
+            link.open()
+        assert e.value.code == "init" and "--initializer" in str(e.value) and time.monotonic() - t0 < 10
+        assert "a" not in server.sessions
+    finally:
+        server.stop()

@@ -1,12 +1,14 @@
 """Megatron-LM's own training loop on CPU, in the style of Megatron-LM's pretrain_gpt.py (test-only): a GPT with
 the local (non-Transformer-Engine) layer spec, mock data or indexed text files, megatron.training.pretrain. Knows
 nothing about DiLoCo. Usage: torchrun --nproc-per-node 2 pretrain_gpt_cpu.py <Megatron-LM arguments> [--export-npz PATH]
-[--crash-at-iteration N] [--export-npz-at-start PATH] [--wait-for-file PATH]
+[--crash-at-iteration N] [--export-npz-at-start PATH] [--wait-for-file PATH] [--valid-seed N]
 
 --export-npz PATH: after pretrain() returns (also when --load reached --train-iters and nothing trained), each
 rank writes PATH.rank<r>.npz with its part of the full model (full_model.py: FP32 masters and weights).
 --export-npz-at-start PATH: the same at the first forward step of the run (inside the first train_step, so after
-anything that runs before it: with yeto-patch attached, the island's start), tied output-layer copy included."""
+anything that runs before it: with yeto-patch attached, the island's start), tied output-layer copy included.
+--valid-seed N: the validation split's samples are drawn with seed N instead of --seed, so that runs of different
+seeds evaluate the same held-out sequences."""
 import os
 import sys
 import warnings
@@ -75,6 +77,9 @@ def forward_step(data_iterator, model, return_schedule_plan=False):
     return output, partial(loss_func, loss_mask)
 
 
+VALID_SEED = None   # --valid-seed
+
+
 def train_valid_test_datasets_provider(num_samples, vp_stage=None):
     """Mock data with --mock-data; otherwise Megatron's GPTDataset over --data-path or --train/valid-data-path
     (indexed .bin/.idx files), as pretrain_gpt.py builds it."""
@@ -85,8 +90,13 @@ def train_valid_test_datasets_provider(num_samples, vp_stage=None):
                               tokenizer=get_tokenizer(), reset_position_ids=False, reset_attention_mask=False,
                               eod_mask_loss=False, create_attention_mask=False,
                               path_to_cache=args.data_cache_path, mmap_bin_files=False)
-    return BlendedMegatronDatasetBuilder(MockGPTDataset if args.mock_data else GPTDataset, num_samples,
-                                         lambda: is_first_or_last_pipeline_stage(vp_stage), config).build()
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    ready = lambda: is_first_or_last_pipeline_stage(vp_stage)  # noqa: E731
+    train, valid, test = BlendedMegatronDatasetBuilder(cls, num_samples, ready, config).build()
+    if VALID_SEED is not None:   # the held-out samples do not depend on --seed (runs of any seed compare)
+        config.random_seed = VALID_SEED
+        _, valid, _ = BlendedMegatronDatasetBuilder(cls, num_samples, ready, config).build()
+    return train, valid, test
 
 
 def export_npz(path, model_chunks, optimizer, tied_copy=False):
@@ -108,6 +118,10 @@ if __name__ == "__main__":
     if "--crash-at-iteration" in sys.argv:
         i = sys.argv.index("--crash-at-iteration")
         crash_at = int(sys.argv[i + 1])
+        del sys.argv[i:i + 2]
+    if "--valid-seed" in sys.argv:   # --valid-seed N: the validation split is sampled with seed N, not --seed
+        i = sys.argv.index("--valid-seed")
+        VALID_SEED = int(sys.argv[i + 1])
         del sys.argv[i:i + 2]
     wait_for = None   # --wait-for-file PATH: the first train_step waits (up to 30 min) until PATH exists (tests)
     if "--wait-for-file" in sys.argv:

@@ -115,7 +115,8 @@ class SyncerLink:
         s = self.settings
         return SyncerClient(self.address, self.key, s.island_id, self.manifest, incarnation=incarnation,
                             timeout=timeout, insecure=s.insecure, connect_retries=0, held=start_digests,
-                            bell=self.arrival, connect_timeout=connect_timeout, run_id=self.run_id)
+                            bell=self.arrival, connect_timeout=connect_timeout, run_id=self.run_id,
+                            initializer=bool(s.initializer))
 
     def _dial(self, incarnation, timeout, start_digests, deadline, what, on_retry=None):
         from yeto_patch.wire.sender import BackgroundSender
