@@ -95,6 +95,7 @@ def serve(cfg: dict) -> None:
         listen="127.0.0.1:0", islands=islands, fragments=FRAGMENTS, key=bytes.fromhex(cfg["key"]),
         merge=MergeSettings(), rounds=RoundSettings(islands=islands, quorum=1, grace_s=0.0, lease_s=3600.0),
         checkpoint=cfg["checkpoint"], checkpoint_every=1, merge_threads=1, init_timeout_s=cfg["init_timeout"],
+        initializer="first",   # (as before the lowest-id default: the roster never all joins here)
         io_timeout_s=cfg["io_timeout"], handshake_timeout_s=cfg["handshake_timeout"],
         # every input is to reach the handshake code: the flood cap (tested on its own) must not trip
         max_handshakes=100_000, max_handshakes_per_host=100_000))

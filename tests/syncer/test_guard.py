@@ -112,7 +112,7 @@ def test_the_guard_judges_a_push_against_the_other_islands_history():
     assert (first.norm, first.peak) == (pytest.approx(16.0), pytest.approx(0.5)) and not g.needs_base_norm(0)
 
     def stats(x, island):
-        return g.measure("f32", x.astype(np.float32).tobytes(), x.size, 256, cold=(0, island, base))
+        return g.measure("f32", x.astype(np.float32).tobytes(), x.size, 256, cold=(0, island, base, False))
     # cold start (nobody pushed yet): refused when, applied alone, it would leave the base above 2 x its first norm
     assert "no other island has pushed yet" in g.admit(0, stats(-1.1 * base, "b"), "b", first)   # 2.1 x
     big_but_harmless = np.random.default_rng(0).standard_normal(1024) * 0.8   # norm 25.6 > 16, orthogonal-ish
@@ -146,14 +146,14 @@ def test_a_lone_island_cannot_walk_the_base_up_unless_it_is_the_runs_only_island
         base, accepted = base0.copy(), 0
         for _ in range(12):   # each push applied alone makes the base 1.2 x larger
             x = -0.2 * base
-            st = g.measure("f32", x.tobytes(), x.size, 256, cold=(0, "a", base))
+            st = g.measure("f32", x.tobytes(), x.size, 256, cold=(0, "a", base, False))
             if g.admit(0, st, "a", first) is not None:
                 break
             base, accepted = base - x, accepted + 1
         if single:
             assert accepted == 12   # slow growth passes
             x = -1.5 * base   # ... a push that would leave 2.5 x does not
-            assert g.admit(0, g.measure("f32", x.tobytes(), x.size, 256, cold=(0, "a", base)), "a", 0.0) is not None
+            assert g.admit(0, g.measure("f32", x.tobytes(), x.size, 256, cold=(0, "a", base, False)), "a", 0.0) is not None
         else:
             assert accepted == 3 and np.linalg.norm(base) <= 2 * first.norm   # 1.2 ** 4 > 2
 
@@ -256,17 +256,18 @@ def test_a_push_concentrated_in_one_value_is_refused():
             c.close()
 
 
-def test_first_round_pushes_do_not_become_the_other_islands_reference():
+def test_first_round_pushes_are_judged_among_themselves_and_never_become_a_later_reference():
     """Streaming fragments in warm-up (issue 24): a fragment's first round covers 1-2 inner steps at lr ~0, so its
-    pushes are 50x below the next rounds'; they are checked but do not join the history that the other islands'
-    pushes are judged against (else island b's first push would make a's ordinary second push an outlier)."""
+    pushes are 50x below the next rounds'. They are judged against the other islands' first-round pushes (so the
+    first round is bounded by the others too, issue 26) and are not the reference of later rounds (else island
+    b's first push would make a's ordinary second push an outlier)."""
     g = NormGuard(10.0)
     tiny, ordinary = PushStats(0.015, 0.001), PushStats(0.8, 0.05)
-    for island in ("a", "b"):   # round 1 (relative to the initial base v0): tiny, checked, not remembered
-        assert g.admit(0, tiny, island, scale=False) is None
-    assert g.reference(0, "a") is None and g.reference(0, "b") is None
+    assert g.admit(0, tiny, "a", first_round=True) is None
+    assert g.admit(0, PushStats(1.0, 0.05), "b", first_round=True) is not None   # 10 x a's first round
+    assert g.admit(0, tiny, "b", first_round=True) is None
+    assert g.reference(0, "a") is None and g.reference(0, "a", first_round=True).norm == pytest.approx(0.015)
     assert g.admit(0, ordinary, "a") is None          # round 2: (before: 0.8 > 10 x b's 0.015, refused)
     assert g.admit(0, ordinary, "b") is None
     assert g.reference(0, "a").norm == pytest.approx(0.8)
     assert g.admit(0, PushStats(9.0, 0.05), "b") is not None    # still an outlier guard
-    assert g.admit(0, PushStats(1e4, 0.05), "a", scale=False) is not None   # first-round pushes are checked too

@@ -34,6 +34,8 @@ def _raw_island(addr, island):
     conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
     _handshake(conn, KEY, False, MsgType.HELLO, island, random.getrandbits(63), auth.manifest_digest(BIG),
                {"manifest": [[n, list(s), d] for n, s, d in BIG]}, 10)
+    bulk = 4 * (8 << 20) + (1 << 20)   # (as SyncerClient does after its WELCOME: room for the 32 MiB base)
+    conn.set_limits({MsgType.BASE: bulk}, bulk + (2 << 20))
     return conn
 
 

@@ -20,11 +20,14 @@
   needs a reference and applies once other islands have pushed.
 * ``ratio`` 0 disables the guard. A push that cannot be measured (malformed, non-finite) is left to the usual
   validation, which refuses it with its own code.
-* The pushes of a fragment's first round (relative to the initial base, version 0) are checked but do not join
-  the history: they start from the initial weights, usually inside the learning-rate warm-up (the first update
-  often at lr 0), and with streaming fragments the first round covers only the fragment's offset (1-2 inner steps
-  of H = 10 with 4-8 fragments), so their norms can be 50x below every later round's; as the other islands'
-  reference they made the guard refuse the second round's ordinary pushes.
+* A fragment's first round (pushes relative to the initial base, version 0) has a history of its own: its pushes
+  are judged against the other islands' first-round pushes and never become the reference of later rounds. They
+  start from the initial weights, usually inside the learning-rate warm-up (the first update often at lr 0), and
+  with streaming fragments the first round covers only the fragment's offset (1-2 inner steps of H = 10 with 4-8
+  fragments), so their norms can be 50x below every later round's: as the reference of the second round they made
+  the guard refuse its ordinary pushes (issue 24), and without any reference the first round would be bounded
+  only by the cold start (issue 26). A later round whose fragment has no later history from another island yet
+  falls back to the cold start.
 * A base is *usable* when every value is finite and at most ``USABLE_MAX`` in magnitude (the outer step refuses a
   merge whose result would not be, see outer.py); a checkpoint whose arrays are not usable is refused at
   ``--resume``.
@@ -216,7 +219,8 @@ class NormGuard:
         self.first_growth = float(first_growth)
         self.single = single   # a run of one island: no one to protect, the base is its own model (see _overs)
         self.runner = runner or ChunkRunner(1)
-        self._hist: dict = collections.defaultdict(collections.OrderedDict)   # fragment -> island -> deque
+        # (fragment, first round?) -> island -> deque of its accepted pushes' stats
+        self._hist: dict = collections.defaultdict(collections.OrderedDict)
         self._base: dict = {}   # fragment -> PushStats of its base when the guard first measured it
         self._lock = threading.Lock()
         self.refused = 0
@@ -226,15 +230,16 @@ class NormGuard:
         return self.ratio > 0
 
     def measure(self, codec: str, body, numel: int, block: int, cold: Optional[tuple] = None) -> Optional[PushStats]:
-        """The push's figures; ``cold``: (fragment, island, the fragment's current base): when nobody else pushed
-        that fragment yet, also the norm the base would have were the push applied alone (one more pass)."""
+        """The push's figures; ``cold``: (fragment, island, the fragment's current base, first round?): when
+        nobody else pushed that fragment in that kind of round yet, also the norm the base would have were the push
+        applied alone (one more pass)."""
         if not self.enabled:
             return None
         st = push_stats(codec, body, numel, block, self.runner)
         if st is None or cold is None or not self.first_growth:
             return st
-        fragment, island, base = cold
-        if base is None or base.size != numel or self.reference(fragment, island) is not None:
+        fragment, island, base, first_round = cold
+        if base is None or base.size != numel or self.reference(fragment, island, first_round) is not None:
             return st
         return PushStats(st.norm, st.peak, *_growth(codec, body, numel, block, base, self.runner))
 
@@ -256,27 +261,28 @@ class NormGuard:
         with self._lock:
             return fragment not in self._base
 
-    def reference(self, fragment: int, island: str) -> Optional[PushStats]:
-        """The lower median, over the islands other than ``island`` with accepted pushes of this fragment, of each
-        one's median norm and median peak (None: nobody else has pushed yet)."""
+    def reference(self, fragment: int, island: str, first_round: bool = False) -> Optional[PushStats]:
+        """The lower median, over the islands other than ``island`` with accepted pushes of this fragment (in its
+        first round, or in later ones), of each one's median norm and median peak (None: nobody else has)."""
         with self._lock:
             per = [(statistics.median(x.norm for x in h), statistics.median(x.peak for x in h))
-                   for other, h in self._hist[fragment].items() if other != island and h]
+                   for other, h in self._hist[(fragment, bool(first_round))].items() if other != island and h]
         if not per:
             return None
         k = (len(per) - 1) // 2
         return PushStats(sorted(n for n, _ in per)[k], sorted(p for _, p in per)[k])
 
-    def _overs(self, fragment: int, stats: PushStats, island: str, base) -> tuple:
+    def _overs(self, fragment: int, stats: PushStats, island: str, base, first_round: bool) -> tuple:
         """(what the push exceeds, what the bounds are relative to)."""
-        ref = self.reference(fragment, island)
+        ref = self.reference(fragment, island, first_round)
         if ref is not None:
             over = []
             if stats.norm > self.ratio * ref.norm:
                 over.append(f"norm {stats.norm:.4g} above {self.ratio * ref.norm:.4g}")
             if stats.peak > self.ratio * ref.peak:
                 over.append(f"densest block (rms {stats.peak:.4g}) above {self.ratio * ref.peak:.4g}")
-            return over, (f"the other islands' recent pushes (--max-push-norm-ratio {self.ratio:g}: norm "
+            return over, (f"the other islands' {'first-round' if first_round else 'recent'} pushes "
+                          f"(--max-push-norm-ratio {self.ratio:g}: norm "
                           f"{ref.norm:.4g}, densest block rms {ref.peak:.4g})")
         with self._lock:
             b = self._base.get(fragment) or base
@@ -295,13 +301,14 @@ class NormGuard:
         return ([f"norm {stats.norm:.4g} above {lim - ref:.4g}"] if stats.norm > lim - ref else []), what
 
     def admit(self, fragment: int, stats: Optional[PushStats], island: str, base_norm=None,
-              scale: bool = True) -> Optional[str]:
-        """The refusal message for a push with these ``stats`` (None: admitted, and with ``scale`` it joins
-        ``island``'s history: False for a fragment's first round, see the module docstring). ``base_norm``:
+              first_round: bool = False) -> Optional[str]:
+        """The refusal message for a push with these ``stats`` (None: admitted, and it joins ``island``'s history
+        of the fragment's first round or of its later ones, see the module docstring). ``base_norm``:
         :meth:`base_norm`'s result when it was needed (a float 0.0 otherwise)."""
         if stats is None or not self.enabled:
             return None
-        over, what = self._overs(fragment, stats, island, base_norm if isinstance(base_norm, PushStats) else None)
+        over, what = self._overs(fragment, stats, island, base_norm if isinstance(base_norm, PushStats) else None,
+                                 first_round)
         if over:
             self.refused += 1
             why = " and ".join(over)
@@ -313,9 +320,9 @@ class NormGuard:
                       "admitted relative to %s", fragment, printable(island), stats.norm, stats.peak,
                       "" if stats.grown is None else f", applied alone the base's norm would be {stats.grown:.4g}",
                       what)
-        if stats.norm > 0 and scale:
+        if stats.norm > 0:
             with self._lock:
-                hist = self._hist[fragment]
+                hist = self._hist[(fragment, bool(first_round))]
                 h = hist.pop(island, None) or collections.deque(maxlen=WINDOW)
                 h.append(stats)
                 hist[island] = h   # (the most recently heard from last)

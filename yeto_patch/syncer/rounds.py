@@ -321,7 +321,8 @@ class Coordinator:
             f, w = self._checked(p)
         key = (p.island, f.index, p.base_version)
         guard = self.guard
-        norm = guard.measure(p.codec, p.body, f.numel, p.block, cold=(f.index, p.island, f.t.base)) \
+        first_round = p.base_version == 0   # (the guard keeps the first round's pushes apart: guard.py)
+        norm = guard.measure(p.codec, p.body, f.numel, p.block, cold=(f.index, p.island, f.t.base, first_round)) \
             if guard is not None else None
         base_norm = guard.base_norm(f.index, f.version, f.t.base) \
             if norm is not None and guard.needs_base_norm(f.index) else 0.0
@@ -334,7 +335,7 @@ class Coordinator:
                 r = f.round
                 held = lag != 0 or self.ms.exact
                 if not held or validated:
-                    why = guard.admit(f.index, norm, p.island, base_norm, scale=p.base_version > 0) \
+                    why = guard.admit(f.index, norm, p.island, base_norm, first_round=first_round) \
                         if guard is not None else None
                     if why is not None:
                         raise PushRefused("outlier", why)

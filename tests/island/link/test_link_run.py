@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _syncer(run_id, port=0):
-    cfg = ServerConfig(listen=f"127.0.0.1:{port}", islands=2, fragments=2, key=KEY, run_id=run_id,
+    cfg = ServerConfig(listen=f"127.0.0.1:{port}", islands=2, fragments=2, key=KEY, run_id=run_id, initializer="first",
                        merge=MergeSettings(outer="avg"), rounds=RoundSettings(islands=2, quorum=1, grace_s=0.0,
                                                                    timeout_s=30.0, lease_s=20.0), merge_threads=1)
     s = SyncerServer(cfg)

@@ -45,7 +45,7 @@ def settings(tmp_path, port, timeout=30.0, key=KEY):
         os.chmod(path, 0o600)
     return types.SimpleNamespace(syncer=f"127.0.0.1:{port}", island_id="a", timeout=timeout, insecure=key is None,
                                  send_queue_bytes=1 << 20, block=256, key_file=path, key_from_env=False,
-                                 overlap_steps=0, merge_alpha=0.5)
+                                 overlap_steps=0, merge_alpha=0.5, initializer=False)
 
 
 def test_backoff_doubles_to_its_cap_with_bounded_jitter():
