@@ -270,9 +270,9 @@ TABLE = (
         "`1`: this island's weights start the run (a fine-tune's pretrained island): the syncer takes its INIT",
         bool),
     Var("YETO_DILOCO_OVERLAP_STEPS", "overlap_steps", or_auto(integer(0, 10**9, "tau, steps a merged base may "
-        "trail its push")), None, "tau: steps a fragment's merged base may trail its push before the island "
-        "waits; `0`: synchronous DiLoCo (reproducible bits); must be < H; `>= 1`: pushes and bases leave the "
-        "training thread, bases are blended in with alpha (memory per rank: an own-shard copy per push in "
+        "trail its push")), None, "tau: a fragment's merged base is installed exactly tau steps after its push "
+        "(the island waits there if it is late); `0`: synchronous DiLoCo (reproducible bits); must be < H; `>= 1`: "
+        "pushes and bases leave the training thread, bases are blended in with alpha (memory per rank: an own-shard copy per push in "
         f"flight and a spare, two per staged base, one becoming its anchor); `auto`: min({AUTO_TAU_MAX}, H // 2)", int, "auto"),
     Var("YETO_DILOCO_MERGE_ALPHA", "merge_alpha", number(0.0, 1.0, "weight of the local model when a base is "
         "installed under overlap"), 0.5, "alpha for installs under overlap: installed = alpha * local + "
