@@ -24,7 +24,7 @@ for env in $envs; do
     *) paths=(tests) ;;
   esac
   # The repository root goes first on PYTHONPATH so the code under test is this clone's.
-  if ! PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@" "${paths[@]}"; then
+  if ! PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=25 "$@" "${paths[@]}"; then
     status=1
   fi
 done

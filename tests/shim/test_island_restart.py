@@ -48,8 +48,9 @@ def run(tmp, restart):
     syncer = P.start_syncer(tmp, port, islands=2, fragments=2, key=key)
     ca, cb = str(tmp / "ckpt_a"), str(tmp / "ckpt_b")
     a = torchrun(tmp, "a", args(1, ca), env(port, key, "a", tmp))
-    deadline = time.time() + 300    # a initializes the run (the same initial weights in every run), then b joins
-    while "joined the syncer" not in a.text() and a.poll() is None and time.time() < deadline:
+    # a joins first, then b; a, the lowest id, initializes the run (the same initial weights in every run)
+    deadline = time.time() + 300
+    while "island a joined" not in syncer.text() and a.poll() is None and time.time() < deadline:
         time.sleep(0.2)
     b = torchrun(tmp, "b", args(2, cb, ["--exit-interval", str(STOP)] if restart else []), env(port, key, "b", tmp))
     procs = [syncer, a, b]
