@@ -23,7 +23,8 @@ def island(anchors=(3, 5)):
         st.installed(v)
     fs.count_step(7)
     fs.count_step(5)
-    fs[1].start_push(12, np.arange(10, dtype=np.uint8), "int8", 0.001, 0.002, False)
+    fs[1].start_push(12, np.arange(10, dtype=np.uint8), "int8", 0.001, 0.002, False)   # counts again from here
+    fs.count_step(3)
     fs[0].residual = np.full(4, 0.5, np.float32)
     return fs
 
@@ -34,7 +35,8 @@ def test_save_then_load_round_trips_the_state(tmp_path):
     arrays = {}
     state = sync_state.load(sync_state.state_path(str(tmp_path), 40), 40, arrays, settings(), manifest_digest="d1",
                             layout=fs.layout)
-    assert state["anchor_version"] == [3, 5] and state["steps_since"] == [2, 2] and state["tokens_since"] == [12, 12]
+    assert state["anchor_version"] == [3, 5] and state["steps_since"] == [3, 1] and state["tokens_since"] == [15, 3]
+    assert state["pending"]["1"]["steps"] == 2 and state["pending"]["1"]["tokens"] == 12   # since the previous push
     assert state["pending"]["1"]["base_version"] == 5 and "_body" not in state["pending"]["1"]
     np.testing.assert_array_equal(arrays["push.1"], np.arange(10, dtype=np.uint8))
     np.testing.assert_array_equal(arrays["residual.0"], np.full(4, 0.5, np.float32))
@@ -79,7 +81,7 @@ def test_restore_keeps_progress_where_the_anchor_is_current_and_skips_where_merg
     resend = sync_state.restore(state, arrays, fs, versions, keep={1}, rank=0, error_feedback=True)
     assert [st.index for st in resend] == [1]
     assert fs[0].skip == 2 and fs[1].skip == 0
-    assert (fs[1].steps_since, fs[1].tokens_since) == (2, 12) and fs[0].steps_since == 0
+    assert (fs[1].steps_since, fs[1].tokens_since) == (1, 3) and fs[0].steps_since == 0
     assert fs[1].pending["base_version"] == 5 and fs[1].repushed == {5}
     np.testing.assert_array_equal(fs[0].residual, np.full(4, 0.5, np.float32))
     other = Fragments(old.layout, old.numels, [4, 3, 3])   # another rank: only the pending push's step

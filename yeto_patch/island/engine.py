@@ -144,6 +144,8 @@ class Engine(Installs):
                             "tokens; weight islands by 'equal' or 'steps' on the syncer")
         self.step += 1
         self.frags.count_step(0 if not update_successful else int(tokens or 0))
+        if self.link is not None:   # (rank 0) heartbeats carry the step and the compute rate
+            self.link.stepped(self.step)
         self._guarded(self._boundary)
 
     def close(self):
@@ -371,11 +373,16 @@ class Engine(Installs):
         """Every rank: loop until rank 0's `ready()` is True, bounded by YETO_DILOCO_TIMEOUT. Rank 0 also answers
         the syncer's INIT requests meanwhile (init_ok), and logs once what it waits for."""
         s = self.settings
+        source = f"the syncer at {s.syncer}"
+        patience = None
+        if self.link is not None:   # (rank 0) YETO_DILOCO_TIMEOUT counts only while the syncer is unreachable
+            from yeto_patch.island.link.patience import Patience
+            patience = Patience(s.timeout, self.link, what, source, step=lambda: self.step)
         self.channel.await_ready(ready, what, timeout=s.timeout, slice_s=self._slice(),
-                                 wait=lambda t: self.link.wait(t), source=f"the syncer at {s.syncer}",
+                                 wait=lambda t: self.link.wait(t), source=source,
                                  step=lambda: self.step,
                                  requests=(lambda: self.link.init_requested()) if init_ok else None,
-                                 serve=self._send_init)
+                                 serve=self._send_init, patience=patience)
 
     def _send_init(self, f):
         """Every rank: read fragment f's FP32 masters; rank 0 streams them to the syncer as INIT."""

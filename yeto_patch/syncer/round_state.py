@@ -21,7 +21,9 @@ class _Contrib:
     weight_raw: float
     folded: bool = False
     lag: int = 0
-    held: bool = False  # body kept (exact mode / carried)
+    held: bool = False  # body kept (exact mode / carried / weighed at merge time)
+    claimed: float = 0.0   # its weight from its checked fields, before the cap (syncer/weights.py)
+    unreferenced: bool = False   # nobody else was on record: its weight is capped against the round at merge time
 
     @property
     def island(self):

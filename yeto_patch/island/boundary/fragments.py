@@ -4,7 +4,9 @@ The syncer's layout (fragment -> manifest indices) fixes each fragment's tensors
 fragment's flat vector and its size. Per fragment the engine then tracks:
 
 - ``anchor_version``: the base version the fragment's anchor is (-1 before the first install);
-- ``steps_since`` / ``tokens_since``: optimizer steps and tokens since that anchor (a push reports them);
+- ``steps_since`` / ``tokens_since``: optimizer steps and tokens since this fragment's previous push (a push
+  reports them and starts counting again; a merged base blended in keeps them, since the local progress stays,
+  while one that replaces the local weights starts them again), so the syncer's weights see what was computed;
 - ``pending``: the push awaiting its answer (rank 0 keeps the record with its encoded body, to send again after a
   reconnect; the other ranks keep only its step);
 - ``arrived`` (rank 0): the newest base received and not staged or installed yet;
@@ -44,12 +46,20 @@ class FragmentState:
         self.steps_since += 1
         self.tokens_since += tokens
 
-    def installed(self, version: int) -> None:
-        """The base of `version` is the anchor now: counting starts again."""
+    def installed(self, version: int, keep_counts: bool = False) -> None:
+        """The base of `version` is the anchor now; `keep_counts`: it was blended in (the local progress since the
+        previous push stays and is reported by the next push), else counting starts again."""
         self.anchor_version = int(version)
         self.adopt = False
-        self.steps_since = 0
-        self.tokens_since = 0
+        if not keep_counts:
+            self.steps_since = 0
+            self.tokens_since = 0
+
+    def take_counts(self) -> tuple:
+        """(steps, tokens) since the previous push, for the push made now; counting starts again."""
+        out = (self.steps_since, self.tokens_since)
+        self.steps_since = self.tokens_since = 0
+        return out
 
     def start_push(self, step: int, body, codec: str, gather_s: float, encode_s: float, final: bool,
                    made=None) -> dict:
@@ -57,7 +67,7 @@ class FragmentState:
         the record keeps the body until then (after a reconnect it is sent again) and becomes the boundary log's
         record (keys starting with "_" are not logged). `made`: (base version, steps, tokens) when the delta was
         taken earlier than now (a background push: its boundary's anchor and counters)."""
-        base, steps, tokens = made or (self.anchor_version, self.steps_since, self.tokens_since)
+        base, steps, tokens = made or (self.anchor_version, *self.take_counts())
         self.pending = {"step": step, "fragment": self.index, "base_version": base,
                         "bytes": int(body.nbytes), "codec": codec, "steps": steps,
                         "tokens": tokens, "gather_ms": round(gather_s * 1000, 2),

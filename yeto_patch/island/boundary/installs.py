@@ -45,7 +45,7 @@ class Installs:
 
     def _installed(self, st, version, mode, why, ms, updates, **extra):
         """Every rank: fragment st's anchor is base `version` now; the push it answers (if any) is logged."""
-        st.installed(version)
+        st.installed(version, keep_counts=mode in ("blend", "keep"))
         rec, st.pending = st.pending, None
         if self.rank == 0:
             self.log.installed(self.step, st.index, version, mode, why, ms, updates, rec, **extra)

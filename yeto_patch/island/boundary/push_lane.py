@@ -86,7 +86,7 @@ class PushPipeline(BackgroundLane):
             raise EngineError(f"internal: fragment {st.index} has a push in flight already")
         with self._cv:   # (a spent snapshot's buffer is reused: no fresh pages to fault in)
             spare, self._spare = self._spare, None
-        job = PushJob(st, step, st.anchor_version, st.steps_since, st.tokens_since, None, 0.0,
+        job = PushJob(st, step, st.anchor_version, *st.take_counts(), None, 0.0,
                       self.view.own_numel(st.entries) * 4)
         if self.view.host_masters(st.entries):
             job.snapped = threading.Event()

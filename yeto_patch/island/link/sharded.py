@@ -106,6 +106,27 @@ class ShardedLink:
         for link in self.links:
             link.resilient = value
 
+    # ---------------------------------------------------------------------------------------------- liveness
+    def stepped(self, step: int) -> None:
+        for link in self.links:
+            link.stepped(step)
+
+    def reachable(self) -> bool:
+        """Every shard is connected and heard from."""
+        return all(link.reachable() for link in self.links)
+
+    def waiting_on(self) -> str:
+        if len(self.links) == 1:
+            return self.links[0].waiting_on()
+        return "; ".join(f"shard {i}: {link.waiting_on()}" for i, link in enumerate(self.links))
+
+    def pace(self) -> float:
+        return max((link.pace() for link in self.links), default=0.0)
+
+    @property
+    def clock(self):
+        return self.links[0].clock
+
     # ---------------------------------------------------------------------------------------------- data
     def send_push(self, st) -> None:
         self.owner[st.index].send_push(st)

@@ -12,6 +12,11 @@ push whose base is still the syncer's current one is sent again (the syncer refu
 it: counted once either way); a push the syncer merged meanwhile is answered by the current base, which the
 syncer sends on every welcome; a fragment where the syncer is behind this island (it resumed from an older
 checkpoint) adopts the syncer's base.
+
+The link also carries what waits need (``island/link/patience.py``): whether the syncer is reachable, what its
+heartbeats say this island's rounds wait for, the fleet's pace, and this island's step and compute rate (sent in
+heartbeats; ``stepped``), and each push says its patience: the seconds until the island would block for its
+answer (tau steps of its step time), which bounds how long the syncer's adaptive grace window holds a round.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import time
 from typing import Callable, Optional
 
 from yeto_patch.island.errors import EngineError, describe
+from yeto_patch.island.link.patience import Patience, StepClock
 
 log = logging.getLogger("yeto_patch")
 
@@ -95,6 +101,8 @@ class SyncerLink:
         self.resilient = False       # after start: a lost link is replaced instead of failing the island
         self.outage: Optional[float] = None   # when the link was lost (None: it is up)
         self.refusals = collections.deque()   # refusals the sender thread met (raised by poll)
+        self.clock = StepClock()              # this island's step and compute rate
+        self._final_wait: Optional[Patience] = None
 
     # ---------------------------------------------------------------------------------------------- connecting
     def _client(self, incarnation, timeout, held):
@@ -138,6 +146,40 @@ class SyncerLink:
 
     def attach(self, fragments) -> None:
         self.fragments = fragments
+
+    # ---------------------------------------------------------------------------------------------- liveness
+    def stepped(self, step: int) -> None:
+        """The island finished optimizer step `step` (its heartbeats carry it, with the compute rate)."""
+        self.clock.stepped(step)
+        c = self.client
+        if c is not None:
+            c.local_step = max(c.local_step, int(step))
+            c.rate = self.clock.rate
+
+    def reachable(self) -> bool:
+        """The syncer is connected and was heard from within its silence bound (the client fails a link silent for
+        a lease, after which a reconnect is due)."""
+        c = self.client
+        if c is None or self.outage is not None or c.conn_lost():
+            return False
+        return c.status()[1] <= max(3 * c.welcome.heartbeat_s, c.welcome.lease_s)
+
+    def waiting_on(self) -> str:
+        c = self.client
+        return c.status()[0].describe() if c is not None else "not connected"
+
+    def pace(self) -> float:
+        """The fleet's pace (steps/s) as the syncer's last heartbeat said (0: unknown)."""
+        c = self.client
+        return c.status()[0].pace if c is not None else 0.0
+
+    def patience(self, push_step: int) -> float:
+        """Seconds from now until this island blocks for the answer of a push made at `push_step` (tau rule);
+        0 with tau = 0 or before the step time is known."""
+        tau, step_s = self.settings.overlap_steps, self.clock.step_s
+        if tau <= 0 or not step_s:
+            return 0.0
+        return max(0.0, (int(push_step) + tau - self.clock.step) * step_s)
 
     def reconnect(self, cause) -> None:
         """The link is gone: replace it (same incarnation) and reconcile; gives up YETO_DILOCO_TIMEOUT after the
@@ -216,7 +258,7 @@ class SyncerLink:
                 try:
                     client.push(f, base_version=rec["base_version"], local_step=rec["step"], steps=rec["steps"],
                                 tokens=rec["tokens"], codec=rec["codec"], block=s.block, body=body,
-                                final=rec["final"], blend=s.overlap_steps > 0)
+                                final=rec["final"], blend=s.overlap_steps > 0, patience=self.patience(rec["step"]))
                     break
                 except SyncerRefusal as e:   # an earlier push's refusal, raised before this one went out:
                     self.refusals.append(e)   # the training thread handles it (poll); send this push still
@@ -286,14 +328,15 @@ class SyncerLink:
         return False
 
     def final_model(self, last_step: int, deadline: float, slice_s: float, drain: bool):
-        """``finish`` for at most `slice_s`; an EngineError once the monotonic `deadline` (YETO_DILOCO_TIMEOUT
-        after the final cut began) has passed."""
+        """``finish`` for at most `slice_s`; an EngineError once the syncer has been unreachable for
+        YETO_DILOCO_TIMEOUT (`deadline`: YETO_DILOCO_TIMEOUT after the final cut began, the earliest it gives up).
+        While the syncer is alive the wait goes on (the others may train on for long), with a log line a minute."""
         s = self.settings
-        now = time.monotonic()
-        if now >= deadline:
-            raise EngineError(f"yeto-patch: timed out after {s.timeout:.0f}s (YETO_DILOCO_TIMEOUT) waiting "
-                              f"for the final model from the syncer at {self.address}")
-        return self.finish(last_step, min(slice_s, deadline - now), drain)
+        if self._final_wait is None:   # (the other islands may train on for long: only an unreachable syncer ends it)
+            self._final_wait = Patience(s.timeout, self, "the final model", f"the syncer at {self.address}",
+                                        self.step, since=deadline - s.timeout)
+        self._final_wait.check()
+        return self.finish(last_step, slice_s, drain)
 
     def finish(self, last_step: int, timeout: float, drain: bool):
         """One bounded try at the final model: {fragment: Base}, or None to try again (a reconnect happened, or
