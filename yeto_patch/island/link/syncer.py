@@ -7,11 +7,11 @@ syncer; a syncer may restart). Each attempt is one TCP connect and handshake (``
 ``connect_retries=0``: ``wire.transport.connect``'s own retry loop is not used by islands). Errors that a retry
 cannot help (a bad key, another run's manifest, a refusal) end the attempts at once.
 
-After a lost link (syncer restart, cut link, dead peer) ``reconnect`` keeps the incarnation and reconciles: a
-push whose base is still the syncer's current one is sent again (the syncer refuses it as a duplicate if it had
-it: counted once either way); a push the syncer merged meanwhile is answered by the current base, which the
-syncer sends on every welcome; a fragment where the syncer is behind this island (it resumed from an older
-checkpoint) adopts the syncer's base.
+After a lost link (syncer restart, cut link, dead peer) the link reconnects in the background (the island trains on
+until it needs an answer: its tau bound), keeps the incarnation and reconciles: every unanswered push is sent again
+(the syncer refuses it as a duplicate if it had it: counted once either way; one it merged past without it is
+carried into its next round, within its --max-base-lag); the current bases come with every welcome; a fragment
+where the syncer is behind this island (it resumed from an older checkpoint) adopts the syncer's base.
 
 The link also carries what waits need (``island/link/patience.py``): whether the syncer is reachable, what its
 heartbeats say this island's rounds wait for, the fleet's pace, and this island's step and compute rate (sent in
@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import random
+import threading
 import time
 from typing import Callable, Optional
 
@@ -103,6 +104,8 @@ class SyncerLink:
         self.refusals = collections.deque()   # refusals the sender thread met (raised by poll)
         self.clock = StepClock()              # this island's step and compute rate
         self._final_wait: Optional[Patience] = None
+        self._redial: Optional[tuple] = None  # (thread, result, cause, deadline) of a reconnect under way
+        self._closed = False
 
     # ---------------------------------------------------------------------------------------------- connecting
     def _client(self, incarnation, timeout, held):
@@ -112,8 +115,7 @@ class SyncerLink:
                             timeout=timeout, insecure=s.insecure, connect_retries=0, held=held, bell=self.bell)
 
     def _dial(self, incarnation, timeout, held, deadline, what, on_retry=None):
-        from yeto_patch.wire.sender import BackgroundSender
-
+        """(client, welcome, attempts): a connected client (``_use`` makes it the link's)."""
         def attempt():
             c = self._client(incarnation, timeout, held)
             try:
@@ -122,9 +124,13 @@ class SyncerLink:
                 c.abort()
                 raise
         (c, w), n = dial(attempt, deadline, what, on_retry=on_retry)
+        return c, w, n
+
+    def _use(self, c) -> None:
+        from yeto_patch.wire.sender import BackgroundSender
         self.client = c
+        c.local_step, c.rate = max(c.local_step, self.clock.step), self.clock.rate
         self.sender = BackgroundSender(self.settings.send_queue_bytes, name="yeto-push-sender")
-        return w, n
 
     def open(self):
         """Connect and say hello (start-up); returns the syncer's Welcome. Waits for a syncer that is not up yet
@@ -137,8 +143,9 @@ class SyncerLink:
                 said.append(True)
                 log.info("yeto-patch: the syncer at %s does not answer yet (%s: %s); trying again for up to %.0fs "
                          "(YETO_DILOCO_TIMEOUT)", self.address, type(e).__name__, e, left)
-        w, n = self._dial(None, s.timeout, self.held, time.monotonic() + s.timeout,
-                          f"connect to the syncer at {self.address}", on_retry=waiting)
+        c, w, n = self._dial(None, s.timeout, self.held, time.monotonic() + s.timeout,
+                             f"connect to the syncer at {self.address}", on_retry=waiting)
+        self._use(c)
         if n > 1:
             log.info("yeto-patch: connected to the syncer at %s (attempt %d)", self.address, n)
         self.owned = list(w.owned)
@@ -182,30 +189,63 @@ class SyncerLink:
         return max(0.0, (int(push_step) + tau - self.clock.step) * step_s)
 
     def reconnect(self, cause) -> None:
-        """The link is gone: replace it (same incarnation) and reconcile; gives up YETO_DILOCO_TIMEOUT after the
-        link was lost."""
+        """The link is gone: replace it (same incarnation) and reconcile, waiting for it; gives up
+        YETO_DILOCO_TIMEOUT after the link was lost."""
+        self._lost(cause)
+        self._redialed(block=True)
+
+    def _lost(self, cause) -> None:
+        """The link is gone: redial in the background (same incarnation) while the island trains on; ``poll``
+        takes the new link when it is up (pushes made meanwhile are sent then)."""
+        if self._redial is not None:
+            return
         s = self.settings
         now = time.monotonic()
         if self.outage is None:
             self.outage = now
         deadline = self.outage + s.timeout
-        log.warning("yeto-patch: step %d: lost the syncer at %s (%s: %s); reconnecting for up to %.0fs",
-                    self.step(), self.address, type(cause).__name__, cause, deadline - now)
+        log.warning("yeto-patch: step %d: lost the syncer at %s (%s: %s); reconnecting for up to %.0fs while "
+                    "training on", self.step(), self.address, type(cause).__name__, cause, deadline - now)
         old_client, old_sender = self.client, self.sender
         if old_sender is not None:
             old_sender.abort(timeout=2.0)
         if old_client is not None:
             old_client.abort()
-        try:
-            w, attempts = self._dial(old_client.incarnation, min(s.timeout, 60.0), None, deadline, "reconnect")
-        except Exception as e:  # noqa: BLE001
+        box: dict = {}
+
+        def redial():
+            try:
+                box["ok"] = self._dial(old_client.incarnation, min(s.timeout, 60.0), None, deadline, "reconnect")
+            except Exception as e:  # noqa: BLE001 - raised by _redialed on the training thread
+                box["err"] = e
+            if self._closed and "ok" in box:
+                box["ok"][0].abort()
+        th = threading.Thread(target=redial, name="yeto-redial", daemon=True)
+        self._redial = (th, box, cause, deadline)
+        th.start()
+
+    def _redialed(self, block: bool) -> bool:
+        """Take a background reconnect that ended (or wait for it when `block`): True when the link is up; an
+        EngineError when it failed for good (YETO_DILOCO_TIMEOUT, or a refusal a retry cannot help)."""
+        if self._redial is None:
+            return True
+        th, box, cause, deadline = self._redial
+        th.join(None if block else 0)
+        if th.is_alive():
+            return False
+        self._redial = None
+        if "err" in box:
+            e, s = box["err"], self.settings
             late = time.monotonic() >= deadline
             raise EngineError(f"yeto-patch: lost the syncer at {self.address} at step {self.step()} "
                               f"({type(cause).__name__}: {cause}) and could not reconnect"
                               f"{' within YETO_DILOCO_TIMEOUT=%.0fs' % s.timeout if late else ''}: "
                               f"{describe(e, 'reconnect')}") from e
+        c, w, attempts = box["ok"]
+        self._use(c)
         self._check_same_run(w)
         self._reconcile(w, cause, attempts)
+        return True
 
     def _check_same_run(self, w) -> None:
         frags = self.fragments
@@ -221,6 +261,9 @@ class SyncerLink:
                               f"--resume")
 
     def _reconcile(self, w, cause, attempts) -> None:
+        """Every unanswered push goes again: one the syncer merged meanwhile is refused as a duplicate (counted
+        once), one it merged past without it is carried into its next round (or refused as stale beyond its
+        --max-base-lag), as the syncer decides."""
         repush, adopt = [], []
         for st in (self.fragments[i] for i in self.owned):
             v = int(w.versions[st.index])
@@ -228,9 +271,9 @@ class SyncerLink:
             if v < st.anchor_version:
                 adopt.append(st.index)
                 st.adopt = True
-            elif rec is not None and rec["base_version"] == v and "_body" in rec:
+            elif rec is not None and rec["base_version"] <= v and "_body" in rec:
                 repush.append(st.index)
-                st.repushed.add(v)
+                st.repushed.add(int(rec["base_version"]))
                 self.send_push(st)
         if adopt:
             log.warning("yeto-patch: the syncer at %s is behind this island for fragments %s (it resumed from an "
@@ -248,6 +291,8 @@ class SyncerLink:
         """Queue the push recorded in `st.pending` on the background sender (a lost link: reconnect, which sends
         it again)."""
         from yeto_patch.wire.client import SyncerRefusal, recoverable
+        if self._redial is not None:
+            return   # the link is being replaced: the reconnect sends every unanswered push
         s = self.settings
         client, rec = self.client, st.pending
         body, timing, f = rec["_body"], rec["_send"], st.index
@@ -268,7 +313,7 @@ class SyncerLink:
         except Exception as e:  # noqa: BLE001
             if not recoverable(e):
                 raise
-            self.reconnect(e)   # sends every unanswered push again, this one included
+            self._lost(e)   # the reconnect sends every unanswered push again, this one included
 
     def send_init(self, f: int, arrays) -> None:
         self.client.send_init(f, arrays)
@@ -289,6 +334,8 @@ class SyncerLink:
         """Move what the client received into the fragments' `arrived` (newest per fragment); surface failures.
         After start a lost link is replaced (``reconnect``) instead of failing the island."""
         from yeto_patch.wire.client import SyncerRefusal, recoverable
+        if not self._redialed(block=False):
+            return   # reconnecting in the background: nothing arrives meanwhile
         while True:
             try:
                 if self.refusals:
@@ -303,7 +350,8 @@ class SyncerLink:
             except Exception as e:  # noqa: BLE001 - classified below
                 if not self.resilient or not recoverable(e):
                     raise
-                self.reconnect(e)
+                self._lost(e)
+                return
         self.outage = None
         for b in bases:
             self.fragments[b.fragment].take_base(b)
@@ -358,6 +406,7 @@ class SyncerLink:
     # ---------------------------------------------------------------------------------------------- closing
     def close(self, graceful: bool = True) -> None:
         """BYE (after the queued pushes when `graceful`); idempotent."""
+        self._closed = True
         sender, client, self.sender, self.client = self.sender, self.client, None, None
         if sender is not None and graceful:
             try:
@@ -371,6 +420,7 @@ class SyncerLink:
                 pass
 
     def shutdown_quietly(self) -> None:
+        self._closed = True
         try:
             if self.client is not None:
                 self.client.close()
