@@ -91,6 +91,7 @@ class Engine(Installs):
         self.rank = 0
         self.comm = self.channel = self.manifest = self.view = self.data = None
         self.frags = None             # island.fragments.Fragments, once the syncer's layout is known
+        self.cadence = None           # island/boundary/schedule.Cadence: when each fragment is due
         self.link = None              # rank 0: island.shard_link.ShardedLink (one SyncerLink per shard)
         self.pipeline = None          # tau >= 1: island.push_pipeline.PushPipeline (pushes off the training thread)
         self.stager = None            # island.base_stager.BaseStager (merged bases staged off the training thread)
@@ -147,6 +148,7 @@ class Engine(Installs):
         if self.link is not None:   # (rank 0) heartbeats carry the step and the compute rate
             self.link.stepped(self.step)
         self._guarded(self._boundary)
+        self.cadence.passed(self.step)   # (every rank: the fragments due at this step move on by H)
 
     def close(self):
         """Stop talking to the syncer (BYE); idempotent. Called at exit and by tests."""
@@ -213,6 +215,8 @@ class Engine(Installs):
         else:
             raise EngineError(f"the syncer at {s.syncer} keeps refusing this island's vocabulary rows {vocab_rows}")
         self._adopt_layout(welcome)
+        from yeto_patch.island.boundary.schedule import Cadence
+        self.cadence = Cadence(s.sync_every, len(self.frags), self.step)   # (H may follow the fleet: auto)
         if welcome["final"]:
             raise EngineError(f"the syncer at {s.syncer} has already ended its run (final cut done); start a new "
                               f"syncer run for this training")
@@ -370,8 +374,9 @@ class Engine(Installs):
         return max(1.0, min(30.0, self.settings.timeout / 4))
 
     def _await(self, ready, what, init_ok=False):
-        """Every rank: loop until rank 0's `ready()` is True, bounded by YETO_DILOCO_TIMEOUT. Rank 0 also answers
-        the syncer's INIT requests meanwhile (init_ok), and logs once what it waits for."""
+        """Every rank: loop until rank 0's `ready()` is True; it fails once the syncer has been unreachable for
+        YETO_DILOCO_TIMEOUT (island/link/patience.py), and waits on while the syncer is alive, saying every minute
+        what its rounds wait for. Rank 0 also answers the syncer's INIT requests meanwhile (init_ok)."""
         s = self.settings
         source = f"the syncer at {s.syncer}"
         patience = None
@@ -412,8 +417,8 @@ class Engine(Installs):
         """Every rank: rank 0's plan of `step` and the seconds it took, or None on a step where nothing can
         happen (no collective)."""
         from yeto_patch.island.boundary.plan import Plan, needs_plan, plan
-        from yeto_patch.island.boundary.schedule import due_fragments
-        due = due_fragments(step, self.settings.sync_every, len(self.frags))
+        from yeto_patch.island.boundary.schedule import suggest
+        due = self.cadence.due(step)
         if not needs_plan(step, self.total, due, bool(self.frags.pending())):
             return None
         t0 = time.perf_counter()
@@ -423,13 +428,18 @@ class Engine(Installs):
             self.stager.check()
             self.link.poll()
             staged = {st.index for st in self.frags if self.stager.done(st.index)}
-            return plan(step, self.total, due, self.frags, self.link.final_cut, staged, stage=True).as_json()
+            p = plan(step, self.total, due, self.frags, self.link.final_cut, staged, stage=True)
+            if self.settings.sync_auto:   # H at the fleet's pace (island/boundary/schedule.py)
+                p.sync_every = suggest(self.settings.sync_every, self.settings.overlap_steps, self.link.clock.rate,
+                                       self.link.pace(), self.cadence.h)
+            return p.as_json()
         p = Plan.from_json(self.channel.rank0(decide, f"plan step {step}"))
         return p, time.perf_counter() - t0
 
     def _begin(self, p):
         """Every rank: the plan's staged bases are armed for this step's install points, and its arrived bases
         handed to the background stage."""
+        self.cadence.retune(p.sync_every)
         for f in p.staged:
             self._arm(f, "arrived")
         for f, v, k in p.stage:

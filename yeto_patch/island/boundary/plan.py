@@ -17,7 +17,7 @@ Rank 0 computes the plan and broadcasts it (as JSON) so that every rank runs the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AbstractSet, List, Sequence
+from typing import AbstractSet, List, Optional, Sequence
 
 from yeto_patch.island.errors import EngineError
 
@@ -31,16 +31,20 @@ class Plan:
     by_syncer: bool = False
     stage: List[list] = field(default_factory=list)     # [fragment, version, number of base updates]: to stage
     staged: List[int] = field(default_factory=list)     # fragments whose staged base is installed now
+    sync_every: Optional[int] = None                    # YETO_DILOCO_SYNC_EVERY=auto: H from the next boundaries
 
     def as_json(self) -> dict:
         return {"install": self.install, "push": self.push, "skip": self.skip, "final": self.final,
-                "by_syncer": self.by_syncer, "stage": self.stage, "staged": self.staged}
+                "by_syncer": self.by_syncer, "stage": self.stage, "staged": self.staged,
+                "sync_every": self.sync_every}
 
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
+        h = d.get("sync_every")
         return cls([[int(f), int(v), int(k), bool(h)] for f, v, k, h in d["install"]], [int(f) for f in d["push"]],
                    [int(f) for f in d["skip"]], bool(d["final"]), bool(d["by_syncer"]),
-                   [[int(f), int(v), int(k)] for f, v, k in d["stage"]], [int(f) for f in d["staged"]])
+                   [[int(f), int(v), int(k)] for f, v, k in d["stage"]], [int(f) for f in d["staged"]],
+                   None if h is None else int(h))
 
 
 def needs_plan(step: int, total: int, due: Sequence[int], any_pending: bool) -> bool:
