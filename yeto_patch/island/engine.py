@@ -429,9 +429,10 @@ class Engine(Installs):
             self.link.poll()
             staged = {st.index for st in self.frags if self.stager.done(st.index)}
             p = plan(step, self.total, due, self.frags, self.link.final_cut, staged, stage=True)
-            if self.settings.sync_auto:   # H at the fleet's pace (island/boundary/schedule.py)
+            if self.settings.sync_auto:   # H at the fleet's pace and phase (island/boundary/schedule.py)
                 p.sync_every = suggest(self.settings.sync_every, self.settings.overlap_steps, self.link.clock.rate,
                                        self.link.pace(), self.cadence.h)
+                p.shift = {f: k for f in p.push if (k := self.link.catch_up(self.frags[f], self.cadence.h))}
             return p.as_json()
         p = Plan.from_json(self.channel.rank0(decide, f"plan step {step}"))
         return p, time.perf_counter() - t0
@@ -440,6 +441,8 @@ class Engine(Installs):
         """Every rank: the plan's staged bases are armed for this step's install points, and its arrived bases
         handed to the background stage."""
         self.cadence.retune(p.sync_every)
+        for f, k in p.shift.items():
+            self.cadence.shift(f, k)
         for f in p.staged:
             self._arm(f, "arrived")
         for f, v, k in p.stage:

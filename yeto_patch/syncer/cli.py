@@ -150,7 +150,7 @@ def _round_flags(g) -> None:
                    "push carried into the next round")
     g.add_argument("--weights", choices=WEIGHTINGS, default="tokens", help="weight of each island's delta: tokens "
                    "(steps x the island's tokens per step, fixed by its first merged push), steps, or equal; steps "
-                   "are checked against the island's step counter and a push weighs at most 3x the other islands' "
+                   "are checked against the island's step counter and a push weighs at most 2x the other islands' "
                    "median (docs/protocol.md, Pushes)")
     g.add_argument("--exact", action="store_true", help="hold pushes (encoded) and fold them in island order at "
                    "merge time: bit-reproducible whatever the arrival order (more memory)")

@@ -11,10 +11,11 @@ A push's weight is computed from what the syncer can check, and bounded relative
   read;
 * the weight (``steps`` x tokens per step, or ``steps``) is then capped at ``MAX_RATIO`` times the **reference**:
   the median, over the other islands, of each one's median weight of its last ``KEPT`` merged pushes (any
-  fragment). Honest fleets stay below the cap (islands of different speeds that push at the fleet's rhythm differ
-  by their speed ratio: ``YETO_DILOCO_SYNC_EVERY=auto``). With no other island on record yet (a run's first
-  rounds), the push is held in its encoded form and weighed at merge time against the round's other pushes
-  (``cap_in_round``).
+  fragment). Honest fleets stay below the cap: islands that push at the fleet's rhythm
+  (``YETO_DILOCO_SYNC_EVERY=auto``) weigh in proportion to their speed, and the fastest of the benchmark fleet
+  (speeds 1 to 0.35) weighs 1.4x the others' median; only a fleet of two islands more than 2x apart in speed has
+  its faster island capped. With no other island on record yet (a run's first rounds), the push is held in its
+  encoded form and weighed at merge time against the round's other pushes (``cap_in_round``).
 
 Only merged pushes go on record, so the book is part of the committed state: checkpoints hold it (``state`` /
 ``load``) and a resumed syncer weighs the next pushes exactly as the uninterrupted run would.
@@ -32,7 +33,7 @@ from .settings import Push
 
 __all__ = ["WeightBook", "MAX_RATIO", "KEPT"]
 
-MAX_RATIO = 3.0   # a push weighs at most this x the other islands' median weight
+MAX_RATIO = 2.0   # a push weighs at most this x the other islands' median weight
 KEPT = 8          # recent weights kept per island (the reference)
 
 

@@ -32,11 +32,12 @@ class Plan:
     stage: List[list] = field(default_factory=list)     # [fragment, version, number of base updates]: to stage
     staged: List[int] = field(default_factory=list)     # fragments whose staged base is installed now
     sync_every: Optional[int] = None                    # YETO_DILOCO_SYNC_EVERY=auto: H from the next boundaries
+    shift: dict = field(default_factory=dict)           # auto: fragment -> steps its next boundary comes earlier
 
     def as_json(self) -> dict:
         return {"install": self.install, "push": self.push, "skip": self.skip, "final": self.final,
                 "by_syncer": self.by_syncer, "stage": self.stage, "staged": self.staged,
-                "sync_every": self.sync_every}
+                "sync_every": self.sync_every, "shift": {str(f): k for f, k in self.shift.items()}}
 
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
@@ -44,7 +45,7 @@ class Plan:
         return cls([[int(f), int(v), int(k), bool(h)] for f, v, k, h in d["install"]], [int(f) for f in d["push"]],
                    [int(f) for f in d["skip"]], bool(d["final"]), bool(d["by_syncer"]),
                    [[int(f), int(v), int(k)] for f, v, k in d["stage"]], [int(f) for f in d["staged"]],
-                   None if h is None else int(h))
+                   None if h is None else int(h), {int(f): int(k) for f, k in d.get("shift", {}).items()})
 
 
 def needs_plan(step: int, total: int, due: Sequence[int], any_pending: bool) -> bool:

@@ -11,12 +11,17 @@ on. ``suggest`` is the rule of ``auto``: an island pushes every ``H_nominal x it
 (the syncer's pace: the fastest compute rate among the islands that are up), so islands of different speeds push
 at the fleet's wall-clock rhythm, the fastest every ``H_nominal`` steps, a half-speed one every ``H_nominal / 2``;
 never fewer than tau + 1 steps, never more than ``H_nominal``; it changes only by at least ``RETUNE_SHARE`` of H.
+
+With ``auto`` an island also keeps its phase with the fleet: a fragment whose round merged before the island
+pushed (a restart, a pause or a slow step put it behind the others) has its next boundary brought forward by the
+steps it was late plus one (``catch_up``, at most H / 2 at a time), so its next push lands inside the round rather
+than being carried into the one after.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["offset", "due_fragments", "Cadence", "suggest", "RETUNE_SHARE"]
+__all__ = ["offset", "due_fragments", "Cadence", "suggest", "catch_up", "RETUNE_SHARE"]
 
 RETUNE_SHARE = 0.1
 
@@ -49,6 +54,7 @@ class Cadence:
         self.fragments = int(fragments)
         self.next = [_first_after(int(step), offset(f, self.h, self.fragments), self.h) for f in range(fragments)]
         self._pending: Optional[int] = None
+        self._shifts: dict = {}
 
     def due(self, step: int) -> list:
         return [f for f, s in enumerate(self.next) if s == step] if step > 0 else []
@@ -57,6 +63,11 @@ class Cadence:
         """Use `sync_every` from the next boundaries on (applied by ``passed``)."""
         if sync_every is not None and int(sync_every) >= 1 and int(sync_every) != self.h:
             self._pending = int(sync_every)
+
+    def shift(self, fragment: int, steps: int) -> None:
+        """Bring `fragment`'s next boundary `steps` earlier (applied by ``passed``, at least one step on)."""
+        if steps > 0:
+            self._shifts[int(fragment)] = int(steps)
 
     def passed(self, step: int) -> None:
         """Step `step` is done: fragments due at it (or before: a step that was never shown) move on by H; a new
@@ -67,6 +78,10 @@ class Cadence:
         if self._pending is not None:
             old, self.h, self._pending = self.h, self._pending, None
             self.next = [max(step + 1, s - old + self.h) for s in self.next]
+        for f, k in self._shifts.items():
+            if 0 <= f < len(self.next):
+                self.next[f] = max(step + 1, self.next[f] - k)
+        self._shifts = {}
 
 
 def suggest(nominal: int, tau: int, rate: float, pace: float, current: int) -> int:
@@ -76,3 +91,11 @@ def suggest(nominal: int, tau: int, rate: float, pace: float, current: int) -> i
         return current
     h = max(int(tau) + 1, 1, min(int(nominal), int(round(nominal * min(1.0, rate / pace)))))
     return h if abs(h - current) >= max(1, RETUNE_SHARE * current) else current
+
+
+def catch_up(late_s: float, step_s: Optional[float], h: int) -> int:
+    """Steps to bring a fragment's next boundary forward by when its push came `late_s` seconds after its round
+    merged (0 when nothing is known)."""
+    if late_s <= 0 or not step_s:
+        return 0
+    return min(max(1, h // 2), int(late_s / step_s) + 1)

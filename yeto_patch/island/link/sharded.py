@@ -123,6 +123,9 @@ class ShardedLink:
     def pace(self) -> float:
         return max((link.pace() for link in self.links), default=0.0)
 
+    def catch_up(self, st, h: int) -> int:
+        return self.owner[st.index].catch_up(st, h)
+
     @property
     def clock(self):
         return self.links[0].clock

@@ -105,6 +105,7 @@ class SyncerLink:
         self.clock = StepClock()              # this island's step and compute rate
         self._final_wait: Optional[Patience] = None
         self._redial: Optional[tuple] = None  # (thread, result, cause, deadline) of a reconnect under way
+        self.arrived_at: dict = {}            # fragment -> (newest base version received, when: monotonic)
         self._closed = False
 
     # ---------------------------------------------------------------------------------------------- connecting
@@ -187,6 +188,15 @@ class SyncerLink:
         if tau <= 0 or not step_s:
             return 0.0
         return max(0.0, (int(push_step) + tau - self.clock.step) * step_s)
+
+    def catch_up(self, st, h: int) -> int:
+        """Steps to bring fragment `st`'s next boundary forward by, when it pushes now into a round that merged
+        without it (a base newer than its anchor arrived before the push; schedule.catch_up); 0 otherwise."""
+        from yeto_patch.island.boundary.schedule import catch_up
+        got = self.arrived_at.get(st.index)
+        if got is None or got[0] <= st.anchor_version or st.adopt:
+            return 0
+        return catch_up(time.monotonic() - got[1], self.clock.step_s, h)
 
     def reconnect(self, cause) -> None:
         """The link is gone: replace it (same incarnation) and reconcile, waiting for it; gives up
@@ -353,8 +363,11 @@ class SyncerLink:
                 self._lost(e)
                 return
         self.outage = None
+        now = time.monotonic()
         for b in bases:
             self.fragments[b.fragment].take_base(b)
+            if b.version > self.arrived_at.get(b.fragment, (-1, 0.0))[0]:
+                self.arrived_at[b.fragment] = (b.version, now)
 
     def _expected_refusal(self, e) -> bool:
         """A refusal that needs no action: a push the syncer already holds, or one it merged past."""
