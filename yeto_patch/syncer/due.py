@@ -14,6 +14,7 @@ A round with at least one answer merges (docs/protocol.md, "Rounds"):
 from __future__ import annotations
 
 import logging
+import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -21,10 +22,13 @@ from .grace import ArrivalBook
 from .roster import Roster
 from .settings import RoundSettings
 
-__all__ = ["Decision", "decide", "WAIT_LOG_S"]
+__all__ = ["Decision", "decide", "due_now", "next_deadline", "round_status", "pace", "WAIT_LOG_S"]
 
 log = logging.getLogger("yeto.syncer")
 WAIT_LOG_S = 60.0   # a round that waits below its quorum says so at most this often (after --round-timeout)
+PACE_SPREAD = 4.0   # the pace is at most this x the median rate of the islands that are up
+MAX_STATUS_ROUNDS = 64    # rounds listed in one HEARTBEAT
+MAX_STATUS_IDS = 16       # island ids listed in one HEARTBEAT
 
 
 @dataclass
@@ -75,3 +79,58 @@ def log_wait(rs: RoundSettings, roster: Roster, f, d: Decision, now: float) -> N
     answered = sorted(r.answered())
     log.warning("fragment %d round on v%d waits: %d of quorum %d answered (%s); missing %s", f.index, f.version,
                 len(answered), d.floor, ", ".join(answered), ", ".join(roster.describe(d.waits_for, now)) or "none")
+
+
+# ------------------------------------------------------------------- what the coordinator asks (under its lock)
+def due_now(rs: RoundSettings, roster: Roster, arrivals: ArrivalBook, frags, now: float) -> list:
+    """Indices of the fragments whose open round merges now; rounds waiting below their quorum are logged."""
+    out = []
+    for f in frags:
+        d = decide(rs, roster, arrivals, f, now)
+        if d is None:
+            continue
+        if d.due(now):
+            out.append(f.index)
+        else:
+            log_wait(rs, roster, f, d, now)
+    return out
+
+
+def next_deadline(rs: RoundSettings, roster: Roster, arrivals: ArrivalBook, frags, now: float) -> Optional[float]:
+    ts = [d.at for d in (decide(rs, roster, arrivals, f, now) for f in frags) if d is not None and d.at is not None]
+    return min(ts) if ts else None
+
+
+def round_status(rs: RoundSettings, roster: Roster, arrivals: ArrivalBook, frags, island: str, now: float) -> dict:
+    """What ``island`` may be waiting for (docs/protocol.md, "Membership"): the open rounds it answered
+    ``[fragment, version, answered, quorum]`` (at most MAX_STATUS_ROUNDS), the islands they wait for (at most
+    MAX_STATUS_IDS, "(down Ns)" marking those that are not up), after its FINAL the islands still training, and
+    the fleet's pace."""
+    rounds, missing = [], set()
+    for f in frags:
+        if island not in f.round.answered():
+            continue
+        d = decide(rs, roster, arrivals, f, now)
+        if d is None:
+            continue
+        if len(rounds) < MAX_STATUS_ROUNDS:
+            rounds.append([f.index, f.version, len(f.round.answered()), d.floor])
+        missing.update(d.waits_for)
+    out = {"rounds": rounds, "missing": roster.describe(sorted(missing)[:MAX_STATUS_IDS], now)}
+    m = roster.members.get(island)
+    if m is not None and m.finished:
+        out["unfinished"] = roster.describe(sorted(i for i, x in roster.members.items() if not x.finished and
+                                                   x.alive(now, rs.lease_s))[:MAX_STATUS_IDS], now)
+    p = pace(roster, now)
+    if p:
+        out["pace"] = p
+    return out
+
+
+def pace(roster: Roster, now: float) -> float:
+    """The fleet's pace (steps/s): the fastest compute rate among the islands that are up, at most PACE_SPREAD x
+    their median (one island's claim cannot make the others push every step); 0 when none says its rate."""
+    rates = [m.rate for m in roster.members.values() if m.rate > 0 and roster.is_up(m, now)]
+    if not rates:
+        return 0.0
+    return min(max(rates), PACE_SPREAD * statistics.median(rates))

@@ -23,7 +23,6 @@ Semantics (see docs/protocol.md, "Syncer protocol"):
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 from typing import Callable, Optional
@@ -32,7 +31,7 @@ import numpy as np
 
 from ..wire import codecs
 from ..wire.frames import CodecError
-from .due import decide, log_wait
+from .due import due_now, next_deadline, pace, round_status
 from .fragment import Fragment
 from .grace import ArrivalBook
 from .layout import fragment_numels, partition
@@ -41,7 +40,7 @@ from .merge import ChunkRunner
 from .outer import NonFiniteMerge, outer_lr_inputs
 from .records import MergeRecord
 from .roster import Roster
-from .round_state import _Contrib, _Round, _refusal_code, validate_encoded
+from .round_state import AccumulatorPool, _Contrib, _Round, _refusal_code, fold_held, validate_encoded
 from .shards import ShardSpec, assign
 from .settings import (INT64_MAX, MAX_PATIENCE_S, MAX_PUSH_STEPS, MAX_PUSH_TOKENS, WEIGHTINGS, MergeSettings,
                        Push, PushRefused, RoundSettings, bounded_int, shown)
@@ -52,9 +51,6 @@ __all__ = ["Coordinator"]
 log = logging.getLogger("yeto.syncer")
 _Fragment = Fragment  # (the name this module used before fragments got their own owner)
 MAX_RATE = 1e6            # steps/s an island's heartbeat may say (larger: ignored)
-PACE_SPREAD = 4.0         # the pace is at most this x the median rate of the islands that are up
-MAX_STATUS_ROUNDS = 64    # rounds listed in one HEARTBEAT
-MAX_STATUS_IDS = 16       # island ids listed in one HEARTBEAT
 
 
 class Coordinator:
@@ -89,30 +85,17 @@ class Coordinator:
         self.initialized = False
         self.protect: Optional[Callable[[int], None]] = None  # called before a fragment's state changes
         self.guard = None  # a guard.NormGuard: refuses pushes far outside what the fragment has seen
-        self._spare: Optional[np.ndarray] = None  # one released accumulator, reused (no fresh page faults)
-        self._spare_lock = threading.Lock()
+        self._accs = AccumulatorPool()   # one released accumulator, reused (no fresh page faults)
         # --base-wire int8/int4: merged bases go out as quantized updates of a shadow base (what every island
         # holds), with the quantization error left in base - shadow and so carried into the next update
         self.down_codec: Optional[str] = None
         self.down_block = codecs.DEFAULT_BLOCK
 
     def _take_acc(self, n: int) -> np.ndarray:
-        with self._spare_lock:
-            sp = self._spare
-            if sp is not None and sp.size >= n:
-                self._spare = None
-                acc = sp[:n]
-                self.runner.map(n, lambda a, b: acc[a:b].fill(0.0))
-                return acc
-        return np.zeros(n, np.float32)
+        return self._accs.take(n, self.runner)
 
     def _give_acc(self, acc: Optional[np.ndarray]) -> None:
-        if acc is None:
-            return
-        full = acc.base if isinstance(acc.base, np.ndarray) else acc
-        with self._spare_lock:
-            if self._spare is None or full.size > self._spare.size:
-                self._spare = full
+        self._accs.give(acc)
 
     # ------------------------------------------------------------------------------------------ setup
     def set_manifest(self, manifest: list, fragments: int) -> None:
@@ -423,63 +406,23 @@ class Coordinator:
 
     def due(self) -> list[int]:
         """Fragments whose open round should merge now (logs rounds that wait below quorum past the timeout)."""
-        now = self.clock()
-        out = []
         with self.lock:
-            for f in self.mine():
-                d = decide(self.rs, self.roster, self.arrivals, f, now)
-                if d is None:
-                    continue
-                if d.due(now):
-                    out.append(f.index)
-                else:
-                    log_wait(self.rs, self.roster, f, d, now)
-        return out
+            return due_now(self.rs, self.roster, self.arrivals, self.mine(), self.clock())
 
     def next_deadline(self) -> Optional[float]:
         """Earliest clock time at which a round may become due by time (None: only events matter)."""
-        now = self.clock()
         with self.lock:
-            ts = [d.at for d in (decide(self.rs, self.roster, self.arrivals, f, now) for f in self.mine())
-                  if d is not None and d.at is not None]
-            return min(ts) if ts else None
+            return next_deadline(self.rs, self.roster, self.arrivals, self.mine(), self.clock())
 
     def round_status(self, island: str) -> dict:
-        """What ``island`` may be waiting for (the HEARTBEAT the syncer sends it, docs/protocol.md): the open rounds
-        it answered ``[fragment, version, answered, quorum]`` (at most MAX_STATUS_ROUNDS), the islands they wait
-        for (at most MAX_STATUS_IDS, "(down Ns)" marking those that are not up), and the fleet's pace."""
-        now = self.clock()
+        """What ``island`` may be waiting for (the HEARTBEAT the syncer sends it; syncer/due.py)."""
         with self.lock:
-            rounds, missing = [], set()
-            for f in self.mine():
-                if island not in f.round.answered():
-                    continue
-                d = decide(self.rs, self.roster, self.arrivals, f, now)
-                if d is None:
-                    continue
-                if len(rounds) < MAX_STATUS_ROUNDS:
-                    rounds.append([f.index, f.version, len(f.round.answered()), d.floor])
-                missing.update(d.waits_for)
-            out = {"rounds": rounds, "missing": self.roster.describe(sorted(missing)[:MAX_STATUS_IDS], now)}
-            m = self.members.get(island)
-            if m is not None and m.finished:   # its final cut waits for the islands that are still training
-                out["unfinished"] = self.roster.describe(sorted(
-                    i for i, x in self.members.items() if not x.finished and x.alive(now, self.rs.lease_s)
-                )[:MAX_STATUS_IDS], now)
-            pace = self.pace(now)
-            if pace:
-                out["pace"] = pace
-            return out
+            return round_status(self.rs, self.roster, self.arrivals, self.mine(), island, self.clock())
 
-    def pace(self, now: Optional[float] = None) -> float:
-        """The fleet's pace (steps/s): the fastest compute rate among the islands that are up, at most PACE_SPREAD x
-        their median (one island's claim cannot make the others push every step); 0 when none says its rate."""
-        now = self.clock() if now is None else now
+    def pace(self) -> float:
+        """The fleet's pace in steps/s (syncer/due.py)."""
         with self.lock:
-            rates = [m.rate for m in self.members.values() if m.rate > 0 and self.roster.is_up(m, now)]
-        if not rates:
-            return 0.0
-        return min(max(rates), PACE_SPREAD * statistics.median(rates))
+            return pace(self.roster, self.clock())
 
     def pending(self, index: int) -> bool:
         with self.lock:
@@ -560,49 +503,18 @@ class Coordinator:
                            grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall, outer_lr=outer_lr)
 
     def _merge_fold(self, f: _Fragment, r: _Round, fresh: list, carried: list, version: int, index: int) -> tuple:
-        """(accumulator, total weight, responders) of a merge: fresh pushes were folded on arrival (here only those
-        held: with --exact, in island order, and those weighed against the round, syncer/weights.py), carried ones
-        are folded now with weight x late_factor^lag."""
+        """(accumulator, total weight, responders) of a merge (round_state.fold_held)."""
         acc = r.acc
         if acc is None:
             acc = r.acc = self._take_acc(f.numel)
-        for c in fresh:
-            if c.unreferenced:   # nobody else was on record when it came: weighed against this round's others
-                c.weight_raw = self.book.cap_in_round(c.claimed, [o.claimed for o in fresh if o is not c])
-            if c.held:
-                codecs.decode_accumulate(c.push.codec, c.push.body, f.numel, c.weight_raw, acc, c.push.block,
-                                         threads=self.runner.threads)
-        weights = [c.weight_raw for c in fresh]
-        responders = [self._resp(c, 0, c.weight_raw, False) for c in fresh]
-        for c in carried:
-            lag = version - c.push.base_version
-            if c.unreferenced:
-                c.weight_raw = self.book.cap_in_round(c.claimed, [o.claimed for o in fresh])
-            w = c.weight_raw * (self.ms.late_factor ** lag)
-            try:
-                codecs.decode_accumulate(c.push.codec, c.push.body, f.numel, w, acc, c.push.block,
-                                         threads=self.runner.threads)
-            except CodecError as e:  # validated on arrival, so not expected; never poisons the round
-                log.error("fragment %d: carried push from island %s dropped: %s", index, c.island, e)
-                continue
-            weights.append(w)
-            responders.append(self._resp(c, lag, w, True))
-        total = 0.0
-        for w in weights:  # fixed order
-            total += w
+        total, responders = fold_held(self.book, acc, fresh, carried, version, self.ms.late_factor, f.numel,
+                                      self.runner.threads, index)
         return acc, total, responders
 
     def _base_update(self, f: _Fragment, scratch: np.ndarray, version: int) -> None:
         """shadow += decode(encode(base - shadow)) (the merge holds the fragment's write lock; ``scratch`` is the
         spent accumulator)."""
         f.encode_update(self.down_codec, self.down_block, scratch, version, self.runner.threads)
-
-    @staticmethod
-    def _resp(c: _Contrib, lag: int, w: float, carried: bool) -> dict:
-        p = c.push
-        return {"island": p.island, "lag": lag, "weight": w, "on_time_weight": c.weight_raw, "claimed": c.claimed,
-                "carried": carried, "base_version": p.base_version, "steps": p.steps, "tokens": p.tokens,
-                "local_step": p.local_step, "codec": p.codec, "bytes": int(p.nbytes)}
 
     def resumed(self, merges_total: int, members: dict, merged: set) -> None:
         """(restore) The rest of a checkpoint's committed state, once every fragment's arrays are installed."""
