@@ -107,7 +107,7 @@ class Island:
         if state is not None:
             keep = {st.index for st in self.frags if state["anchor_version"][st.index] == versions[str(st.index)]}
             self.step = int(saved["step"])
-            for st in sync_state.restore(state, arrays, self.frags, versions, keep, 0, False):
+            for st in sync_state.restore(state, arrays, self.frags, versions, keep, 0, False, w.fixed_roster):
                 self.link.send_push(st)
         self.link.resilient = True
         self.cadence = Cadence(self.s.sync_every, len(self.frags), self.step)

@@ -271,9 +271,9 @@ TABLE = (
         "<MASTER_ADDR or host>:<MASTER_PORT>",
         show=lambda s: s.island_id + ("  (default)" if s.island_id_default else "")),
     Var("YETO_DILOCO_SYNC_EVERY", "sync_every", sync_every(), 100, "H: optimizer steps between two boundaries of "
-        "the same fragment; fragments take turns, spread evenly over H; `auto` (`auto:N`): H follows the fleet's "
-        f"pace, {AUTO_H} (N) steps on the fastest island and proportionally fewer on slower ones, so all push at "
-        "one wall-clock rhythm", int, show=lambda s: f"auto:{s.sync_every}" if s.sync_auto else s.sync_every),
+        f"a fragment (fragments take turns over H); `auto` (`auto:N`): {AUTO_H} (N) on the fastest island, fewer "
+        "on slower ones: all push at the fleet's pace and phase", int,
+        show=lambda s: f"auto:{s.sync_every}" if s.sync_auto else s.sync_every),
     Var("YETO_DILOCO_PUSH_DTYPE", "push_dtype", choice(PUSH_DTYPES), "int4", "wire dtype of pushed deltas", str),
     Var("YETO_DILOCO_BLOCK", "block", integer(8, 65536, "elements per quantization scale"), 256,
         "quantization block size (elements per float32 scale)", int),

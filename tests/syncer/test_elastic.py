@@ -158,3 +158,23 @@ def test_an_island_that_joins_mid_run_enters_the_next_round():
     push(c, "c", 3, patience=1.0)
     assert c.due() == [0]   # every island that is up answered
     assert sorted(r["island"] for r in c.merge(0).responders) == ["a", "b", "c"]
+
+
+def test_an_island_that_stalls_while_connected_stops_being_waited_for():
+    clock = Clock()
+    c = elastic(3, clock)
+    for i in "abc":
+        c.join(i, "1")
+    for _ in range(grace.MIN_SAMPLES + 1):
+        _round(c, clock, [("a", 0.0), ("b", 0.1), ("c", 0.2)])
+    waits = []
+    for _ in range(grace.MIN_SAMPLES + 1):   # c stays connected (heartbeats) but pushes nothing any more
+        t0 = clock.t
+        push(c, "a", c.frags[0].version, patience=1.0)
+        push(c, "b", c.frags[0].version, patience=1.0)
+        c.touch("c")
+        waits.append(round(c.next_deadline() - t0, 3))
+        clock.t = c.next_deadline()
+        assert c.due() == [0] and c.merge(0).ok
+        clock.t = t0 + 2.0
+    assert waits[0] == pytest.approx(0.2 * grace.MARGIN + grace.SLACK_S) and waits[-1] == 0.0, waits

@@ -217,9 +217,9 @@ class Engine(Installs):
         self._adopt_layout(welcome)
         from yeto_patch.island.boundary.schedule import Cadence
         self.cadence = Cadence(s.sync_every, len(self.frags), self.step)   # (H may follow the fleet: auto)
-        if welcome["final"]:
-            raise EngineError(f"the syncer at {s.syncer} has already ended its run (final cut done); start a new "
-                              f"syncer run for this training")
+        if welcome["final"] and self.rank == 0:   # (an island back after the end: it takes the final model)
+            log.warning("yeto-patch: the syncer at %s has already made its final cut; this island installs the "
+                        "final model at its first step and stops there", s.syncer)
         self.pipeline = self._push_pipeline()
         self.stager = self._base_stager()
         state, arrays = self._read_sync_state()
@@ -236,7 +236,7 @@ class Engine(Installs):
             self._install(f, int(v[str(f)]), mode="keep" if f in keep else "replace",
                           why="resume" if f in keep else "start", updates=plans[str(f)][1], held=plans[str(f)][2])
         if state is not None:
-            self._restore(state, arrays, keep, v)
+            self._restore(state, arrays, keep, v, welcome["fixed_roster"])
         self.started = True
         if self.rank == 0:
             self.link.resilient = True
@@ -268,7 +268,7 @@ class Engine(Installs):
                 raise
             return {"vocab_rows": rows}
         return dict(layout=w.layout, numels=w.numels, fragments=w.fragments, versions=w.versions,
-                    needs_init=list(w.needs_init), final=bool(w.final))
+                    needs_init=list(w.needs_init), final=bool(w.final), fixed_roster=bool(w.fixed_roster))
 
     def _push_pipeline(self):
         """Every rank (collective: a gloo group of its own): with tau >= 1 pushes leave the training thread after a
@@ -357,10 +357,10 @@ class Engine(Installs):
         state = self.channel.rank0(read, f"read the island's sync state of iteration {iteration}")
         return state, arrays
 
-    def _restore(self, state, arrays, keep, versions):
+    def _restore(self, state, arrays, keep, versions, fixed_roster):
         from yeto_patch.island.boundary import sync_state
         for st in sync_state.restore(state, arrays, self.frags, versions, keep, self.rank,
-                                     self.settings.error_feedback):
+                                     self.settings.error_feedback, fixed_roster):
             self.link.send_push(st)
 
     # ================================================================================ collective pieces

@@ -15,7 +15,9 @@ island only if it **usually arrives within the window**:
 * the round waits until ``t_first + min(bound, predicted(i) * MARGIN + SLACK_S)`` for each missing island whose
   prediction is within the bound (a newcomer: until the bound); islands predicted beyond the bound ("always late") are not
   waited for: their pushes are carried into the next round (``--max-base-lag``, ``--late-factor``);
-* an island that is down is never in the expected set (syncer/roster.py), so it is never waited for.
+* an island that is down is never in the expected set (syncer/roster.py), so it is never waited for; one that is
+  up but had not pushed when its round merged gets an infinite offset (``missed``), so an island that stalls while
+  staying connected stops being waited for after a few rounds.
 
 Everything is a pure function of the recorded times and the clock the coordinator passes (tests use a fake one).
 """
@@ -68,6 +70,12 @@ class ArrivalBook:
         t0 = self.firsts.get(fragment, {}).get(base_version)
         if t0 is not None:
             self.offsets.setdefault(island, collections.deque(maxlen=HISTORY)).append(max(0.0, t - t0))
+
+    def missed(self, island: str) -> None:
+        """``island`` was up but had not pushed when its round merged (a stalled or very late island): an offset
+        later than any window, so an island that stops pushing while it stays connected is no longer waited for
+        once most of its recent rounds went without it (its late pushes, if any, add their real offsets)."""
+        self.offsets.setdefault(island, collections.deque(maxlen=HISTORY)).append(float("inf"))
 
     def forget(self, island: str) -> None:
         """A restarted island (new incarnation): its old arrivals say nothing about its new phase."""

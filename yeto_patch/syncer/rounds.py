@@ -457,6 +457,9 @@ class Coordinator:
             f.carry = []
             version = f.version
             expected = sorted(self.expected(f, self.clock()))
+            if self.rs.adaptive and fresh:   # up, waited for (or not), and not there: a miss for the window
+                for i in set(expected) - {c.island for c in fresh}:
+                    self.arrivals.missed(i)
             t_first = r.t_first if r.t_first is not None else self.clock()
         t0 = self.clock()
         t_wall = time.time()

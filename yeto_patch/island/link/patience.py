@@ -88,7 +88,7 @@ class StepClock:
     @property
     def step_s(self) -> Optional[float]:
         """The median step time (s) of the last steps (None before the second step)."""
-        if len(self._times) < 2:
+        if not self._times:
             return None
         return statistics.median(self._times)
 

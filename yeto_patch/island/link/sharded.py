@@ -91,7 +91,8 @@ class ShardedLink:
                 f"{a} owns fragments {w.owned}" for a, w in zip(addresses, welcomes)))
         return types.SimpleNamespace(layout=first.layout, numels=first.numels, fragments=first.fragments, versions=versions,
                        needs_init=sorted(f for w in welcomes for f in w.needs_init),
-                       final=any(w.final for w in welcomes))
+                       final=any(w.final for w in welcomes),
+                       fixed_roster=all(int(w.quorum) >= int(w.islands) for w in welcomes))
 
     def attach(self, fragments) -> None:
         for link in self.links:
