@@ -38,7 +38,8 @@ def test_suggest_follows_the_fleet_pace_within_bounds():
     assert suggest(20, 5, rate=20.0, pace=10.0, current=20) == 20     # never above the nominal H
     assert suggest(20, 5, rate=9.6, pace=10.0, current=20) == 20      # a change below 10% of H: kept
     assert suggest(20, 5, rate=0.0, pace=10.0, current=13) == 13      # nothing known: kept
-    assert catch_up(0.35, 0.1, 20) == 4 and catch_up(30.0, 0.1, 20) == 10 and catch_up(1.0, None, 20) == 0
+    assert catch_up(0.35, 0.1, 20) == 4 and catch_up(0.35, 0.1, 20, tau=5) == 8   # late + tau steps earlier
+    assert catch_up(30.0, 0.1, 20) == 10 and catch_up(1.0, None, 20) == 0            # at most H / 2
 
 
 def test_sync_every_auto_in_the_one_table():

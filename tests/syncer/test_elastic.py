@@ -41,7 +41,7 @@ def test_a_round_never_waits_for_an_island_that_is_down(caplog):
     c = elastic(3, clock)
     for i in "abc":
         c.join(i, "1")
-    assert c.rs.k == 2   # the minimum quorum: half of --islands, rounded up
+    assert c.rs.k == 2   # the minimum quorum
     push(c, "a", 0)
     push(c, "b", 0)
     assert c.due() == []                 # c is up: the window waits for it (a newcomer, no arrival history)

@@ -133,7 +133,7 @@ def _round_flags(g) -> None:
     g.add_argument("--quorum", type=_pos_int, default=None, help="K: the fewest pushes a round merges with; K = "
                    "--islands is a fixed roster (every island that joined and has not finished is waited for, even "
                    "one that is down). Default: elastic rounds, which wait only for islands that are up and merge "
-                   "once half of --islands (rounded up), or all that are up when fewer are, answered "
+                   "once 2 islands (1 with --islands 2 or less), or all that are up when fewer are, answered "
                    "(docs/operations.md)")
     g.add_argument("--grace", type=_grace, default="auto", help="seconds to wait for the remaining islands once "
                    "the quorum is reached, or auto: the adaptive window, which waits only for islands that usually "

@@ -26,10 +26,15 @@ MAX_PUSH_TOKENS = 1 << 53
 MAX_PATIENCE_S = 1e6
 
 
+MIN_QUORUM = 2   # the elastic rounds' minimum quorum (fleets of 3 islands or more)
+
+
 def default_min_quorum(islands: int) -> int:
-    """The minimum quorum of elastic rounds (no ``--quorum``): half the expected islands, rounded up. A round
-    never waits for more islands than are up (docs/operations.md, "Rounds under failures")."""
-    return max(1, (int(islands) + 1) // 2)
+    """The minimum quorum of elastic rounds (no ``--quorum``): 2 islands (1 for a fleet of one or two), or all that
+    are up when fewer are. A round never waits for an island that is down; a larger quorum made the islands that
+    answered first wait for slower ones, a smaller one split rounds into single pushes (docs/operations.md,
+    "Rounds under failures")."""
+    return 1 if int(islands) <= 2 else MIN_QUORUM
 
 
 def bounded_int(v, hi: int = INT64_MAX, lo: int = 0) -> bool:

@@ -14,7 +14,7 @@ never fewer than tau + 1 steps, never more than ``H_nominal``; it changes only b
 
 With ``auto`` an island also keeps its phase with the fleet: a fragment whose round merged before the island
 pushed (a restart, a pause or a slow step put it behind the others) has its next boundary brought forward by the
-steps it was late plus one (``catch_up``, at most H / 2 at a time), so its next push lands inside the round rather
+steps it was late plus tau (``catch_up``, at most H / 2 at a time), so its next push lands inside the round rather
 than being carried into the one after.
 """
 from __future__ import annotations
@@ -93,9 +93,11 @@ def suggest(nominal: int, tau: int, rate: float, pace: float, current: int) -> i
     return h if abs(h - current) >= max(1, RETUNE_SHARE * current) else current
 
 
-def catch_up(late_s: float, step_s: Optional[float], h: int) -> int:
+def catch_up(late_s: float, step_s: Optional[float], h: int, tau: int = 0) -> int:
     """Steps to bring a fragment's next boundary forward by when its push came `late_s` seconds after its round
-    merged (0 when nothing is known)."""
+    merged: those seconds, plus tau steps (a round waits at most the patience of the islands that opened it, tau
+    steps of theirs: landing that much earlier puts the push near the round's first one rather than at its
+    close); at most H / 2 at a time; 0 when nothing is known."""
     if late_s <= 0 or not step_s:
         return 0
-    return min(max(1, h // 2), int(late_s / step_s) + 1)
+    return min(max(1, h // 2), int(late_s / step_s) + max(1, int(tau)))

@@ -196,7 +196,7 @@ class SyncerLink:
         got = self.arrived_at.get(st.index)
         if got is None or got[0] <= st.anchor_version or st.adopt:
             return 0
-        return catch_up(time.monotonic() - got[1], self.clock.step_s, h)
+        return catch_up(time.monotonic() - got[1], self.clock.step_s, h, self.settings.overlap_steps)
 
     def reconnect(self, cause) -> None:
         """The link is gone: replace it (same incarnation) and reconcile, waiting for it; gives up
