@@ -84,6 +84,7 @@ class RoundSettings:
     timeout_s: float = 600.0
     lease_s: float = 60.0
     total_rounds: Optional[int] = None
+    min_quorum: Optional[int] = None   # elastic rounds' minimum quorum (None: default_min_quorum; models compare)
 
     @property
     def elastic(self) -> bool:
@@ -97,7 +98,9 @@ class RoundSettings:
     @property
     def k(self) -> int:
         """The (minimum) quorum: ``--quorum``, or the elastic default."""
-        return self.quorum if self.quorum is not None else default_min_quorum(self.islands)
+        if self.quorum is not None:
+            return self.quorum
+        return self.min_quorum if self.min_quorum is not None else default_min_quorum(self.islands)
 
     @property
     def adaptive(self) -> bool:
