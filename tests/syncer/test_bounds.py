@@ -127,7 +127,7 @@ def test_huge_weights_are_refused_without_an_internal_error(weights, caplog):
             e = refusal_of(b)
             assert e.code == "bad-push" and weights in str(e), str(e)[:300]
         # the honest round still merges, with finite weights
-        a.push(0, base_version=0, local_step=1, steps=3, tokens=3, codec="f32",
+        a.push(0, base_version=0, local_step=3, steps=3, tokens=3, codec="f32",
                body=np.full(n, 0.01, np.float32), wait=True)
         b.push(0, base_version=0, local_step=1, steps=1, tokens=1, codec="f32",
                body=np.full(n, 0.05, np.float32), wait=True)
@@ -148,7 +148,7 @@ def test_the_largest_weights_merge_finite():
         c.join(i, "1")
     d = [np.full(64, x, np.float32) for x in (0.25, -0.5, 1.0)]
     for i, delta in zip("abc", d):
-        c.accept(Push(i, 0, 0, "f32", 256, codecs.encode("f32", delta), tokens=MAX_PUSH_TOKENS))
+        c.accept(Push(i, 0, 0, "f32", 256, codecs.encode("f32", delta), steps=1, tokens=MAX_PUSH_TOKENS))
     rec = c.merge(0)
     assert rec.ok and np.isfinite(rec.total_weight) and rec.total_weight == 3.0 * MAX_PUSH_TOKENS
     assert np.allclose(c.frags[0].t.base, -(0.25 - 0.5 + 1.0) / 3)
