@@ -33,9 +33,9 @@ Life of an island:
 Failures of the link or the syncer: a lost connection (or one silent for a lease) is replaced by rank 0 in the
 background while the island trains on (link/syncer.py: same incarnation, bounded back-off, every unanswered push
 sent again, bases merged meanwhile taken) for up to YETO_DILOCO_TIMEOUT. A syncer that already made its final cut
-(an island back after the end) gives the island its final model at the first step. A restarted island restores the sync state saved
-beside the Megatron checkpoint it loaded (boundary/sync_state.py; ``save_sync_state`` / ``set_resume``, called
-by the checkpoint hooks).
+(an island back after the end) gives the island its final model at its first step. A restarted island restores
+the sync state saved beside the Megatron checkpoint it loaded (boundary/sync_state.py; ``save_sync_state`` /
+``set_resume``, called by the checkpoint hooks).
 
 Errors: anything else that goes wrong on rank 0 (a refused push, a syncer gone for longer than the timeout, a bad
 key) is raised on every rank with rank 0's message; errors inside collectives are agreed island-wide by

@@ -61,8 +61,8 @@ def join(settings, model, optimizer, vocab_size, step: Callable[[], int], total:
                         bases=_base_lane(settings, view, comm.rank), step=step, total=total, link=link,
                         log=boundary_log)
     installer = Installer(parts)
-    return Joined(settings, parts, installer, Boundaries(parts, installer), list(welcome["needs_init"]),
-                  bool(welcome["fixed_roster"]))
+    return Joined(settings, parts, installer, Boundaries(parts, installer, bool(welcome["final"])),
+                  list(welcome["needs_init"]), bool(welcome["fixed_roster"]))
 
 
 def _hello(settings, chunks, optimizer, vocab_size, comm, channel, boundary_log, step):

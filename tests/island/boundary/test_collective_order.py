@@ -278,7 +278,7 @@ class Log:
         pass
 
 
-def island_rank(hub, rank, seed, F, H, tau, total, auto=False):
+def island_rank(hub, rank, seed, F, H, tau, total, auto=False, ended=False):
     s = types.SimpleNamespace(sync_every=H, overlap_steps=tau, merge_alpha=0.5, timeout=5.0, syncer="fake",
                               push_dtype="f32", island_id="a", vocab_size=None, error_feedback=False, sync_auto=auto)
     frags = Fragments([[f] for f in range(F)], [NUMEL] * F, [NUMEL] * F, rank0=rank == 0)
@@ -292,9 +292,12 @@ def island_rank(hub, rank, seed, F, H, tau, total, auto=False):
                         pushes=PushLane(hub, rank, "push-lane", rng), bases=BaseLane(hub, rank, "base-lane", rng),
                         step=lambda: engine.step, total=total, link=Link(frags, rng, seed) if rank == 0 else None,
                         log=Log() if rank == 0 else None)
+    if ended:   # the syncer's welcome said its final cut was done
+        if parts.link is not None:
+            parts.link.final_cut = True
     engine.parts, engine.rank, engine.total, engine.started = parts, rank, total, True
     engine.installer = Installer(parts)
-    engine.boundaries = Boundaries(parts, engine.installer)
+    engine.boundaries = Boundaries(parts, engine.installer, syncer_ended=ended)
     while not engine.finished:
         engine.before_optimizer_step()
         engine.before_param_copy(object())
@@ -302,13 +305,13 @@ def island_rank(hub, rank, seed, F, H, tau, total, auto=False):
     return engine
 
 
-def run_island(n, seed, F, H, tau, total=24, auto=False):
+def run_island(n, seed, F, H, tau, total=24, auto=False, ended=False):
     hub = Hub(n)
     errors, engines = {}, {}
 
     def main(rank):
         try:
-            engines[rank] = island_rank(hub, rank, seed, F, H, tau, total, auto)
+            engines[rank] = island_rank(hub, rank, seed, F, H, tau, total, auto, ended)
         except BaseException as e:  # noqa: BLE001
             errors[rank] = e
             with hub.cv:
@@ -348,6 +351,13 @@ def test_an_auto_cadence_moves_every_ranks_boundaries_alike(seed):
     assert seqs[0] == seqs[1] == seqs[2]
     cadences = [(e.boundaries.cadence.h, e.boundaries.cadence.next) for e in engines.values()]
     assert cadences[0] == cadences[1] == cadences[2] and cadences[0][0] < 8   # a slower rate: fewer steps
+
+
+def test_an_island_back_after_the_syncers_final_cut_takes_the_final_model_at_its_first_step():
+    hub, engines = run_island(3, 0, 3, 8, 2, total=40, ended=True)
+    assert all(e.finished and e.step == 1 for e in engines.values())
+    seqs = list(hub.logs.values())
+    assert seqs[0] == seqs[1] == seqs[2]
 
 
 def test_a_collective_only_rank_0_calls_is_caught(monkeypatch):

@@ -62,12 +62,14 @@ class Answer:
 
 class Boundaries:
     """The fragments' boundaries on one rank (see the module docstring)."""
-    __slots__ = ("parts", "installer", "planned", "cadence")
+    __slots__ = ("parts", "installer", "planned", "cadence", "syncer_ended")
 
-    def __init__(self, parts: IslandParts, installer: Installer):
+    def __init__(self, parts: IslandParts, installer: Installer, syncer_ended: bool = False):
         self.parts = parts
         self.installer = installer
         self.planned: Optional[PlannedStep] = None
+        # the syncer's welcome said its final cut is done (every rank knows it): the first step plans, and takes it
+        self.syncer_ended = bool(syncer_ended)
         # when each fragment is due (every rank; H may follow the fleet's pace: YETO_DILOCO_SYNC_EVERY=auto)
         self.cadence = Cadence(parts.settings.sync_every, len(parts.frags), parts.step())
 
@@ -116,7 +118,7 @@ class Boundaries:
         happen (no collective)."""
         p = self.parts
         due = self.cadence.due(step)
-        if not needs_plan(step, p.total, due, bool(p.frags.pushing())):
+        if not needs_plan(step, p.total, due, bool(p.frags.pushing())) and not self.syncer_ended:
             return None
         t0 = time.perf_counter()
 
