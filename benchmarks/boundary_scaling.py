@@ -425,7 +425,8 @@ def run_size(pool, layers, hidden, a, workdir, idx):
     os.makedirs(d, exist_ok=True)
     signal, metrics = os.path.join(d, "started.json"), os.path.join(d, "boundaries.jsonl")
     cfg = ServerConfig(listen="127.0.0.1:0", islands=2, fragments=a.fragments, key=None, insecure=True,
-                       rounds=RoundSettings(islands=2, grace_s=0.2, timeout_s=a.timeout, lease_s=a.timeout),
+                       rounds=RoundSettings(islands=2, quorum=2, grace_s=0.2, timeout_s=a.timeout,
+                                            lease_s=a.timeout),
                        merge_threads=1)
     server = SyncerServer(cfg)
     host, port = server.start()

@@ -77,7 +77,8 @@ LEGIT = "island-a"
 HOSTILE = {"push": "mallory-push", "frame": "mallory-frame", "slow": "mallory-slow"}
 INIT_ISLAND = "mallory-init"  # joins first, INITs one fragment and then only heartbeats (its claim must lapse)
 INCARNATION = 77
-ROUNDS = 2  # legitimate merges of every fragment before the fuzz (versions 2: a base-0 push is stale)
+ROUNDS = 6  # legitimate merges of every fragment before the fuzz (versions 6: a base-0 push lags more than
+#            the default --max-base-lag 4, so it is refused as stale rather than carried)
 PRE_AUTH = ("header", "oversize", "truncated", "digest", "chunk", "meta", "hello", "auth")
 
 

@@ -283,8 +283,9 @@ def run(args, relay: bool) -> dict:
     tmp = tempfile.mkdtemp(prefix="yeto-soak-")
     tape = os.path.join(tmp, "tape.jsonl")
     cfg = ServerConfig(listen="127.0.0.1:0", islands=len(ISLANDS), fragments=FRAGMENTS, key=KEY,
-                       merge=MergeSettings(exact=True),
-                       rounds=RoundSettings(islands=len(ISLANDS), grace_s=0.0, timeout_s=600.0, lease_s=args.lease,
+                       merge=MergeSettings(exact=True),   # (fixed roster: the run is compared bit for bit)
+                       rounds=RoundSettings(islands=len(ISLANDS), quorum=len(ISLANDS), grace_s=0.0, timeout_s=600.0,
+                                            lease_s=args.lease,
                                             total_rounds=args.rounds),
                        io_timeout_s=args.io_timeout, final_ack_timeout_s=30.0, tape=tape, merge_threads=2)
     server = SyncerServer(cfg)

@@ -38,6 +38,7 @@ __all__ = ["ConfigError", "Settings", "TABLE", "VARIABLES", "Var", "attached", "
 
 PUSH_DTYPES = ("f32", "bf16", "int8", "int4", "int4-log")
 AUTO_TAU_MAX = 5   # YETO_DILOCO_OVERLAP_STEPS=auto: min(AUTO_TAU_MAX, H // 2)
+AUTO_H = 100       # YETO_DILOCO_SYNC_EVERY=auto: H at the fleet's pace (auto:N for another)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
@@ -131,6 +132,23 @@ def or_auto(inner: Parser) -> Parser:
             return None
         return inner.parse(name, raw, default)
     return Parser(parse, lambda v: "auto" if v is None else inner.fmt(v), f"auto, {inner.accepts}")
+
+
+def sync_every() -> Parser:
+    """H (an integer), or ``auto`` / ``auto:N``: H follows the fleet's pace, N (default AUTO_H) at full pace; the
+    value is ``(H, auto)`` until ``_resolve`` splits it."""
+    inner = integer(1, 10**9, "H, optimizer steps between boundaries of one fragment")
+
+    def parse(name, raw, default):
+        v = raw.strip().lower()
+        if v == "auto" or v.startswith("auto:"):
+            try:
+                return (inner.parse(name, v[5:], AUTO_H) if v != "auto" else AUTO_H, True)
+            except ConfigError:
+                raise ConfigError(f"{name}={raw!r} is not accepted: auto, auto:N or N, with N an integer in "
+                                  f"[1, 10^9] (H, optimizer steps between boundaries of one fragment)") from None
+        return (inner.parse(name, raw, default), False)
+    return Parser(parse, lambda v: v, f"{inner.accepts}, auto, auto:N")
 
 
 def duration() -> Parser:
@@ -248,32 +266,31 @@ TABLE = (
     Var("YETO_DILOCO_INSECURE", "insecure", boolean(), False,
         "`1`: run without a key; accepted only with a loopback syncer address", bool, show=_HIDDEN),
     Var("YETO_DILOCO_ISLAND_ID", "island_id", Parser(_island_id, lambda v: v, "1-64 of `A-Za-z0-9._:@-`"), None,
-        "stable name of this island at the syncer (the default is the same on every rank and across restarts "
-        "of one launch); set it in production", str,
+        "stable name of this island at the syncer (the default is stable within one launch); set it in "
+        "production", str,
         "<MASTER_ADDR or host>:<MASTER_PORT>",
         show=lambda s: s.island_id + ("  (default)" if s.island_id_default else "")),
-    Var("YETO_DILOCO_SYNC_EVERY", "sync_every", integer(1, 10**9, "H, optimizer steps between boundaries of one "
-        "fragment"), 100, "H: optimizer steps between two boundaries of the same fragment; fragments take turns, "
-        "spread evenly over H", int),
+    Var("YETO_DILOCO_SYNC_EVERY", "sync_every", sync_every(), 100, "H: optimizer steps between two boundaries of "
+        f"a fragment (fragments take turns over H); `auto` (`auto:N`): {AUTO_H} (N) on the fastest island, fewer "
+        "on slower ones: all push at the fleet's pace and phase", int,
+        show=lambda s: f"auto:{s.sync_every}" if s.sync_auto else s.sync_every),
     Var("YETO_DILOCO_PUSH_DTYPE", "push_dtype", choice(PUSH_DTYPES), "int4", "wire dtype of pushed deltas", str),
     Var("YETO_DILOCO_BLOCK", "block", integer(8, 65536, "elements per quantization scale"), 256,
         "quantization block size (elements per float32 scale)", int),
     Var("YETO_DILOCO_ERROR_FEEDBACK", "error_feedback", or_auto(boolean()), None,
-        "`1`: carry each push's quantization residual into the next push of that fragment (4 bytes/parameter on "
-        "rank 0's host); `auto`: on for quantized pushes unless that exceeds a quarter of rank 0's host memory",
+        "`1`: carry each push's quantization residual into the fragment's next push (4 bytes/parameter on rank "
+        "0's host); `auto`: on for quantized pushes if that fits in a quarter of rank 0's host memory",
         Optional[bool], "auto"),
     Var("YETO_DILOCO_START_DIGEST", "start_digest", boolean(), True,
-        "`1`: fragments already equal to the syncer's initial base (same seed and layout, or checkpoint) are "
-        "declared by xxh3 digests, not downloaded; `0`: always download",
+        "`1`: fragments equal to the syncer's initial base are declared by xxh3 digests, not downloaded",
         bool),
     Var("YETO_DILOCO_INITIALIZER", "initializer", boolean(), False,
         "`1`: this island's weights start the run (a fine-tune's pretrained island): the syncer takes its INIT",
         bool),
     Var("YETO_DILOCO_OVERLAP_STEPS", "overlap_steps", or_auto(integer(0, 10**9, "tau, steps a merged base may "
-        "trail its push")), None, "tau: a fragment's merged base is installed exactly tau steps after its push "
-        "(the island waits there if it is late); `0`: synchronous DiLoCo (reproducible bits); must be < H; `>= 1`: "
-        "pushes and bases leave the training thread, bases are blended in with alpha (memory per rank: an own-shard copy per push in "
-        f"flight and a spare, two per staged base, one becoming its anchor); `auto`: min({AUTO_TAU_MAX}, H // 2)", int, "auto"),
+        "trail its push")), None, "tau: a merged base is installed exactly tau steps after its push (waiting there "
+        "if late); `0`: synchronous DiLoCo (reproducible bits); < H; `>= 1`: pushes and bases off the training "
+        f"thread, blended in with alpha; `auto`: min({AUTO_TAU_MAX}, H // 2)", int, "auto"),
     Var("YETO_DILOCO_MERGE_ALPHA", "merge_alpha", number(0.0, 1.0, "weight of the local model when a base is "
         "installed under overlap"), 0.5, "alpha for installs under overlap: installed = alpha * local + "
         "(1 - alpha) * base", float),
@@ -331,7 +348,8 @@ def _as_table(self) -> list:
 
 
 # fields the rules of _resolve derive from several variables (not set by any one of them)
-_DERIVED = (("syncer_host", Optional[str]), ("syncer_port", Optional[int]), ("island_id_default", bool))
+_DERIVED = (("syncer_host", Optional[str]), ("syncer_port", Optional[int]), ("island_id_default", bool),
+            ("sync_auto", bool))
 Settings = dataclasses.make_dataclass(
     "Settings", [(v.field, v.type) for v in TABLE] + list(_DERIVED), frozen=True,
     namespace={"key_source": property(_key_source), "as_table": _as_table,
@@ -412,6 +430,8 @@ def _resolve(v: dict, env) -> None:
             if not _is_loopback(h):
                 raise ConfigError(f"YETO_DILOCO_INSECURE=1 is only accepted with a loopback syncer address, not "
                                   f"{h!r}: set YETO_DILOCO_KEY_FILE (or YETO_KEY)")
+    h = v["sync_every"]   # (H, auto) from its parser, or the plain default
+    v["sync_every"], v["sync_auto"] = h if isinstance(h, tuple) else (h, False)
     v["island_id_default"] = v["island_id"] is None
     if v["island_id"] is None:
         v["island_id"] = _default_island_id(env)

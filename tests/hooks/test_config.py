@@ -166,7 +166,7 @@ def test_docstring_table_lists_every_variable():
 def test_table_builds_settings_and_the_three_column_view():
     fields = [f.name for f in dataclasses.fields(config.Settings)]
     assert fields[:len(config.TABLE)] == [v.field for v in config.TABLE]           # one field per entry
-    assert set(fields[len(config.TABLE):]) == {"syncer_host", "syncer_port", "island_id_default"}
+    assert set(fields[len(config.TABLE):]) == {"syncer_host", "syncer_port", "island_id_default", "sync_auto"}
     assert [v[0] for v in config.VARIABLES] == [v.name for v in config.TABLE]
     assert len({v.name for v in config.TABLE}) == len(config.TABLE)
     defaults = {v.name: v.documented_default for v in config.TABLE}

@@ -97,12 +97,14 @@ class Proc:
 
 
 def start_syncer(tmp_path, port, islands=2, fragments=2, key=None, extra=(), quorum=None, name="syncer",
-                 files="syncer"):
-    """A syncer whose rounds wait for every island (quorum = islands) unless told otherwise, as a test needs.
-    Its checkpoint is <files>.ckpt and its tape tape.jsonl (<files>.tape.jsonl when `files` is not "syncer")."""
+                 files="syncer", elastic=False):
+    """A syncer whose rounds wait for every island (quorum = islands: the fixed roster) unless told otherwise, as
+    a test needs; `elastic`: no --quorum (the syncer's defaults). Its checkpoint is <files>.ckpt and its tape
+    tape.jsonl (<files>.tape.jsonl when `files` is not "syncer")."""
     tape = "tape.jsonl" if files == "syncer" else f"{files}.tape.jsonl"
+    roster = [] if elastic else ["--quorum", str(quorum or islands)]
     args = [sys.executable, "-m", "yeto_patch.syncer", "--listen", f"127.0.0.1:{port}", "--islands", str(islands),
-            "--quorum", str(quorum or islands), "--fragments", str(fragments),
+            *roster, "--fragments", str(fragments),
             "--checkpoint", str(tmp_path / f"{files}.ckpt"), "--tape", str(tmp_path / tape), *extra]
     args += ["--key-file", key] if key else ["--insecure"]
     return Proc(name, args, base_env(), str(tmp_path / f"{name}.log"))

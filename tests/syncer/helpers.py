@@ -28,8 +28,16 @@ def fragment_flat(values, layout, f):
 
 
 def make_server(islands=2, fragments=3, key=KEY, merge=None, rounds=None, **kw):
-    rs = rounds or {}
+    """An in-process syncer. Unless told otherwise its rounds use a fixed roster (quorum = islands), a grace of
+    0.2 s, equal weights and max-base-lag 1, so scripted islands know exactly which pushes each merge holds; tests
+    of the elastic defaults pass ``rounds={"quorum": None, "grace_s": None}`` and the merge settings they check."""
+    rs = dict(rounds or {})
+    ms = dict(merge or {})
+    ms.setdefault("weights", "equal")
+    ms.setdefault("max_base_lag", 1)
+    merge = ms
     rs.setdefault("islands", islands)
+    rs.setdefault("quorum", islands)
     rs.setdefault("grace_s", 0.2)
     rs.setdefault("timeout_s", 30.0)
     rs.setdefault("lease_s", 20.0)

@@ -97,7 +97,7 @@ def _run_rounds(addr, rounds, values, names=("a", "b"), final=True):
         for f in range(ws[0].fragments):
             n = ws[0].numels[f]
             for k, c in enumerate(cs):
-                c.push(f, base_version=rnd, local_step=rnd, steps=5, tokens=100 + k, codec="int4",
+                c.push(f, base_version=rnd, local_step=5 * (rnd + 1), steps=5, tokens=100 + k, codec="int4",
                        body=codecs.encode("int4", _deltas(rnd, f, k, n)), wait=True)
             for c in cs:
                 c.wait_base(f, rnd + 1, 20)
@@ -112,7 +112,8 @@ def _run_rounds(addr, rounds, values, names=("a", "b"), final=True):
 @pytest.mark.parametrize("background", [False, True])
 def test_resume_continues_bit_exactly(tmp_path, background):
     values = init_values(seed=9)
-    kw = dict(islands=2, fragments=3, merge={"outer": "delayed-nesterov", "delay": 2, "weights": "tokens"})
+    kw = dict(islands=2, fragments=3, merge={"outer": "delayed-nesterov", "delay": 2, "weights": "tokens"},
+              rounds={"quorum": 2})
     pa = str(tmp_path / "a.bin")
     server, addr = make_server(checkpoint=pa, checkpoint_every=3, **kw)
     with running(server):

@@ -23,6 +23,7 @@ class Clock:
 
 
 def make(islands=2, clock=None, **ms):
+    ms.setdefault("weights", "equal")   # (the arithmetic of folds and carries; checked weights: test_weights.py)
     c = Coordinator(MergeSettings(**ms), RoundSettings(islands=islands, grace_s=2.0, timeout_s=10.0, lease_s=30.0),
                     ChunkRunner(2, chunk=64), clock=clock or Clock())
     c.set_manifest(MAN, 2)
@@ -50,13 +51,15 @@ def test_many_rounds_match_reference(exact):
             ds = {}
             for k in order:
                 d = (rng.standard_normal(f.numel) * 0.05).astype(np.float32)
-                steps = int(rng.integers(1, 9))
+                steps = int(rng.integers(4, 9))   # (within 2x of each other: no weight is capped)
                 ds[k] = (d, float(steps))
                 assert push(c, f"i{k}", fi, rnd, d, steps=steps) == ("accepted", 0)
             assert c.due() == [fi] if fi == 1 else fi in c.due()
             rec = c.merge(fi)
             assert rec.ok and rec.version == rnd + 1
-            fold = [ds[k] for k in (sorted(ds) if exact else order)]
+            # (the run's first round had no merged weight to cap its pushes against: they were held and folded at
+            # merge time, in island order, as with --exact; syncer/weights.py)
+            fold = [ds[k] for k in (sorted(ds) if exact or rnd == fi == 0 else order)]
             refs[fi].merge(fold)
             assert np.array_equal(f.t.base, refs[fi].base)
             assert np.array_equal(f.t.momentum, refs[fi].m)

@@ -34,17 +34,18 @@ def test_diloco_matches_numpy_reference_over_many_rounds(tmp_path):
             for f in range(3):
                 assert c_bases[f].version == 0 and np.array_equal(c_bases[f].values, refs[f].base)
         rng = np.random.default_rng(1)
+        tps = (40, 60, 90)   # tokens per step of a, b, c: fixed by each island's first merged push
         for rnd in range(5):
             for f in range(3):
                 n = refs[f].base.size
                 fold = []
                 for k, c in enumerate(cs):
                     d = (rng.standard_normal(n) * 0.01).astype(np.float32)
-                    tokens = int(rng.integers(100, 1000))
-                    r = c.push(f, base_version=rnd, local_step=10 * rnd, steps=10, tokens=tokens, codec="f32",
-                               body=codecs.encode("f32", d), wait=True)
+                    claim = 10 * tps[k] * (1 if rnd == 0 else int(rng.integers(1, 1000)))   # later claims: unread
+                    r = c.push(f, base_version=rnd, local_step=10 * (rnd + 1), steps=10, tokens=claim,
+                               codec="f32", body=codecs.encode("f32", d), wait=True)
                     assert r.status == "accepted"
-                    fold.append((d, float(tokens)))
+                    fold.append((d, float(10 * tps[k])))
                 refs[f].merge(fold)
                 for c in cs:
                     b = c.wait_base(f, rnd + 1, 20)
@@ -293,14 +294,14 @@ def test_concurrent_pushes_exact_mode_is_bit_exact_and_final_pushes_end_the_run(
             last = rnd == 2
             for f in range(2):
                 n = refs[f].base.size
-                deltas = {nm: ((rng.standard_normal(n) * 0.01).astype(np.float32), int(rng.integers(1, 20)))
-                          for nm in names}
+                deltas = {nm: ((rng.standard_normal(n) * 0.01).astype(np.float32), int(rng.integers(8, 21)))
+                          for nm in names}   # (steps within 3x of each other: no weight is capped)
                 errs = []
 
                 def go(c, nm):
                     try:
                         d, st = deltas[nm]
-                        c.push(f, base_version=rnd, local_step=rnd, steps=st, tokens=0, codec="f32",
+                        c.push(f, base_version=rnd, local_step=20 * (rnd + 1), steps=st, tokens=0, codec="f32",
                                body=codecs.encode("f32", d), final=last, wait=True)
                     except Exception as e:  # noqa: BLE001
                         errs.append(e)

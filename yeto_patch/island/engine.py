@@ -19,19 +19,23 @@ Life of an island:
   staged beside training, then installed into each rank's own masters inside the optimizer step just before
   Megatron casts them: boundary/base_lane.py, boundary/installs.py). With tau > 0 a base answering a push is
   installed exactly at the push's step + tau, blended ``alpha * local + (1 - alpha) * base``; at tau = 0 it
-  replaces the masters at the push's own step. If the base is not there at that step, the island waits for it
-  (bounded by YETO_DILOCO_TIMEOUT, with a log line saying what it waits for).
+  replaces the masters at the push's own step. If the base is not there at that step, the island waits for it:
+  while the syncer is alive as long as its round waits (a line a minute saying whom it waits for), failing only
+  once the syncer has been unreachable for YETO_DILOCO_TIMEOUT (link/patience.py). With
+  YETO_DILOCO_SYNC_EVERY=auto rank 0's plans retune H to the fleet's pace and bring a late fragment's next
+  boundary forward (boundary/schedule.py ``Cadence``, kept by boundary/driver.py on every rank).
 - Final cut, at the last step: pending bases are awaited and installed, every fragment's final delta is
   pushed, the syncer's final model is awaited and installed exactly (replace), and ``finished`` turns True.
   The train_step hook then makes Megatron save and stop. A custom loop that has only the optimizer hook asks
   ``yeto_patch.island.engine.finished()`` after each step and stops when it is True; a step after the final
   cut raises.
 
-Failures of the link or the syncer: a lost connection (or one silent for a lease) is replaced by rank 0
-(link/syncer.py ``SyncerLink.reconnect``: same incarnation, bounded back-off, unanswered pushes sent again,
-bases merged meanwhile taken) for up to YETO_DILOCO_TIMEOUT. A restarted island restores the sync state saved
-beside the Megatron checkpoint it loaded (boundary/sync_state.py; ``save_sync_state`` / ``set_resume``, called
-by the checkpoint hooks).
+Failures of the link or the syncer: a lost connection (or one silent for a lease) is replaced by rank 0 in the
+background while the island trains on (link/syncer.py: same incarnation, bounded back-off, every unanswered push
+sent again, bases merged meanwhile taken) for up to YETO_DILOCO_TIMEOUT. A syncer that already made its final cut
+(an island back after the end) gives the island its final model at its first step. A restarted island restores
+the sync state saved beside the Megatron checkpoint it loaded (boundary/sync_state.py; ``save_sync_state`` /
+``set_resume``, called by the checkpoint hooks).
 
 Errors: anything else that goes wrong on rank 0 (a refused push, a syncer gone for longer than the timeout, a bad
 key) is raised on every rank with rank 0's message; errors inside collectives are agreed island-wide by
@@ -141,7 +145,10 @@ class Engine:
                             "tokens; weight islands by 'equal' or 'steps' on the syncer")
         self.step += 1
         self.parts.frags.count_step(0 if not update_successful else int(tokens or 0))
+        if self.parts.link is not None:   # (rank 0, no collective) heartbeats carry the step and the compute rate
+            self.parts.link.stepped(self.step)
         self._guarded(self._after_step)
+        self.boundaries.cadence.passed(self.step)   # (every rank: the fragments due at this step move on by H)
 
     def close(self):
         """Stop talking to the syncer (BYE); idempotent. Called at exit and by tests."""
@@ -199,7 +206,7 @@ class Engine:
             resumed = spec.fragment in keep
             self.installer.now(spec, "keep" if resumed else "replace", why="resume" if resumed else "start")
         if state is not None:
-            self._restore(state, arrays, keep, {spec.fragment: spec.version for spec in specs})
+            self._restore(state, arrays, keep, {spec.fragment: spec.version for spec in specs}, joined.fixed_roster)
         self.started = True
         if self.rank == 0:
             self.parts.link.resilient = True
@@ -266,10 +273,10 @@ class Engine:
         state = self.parts.channel.rank0(read, f"read the island's sync state of iteration {iteration}")
         return state, arrays
 
-    def _restore(self, state, arrays, keep, versions):
+    def _restore(self, state, arrays, keep, versions, fixed_roster):
         from yeto_patch.island.boundary import sync_state
         for frag in sync_state.restore(state, arrays, self.parts.frags, versions, keep, self.rank,
-                                       self.settings.error_feedback):
+                                       self.settings.error_feedback, fixed_roster):
             self.parts.link.send_push(frag)
 
     # ================================================================================ per step

@@ -5,7 +5,8 @@ the manifest (waiting for a syncer not up yet, link/syncer.py); a syncer whose r
 row counts answers with a refusal that names them, and the island builds its manifest again with those rows
 (said on every rank); every rank learns the syncer's fragment layout; then the background lanes start (each a
 gloo group of its own, created collectively). The engine then sends the INITs the syncer asked for and installs
-the initial bases.
+the initial bases. A syncer that already made its final cut (an island back after the end) is joined all the
+same: the island installs the final model at its first step and stops there.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Joined:
     installer: object         # boundary.installs.Installer
     boundaries: object        # boundary.driver.Boundaries
     needs_init: List[int]     # fragments the syncer asked this island to initialize
+    fixed_roster: bool        # every round holds one push of every island (--quorum = --islands)
 
 
 def join(settings, model, optimizer, vocab_size, step: Callable[[], int], total: int, runs=None) -> Joined:
@@ -48,9 +50,9 @@ def join(settings, model, optimizer, vocab_size, step: Callable[[], int], total:
         boundary_log = BoundaryLog(settings.metrics_path, settings.island_id)
     settings, view, io, link, welcome = _hello(settings, chunks, optimizer, vocab_size, comm, channel,
                                                boundary_log, step, runs)
-    if welcome["final"]:
-        raise EngineError(f"the syncer at {settings.syncer} has already ended its run (final cut done); start a "
-                          f"new syncer run for this training")
+    if welcome["final"] and comm.rank == 0:   # (an island back after the end: it takes the final model)
+        log.warning("yeto-patch: the syncer at %s has already made its final cut; this island installs the final "
+                    "model at its first step and stops there", settings.syncer)
     frags = Fragments(welcome["layout"], welcome["numels"], [e.numel for e in view.manifest.entries],
                       announced=welcome["fragments"], rank0=comm.rank == 0)
     if link is not None:
@@ -61,7 +63,8 @@ def join(settings, model, optimizer, vocab_size, step: Callable[[], int], total:
                         bases=_base_lane(settings, view, comm.rank), step=step, total=total, link=link,
                         log=boundary_log)
     installer = Installer(parts)
-    return Joined(settings, parts, installer, Boundaries(parts, installer), list(welcome["needs_init"]))
+    return Joined(settings, parts, installer, Boundaries(parts, installer, bool(welcome["final"])),
+                  list(welcome["needs_init"]), bool(welcome["fixed_roster"]))
 
 
 def _hello(settings, chunks, optimizer, vocab_size, comm, channel, boundary_log, step, runs):
@@ -112,7 +115,7 @@ def _connect(settings, manifest, declared, boundary_log, step, runs):
             raise
         return None, {"vocab_rows": rows}
     return link, dict(layout=w.layout, numels=w.numels, fragments=w.fragments, versions=w.versions,
-                      needs_init=list(w.needs_init), final=bool(w.final))
+                      needs_init=list(w.needs_init), final=bool(w.final), fixed_roster=bool(w.fixed_roster))
 
 
 def _push_lane(settings, view, io, frags, rank: int):

@@ -140,20 +140,33 @@ def _run_flags(g) -> None:
                    "step)")
 
 
+def _grace(s: str):
+    return None if s.strip().lower() == "auto" else _nonneg_float(s)
+
+
 def _round_flags(g) -> None:
-    g.add_argument("--quorum", type=_pos_int, default=None, help="pushes that let a round merge after the grace "
-                   "period or the timeout (default: the value of --islands)")
-    g.add_argument("--grace", type=_nonneg_float, default=5.0, help="seconds to wait for the remaining islands "
-                   "once the quorum is reached")
+    g.add_argument("--quorum", type=_pos_int, default=None, help="K: the fewest pushes a round merges with; K = "
+                   "--islands is a fixed roster (every island that joined and has not finished is waited for, even "
+                   "one that is down). Default: elastic rounds, which wait only for islands that are up and merge "
+                   "once 2 islands (1 with --islands 2 or less), or all that are up when fewer are, answered "
+                   "(docs/operations.md)")
+    g.add_argument("--grace", type=_grace, default="auto", help="seconds to wait for the remaining islands once "
+                   "the quorum is reached, or auto: the adaptive window, which waits only for islands that usually "
+                   "arrive within it, learned from their arrival times, at most the patience of the islands that "
+                   "answered and a quarter of the round period (docs/protocol.md, Rounds)")
     g.add_argument("--round-timeout", type=_pos_float, default=600.0, help="seconds after a round's first push "
                    "after which it merges with at least the quorum (below quorum it keeps waiting and logs it)")
     g.add_argument("--lease", type=_pos_float, default=60.0, help="seconds an island may stay silent before it "
                    "leaves the expected set of open rounds (islands send heartbeats every lease/4)")
-    g.add_argument("--max-base-lag", type=_nonneg_int, default=1, help="refuse pushes relative to a base more "
-                   "than this many versions old (the island must pull)")
+    g.add_argument("--max-base-lag", type=_nonneg_int, default=4, help="a push relative to a base at most this "
+                   "many versions old is carried into the next round (weight x --late-factor per version); older "
+                   "ones are refused (the island pulls)")
     g.add_argument("--late-factor", type=float, default=0.5, help="weight factor per version of lag for a late "
                    "push carried into the next round")
-    g.add_argument("--weights", choices=WEIGHTINGS, default="equal", help="weight of each island's delta")
+    g.add_argument("--weights", choices=WEIGHTINGS, default="tokens", help="weight of each island's delta: tokens "
+                   "(steps x the island's tokens per step, fixed by its first merged push), steps, or equal; steps "
+                   "are checked against the island's step counter and a push weighs at most 2x the other islands' "
+                   "median (docs/protocol.md, Pushes)")
     g.add_argument("--exact", action="store_true", help="hold pushes (encoded) and fold them in island order at "
                    "merge time: bit-reproducible whatever the arrival order (more memory)")
     g.add_argument("--max-push-norm-ratio", type=_nonneg_float, default=10.0, help="refuse (code outlier) a push "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .settings import INT64_MAX, bounded_int
 
@@ -33,6 +34,9 @@ class Member:
     pushes: int = 0
     steps: int = 0
     tokens: int = 0
+    link_lost: Optional[float] = None   # when its last connection closed (None: connected, or restored)
+    step: int = 0                       # its step as its heartbeats last said (bounded; for the pace)
+    rate: float = 0.0                   # its compute rate, steps/s, as its heartbeats say (bounded; 0: unknown)
 
     def alive(self, now: float, lease: float) -> bool:
         return now - self.last_seen <= lease

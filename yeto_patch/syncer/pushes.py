@@ -44,10 +44,12 @@ def parse_push(island: str, incarnation, meta: dict, body) -> Push:
     blend = meta.get("blend", False)
     if not isinstance(blend, bool):
         raise PushRefused("bad-push", f"malformed PUSH: blend={shown(blend)} (need true or false)")
+    patience = meta.get("patience")   # (optional; anything but a number in range is read as unknown)
     return Push(island=island, fragment=meta["fragment"], base_version=meta["base_version"], codec=codec,
                 block=_count(meta, "block") or codecs.DEFAULT_BLOCK, body=body, local_step=_count(meta, "local_step"),
                 steps=_count(meta, "steps"), tokens=_count(meta, "tokens"), final=bool(meta.get("final", False)),
-                incarnation=str(incarnation), blend=blend)
+                incarnation=str(incarnation), blend=blend,
+                patience=patience if isinstance(patience, (int, float)) and not isinstance(patience, bool) else None)
 
 
 def refusal(fragment, base_version, code: str, message: str) -> dict:
@@ -64,8 +66,8 @@ def accept_push(coord: Coordinator, p: Push, island: str) -> dict:
         if status == "closed":
             reply["message"] = "this fragment takes no more pushes (final cut / total rounds reached)"
     except PushRefused as e:
-        log.warning("refused push of fragment %s (base v%s) from island %s: %s", shown(p.fragment),
-                    shown(p.base_version), island, e.message[:MAX_REPLY_MESSAGE])
+        log.warning("refused push of fragment %s (base v%s) from island %s [%s]: %s", shown(p.fragment),
+                    shown(p.base_version), island, e.code, e.message[:MAX_REPLY_MESSAGE])
         reply = refusal(p.fragment, p.base_version, e.code, e.message)
     if bounded_int(p.fragment, len(coord.frags) - 1):
         reply["version"] = coord.frags[p.fragment].version

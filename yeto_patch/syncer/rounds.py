@@ -1,4 +1,4 @@
-"""Rounds per fragment: accepting pushes, folding them, deciding when to merge, merging.
+"""Rounds per fragment: accepting pushes, folding them, merging; the coordinator that owns the syncer's state.
 
 This module holds no sockets: the server feeds it pushes and asks it which fragments are due.  Thread-safe:
 one central lock (``self.lock`` / ``self.cond``) protects the bookkeeping; decoding and folding a push into
@@ -14,14 +14,11 @@ Semantics (see docs/protocol.md, "Syncer protocol"):
   carried, in its encoded wire form, into the next merge of that fragment, with its weight scaled by
   ``late_factor ** lag``.  A larger lag is refused (the island must pull).  A second push for the same
   (island, fragment, base) is refused.  A non-finite push is refused before it touches anything.
-* A round merges when every current member (alive by lease, not finished) answered and at least ``quorum``
-  of the islands that have not finished did, once at least ``quorum`` islands have joined the run (so a late
-  launch is not left behind and a crashed island is waited for), or when ``quorum``
-  answered and ``grace_s`` passed since the quorum was reached, or when ``timeout_s`` passed since the first
-  answer and at least ``quorum`` answered.  Otherwise it keeps waiting and says so in the log.
-* Weights: ``equal`` (1 per push), ``steps`` or ``tokens`` (as reported by the push, bounded by
-  ``MAX_PUSH_STEPS`` / ``MAX_PUSH_TOKENS``: exact float64 weights whose sums stay finite).  The outer gradient
-  is ``sum(w_i * delta_i) / sum(w_i)`` in float32 (a round whose weights sum to zero merges ``g = 0``).
+* Who a round waits for: syncer/roster.py (fixed roster, explicit quorum, elastic); when it merges:
+  syncer/due.py, with the adaptive grace window of syncer/grace.py.
+* Weights: syncer/weights.py (checked steps, tokens per step fixed per island process, each push at most a few
+  times the other islands' median).  The outer gradient is ``sum(w_i * delta_i) / sum(w_i)`` in float32 (a round
+  whose weights sum to zero merges ``g = 0``).
 """
 from __future__ import annotations
 
@@ -34,22 +31,26 @@ import numpy as np
 
 from ..wire import codecs
 from ..wire.frames import CodecError
+from .due import due_now, next_deadline, pace, round_status
 from .fragment import Fragment
+from .grace import ArrivalBook
 from .layout import fragment_numels, partition
-from .limits import stateless_members
 from .members import Member
 from .merge import ChunkRunner
 from .outer import NonFiniteMerge, outer_lr_inputs
 from .records import MergeRecord
-from .round_state import _Contrib, _Round, _refusal_code, validate_encoded
+from .roster import Roster
+from .round_state import AccumulatorPool, _Contrib, _Round, _refusal_code, fold_held, validate_encoded
 from .shards import ShardSpec, assign
-from .settings import (INT64_MAX, MAX_PUSH_STEPS, MAX_PUSH_TOKENS, WEIGHTINGS, MergeSettings, Push,
-                       PushRefused, RoundSettings, bounded_int, shown)
+from .settings import (INT64_MAX, MAX_PATIENCE_S, MAX_PUSH_STEPS, MAX_PUSH_TOKENS, WEIGHTINGS, MergeSettings,
+                       Push, PushRefused, RoundSettings, bounded_int, shown)
+from .weights import WeightBook
 
 __all__ = ["Coordinator"]
 
 log = logging.getLogger("yeto.syncer")
 _Fragment = Fragment  # (the name this module used before fragments got their own owner)
+MAX_RATE = 1e6            # steps/s an island's heartbeat may say (larger: ignored)
 
 
 class Coordinator:
@@ -62,7 +63,11 @@ class Coordinator:
         if not 0.0 <= merge.late_factor <= 1.0:
             raise ValueError("late_factor must be in [0, 1]")
         self.ms = merge
+        self.roster = None
         self.rs = rounds
+        self.roster = Roster(rounds, clock)
+        self.arrivals = ArrivalBook()        # arrival offsets and round periods (the adaptive grace window)
+        self.book = WeightBook(merge.weights)   # checked, bounded merge weights
         self.opt = merge.optimizer()
         self.runner = runner or ChunkRunner()
         self.clock = clock
@@ -74,36 +79,23 @@ class Coordinator:
         self.shard = shard
         self.owned: list[int] = []        # this shard's fragments (shards.assign), ascending
         self._owners: list[list[int]] = []   # every shard's fragments (for refusals naming the owner)
-        self.members: dict[str, Member] = {}
+        self.members: dict[str, Member] = self.roster.members
         self.seen: set = set()  # (island, fragment, base_version) accepted
         self.merges_total = 0
         self.initialized = False
         self.protect: Optional[Callable[[int], None]] = None  # called before a fragment's state changes
         self.guard = None  # a guard.NormGuard: refuses pushes far outside what the fragment has seen
-        self._spare: Optional[np.ndarray] = None  # one released accumulator, reused (no fresh page faults)
-        self._spare_lock = threading.Lock()
+        self._accs = AccumulatorPool()   # one released accumulator, reused (no fresh page faults)
         # --base-wire int8/int4: merged bases go out as quantized updates of a shadow base (what every island
         # holds), with the quantization error left in base - shadow and so carried into the next update
         self.down_codec: Optional[str] = None
         self.down_block = codecs.DEFAULT_BLOCK
 
     def _take_acc(self, n: int) -> np.ndarray:
-        with self._spare_lock:
-            sp = self._spare
-            if sp is not None and sp.size >= n:
-                self._spare = None
-                acc = sp[:n]
-                self.runner.map(n, lambda a, b: acc[a:b].fill(0.0))
-                return acc
-        return np.zeros(n, np.float32)
+        return self._accs.take(n, self.runner)
 
     def _give_acc(self, acc: Optional[np.ndarray]) -> None:
-        if acc is None:
-            return
-        full = acc.base if isinstance(acc.base, np.ndarray) else acc
-        with self._spare_lock:
-            if self._spare is None or full.size > self._spare.size:
-                self._spare = full
+        self._accs.give(acc)
 
     # ------------------------------------------------------------------------------------------ setup
     def set_manifest(self, manifest: list, fragments: int) -> None:
@@ -180,41 +172,41 @@ class Coordinator:
             return [f.version if f.index in mine else None for f in self.frags]
 
     # ------------------------------------------------------------------------------------- membership
+    @property
+    def rs(self) -> RoundSettings:
+        return self._rs
+
+    @rs.setter
+    def rs(self, value: RoundSettings) -> None:
+        self._rs = value
+        if getattr(self, "roster", None) is not None:
+            self.roster.rs = value
+
     def join(self, island: str, incarnation: str) -> Member:
-        now = self.clock()
         with self.lock:
             self._prune()
-            m = self.members.get(island)
-            alive = [i for i, mm in self.members.items() if mm.alive(now, self.rs.lease_s) and i != island]
-            if m is None and len(alive) >= self.rs.islands:
-                raise PushRefused("too-many-islands", f"this run expects {self.rs.islands} island(s) and already has "
-                                                      f"{sorted(alive)}; refusing island {island!r}")
-            if m is None:
-                m = self.members[island] = Member(island, incarnation, now)
-            else:
-                if m.incarnation != incarnation:
-                    m.finished = False
-                    m.final_fragments = set()
-                m.incarnation = incarnation
-                m.last_seen = now
-            m.connected += 1
+            old = self.members.get(island)
+            if old is not None and old.incarnation != incarnation:
+                self.arrivals.forget(island)   # a restarted island: its old arrival times say nothing now
+            m = self.roster.join(island, incarnation)
             self.cond.notify_all()
             return m
 
-    def touch(self, island: str) -> None:
+    def touch(self, island: str, step=None, rate=None) -> None:
+        """A message from ``island`` renewed its lease; a heartbeat also says its step and compute rate (bounded
+        numbers; anything else is ignored)."""
         with self.lock:
+            self.roster.touch(island)
             m = self.members.get(island)
             if m is not None:
-                m.last_seen = self.clock()
+                if bounded_int(step):
+                    m.step = step
+                if isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate <= MAX_RATE:
+                    m.rate = float(rate)
 
     def disconnected(self, island: str, bye: bool) -> None:
         with self.lock:
-            m = self.members.get(island)
-            if m is None:
-                return
-            m.connected = max(0, m.connected - 1)
-            if bye and not m.connected:
-                m.last_seen = -float("inf")  # leaves the expected set now
+            self.roster.disconnected(island, bye)
             self._prune()
             self.cond.notify_all()
 
@@ -229,29 +221,20 @@ class Coordinator:
         busy = {k[0] for k in self.seen}
         for f in self.mine():
             busy.update(c.island for c in list(f.round.contribs.values()) + list(f.carry))
-        for i in stateless_members(self.members, busy, self.clock(), self.rs.lease_s):
-            del self.members[i]
+        self.roster.prune(busy)
 
     def finish(self, island: str, last_step: int) -> None:
         with self.lock:
-            m = self.members.get(island)
-            if m is not None:
-                m.finished = True
-                m.last_step = max(m.last_step, int(last_step))
-                self.cond.notify_all()
+            self.roster.finish(island, last_step)
+            self.cond.notify_all()
 
     def alive_members(self, now: Optional[float] = None) -> list[str]:
-        now = self.clock() if now is None else now
         with self.lock:
-            return sorted(i for i, m in self.members.items() if m.alive(now, self.rs.lease_s))
+            return self.roster.alive(now)
 
     def all_finished(self) -> bool:
-        now = self.clock()
         with self.lock:
-            alive = [m for m in self.members.values() if m.alive(now, self.rs.lease_s)]
-            # FINALs end the run only once the roster (the quorum of islands, as for rounds) has joined: an
-            # island that finished before the others ever joined must not cut the run at v0 without them
-            return bool(alive) and all(m.finished for m in alive) and self._joined_enough()
+            return self.roster.all_finished()
 
     def all_closed(self) -> bool:
         with self.lock:
@@ -265,18 +248,20 @@ class Coordinator:
                     f.closed = True
 
     # ------------------------------------------------------------------------------------------ pushes
-    def _weight(self, p: Push) -> float:
-        """The push's weight (float64, exact: the counters are bounded) after checking its counters."""
+    def _weight(self, p: Push) -> tuple[float, float, bool]:
+        """(weight, claimed weight, held until the merge) after checking the push's counters (float64, exact:
+        the counters are bounded; syncer/weights.py)."""
         for name, hi in (("local_step", INT64_MAX), ("steps", MAX_PUSH_STEPS), ("tokens", MAX_PUSH_TOKENS)):
             v = getattr(p, name)
             if not bounded_int(v, hi):
                 raise PushRefused("bad-push", f"push reports {name} = {shown(v)}; need an integer in [0, {hi}]")
-        if self.ms.weights == "equal":
-            return 1.0
-        return float(p.steps if self.ms.weights == "steps" else p.tokens)
+        pt = p.patience
+        if not (isinstance(pt, (int, float)) and not isinstance(pt, bool) and 0 <= pt <= MAX_PATIENCE_S):
+            p.patience = None
+        return self.book.weight(p)
 
-    def _checked(self, p: Push) -> tuple[_Fragment, float]:
-        """(lock held) The push's fragment and weight, after the checks of its fields; raises PushRefused."""
+    def _checked(self, p: Push) -> tuple[_Fragment, tuple]:
+        """(lock held) The push's fragment and weights, after the checks of its fields; raises PushRefused."""
         if not self.initialized:
             raise PushRefused("not-initialized", "the run has no base yet (waiting for INIT); push refused")
         if not bounded_int(p.fragment, len(self.frags) - 1):
@@ -318,7 +303,7 @@ class Coordinator:
         A push held in its encoded form (carried, or ``exact``) is validated outside the lock first; the state
         checks (:meth:`_admit`) then run on the state at registration, looking again if a merge moved it."""
         with self.lock:
-            f, w = self._checked(p)
+            f, (w, claimed, unref) = self._checked(p)
         key = (p.island, f.index, p.base_version)
         guard = self.guard
         first_round = p.base_version == 0   # (the guard keeps the first round's pushes apart: guard.py)
@@ -333,13 +318,14 @@ class Coordinator:
                 if status is not None:
                     return status, 0
                 r = f.round
-                held = lag != 0 or self.ms.exact
+                held = lag != 0 or self.ms.exact or unref
                 if not held or validated:
                     why = guard.admit(f.index, norm, p.island, base_norm, first_round=first_round) \
                         if guard is not None else None
                     if why is not None:
                         raise PushRefused("outlier", why)
-                    c = self._register(p, f, r, w, lag, held, key)
+                    c = self._register(p, f, r, _Contrib(p, w, lag=lag, held=held, claimed=claimed,
+                                                         unreferenced=unref), key)
                     if c is None:
                         return ("carried", lag) if lag else ("accepted", 0)
                     break
@@ -351,41 +337,42 @@ class Coordinator:
             validated = True
         return self._fold(p, f, r, c, w, key)
 
-    def _register(self, p: Push, f: _Fragment, r: _Round, w: float, lag: int, held: bool,
-                  key) -> Optional[_Contrib]:
+    def _register(self, p: Push, f: _Fragment, r: _Round, c: _Contrib, key) -> Optional[_Contrib]:
         """(lock held) Record an accepted push; returns the contribution when it still has to be folded."""
-        c = _Contrib(p, w, lag=lag, held=held)
         self.seen.add(key)
-        if lag != 0:
-            self._credit(p, f)
+        if c.lag != 0:
+            self._credit(p, f, c)
             f.carry.append(c)
             self.cond.notify_all()
             return None
-        if not self.ms.exact:
-            r.inflight += 1
         r.contribs[p.island] = c
-        if self.ms.exact:
+        if c.held:
             c.folded = True
-            self._answer(r, p, f)
+            self._answer(r, p, f, c)
             self.cond.notify_all()
             return None
+        r.inflight += 1
         return c
 
-    def _answer(self, r: _Round, p: Push, f: _Fragment) -> None:
+    def _answer(self, r: _Round, p: Push, f: _Fragment, c: _Contrib) -> None:
         """(lock held) A push became an answer of round ``r``: round timing and the island's bookkeeping."""
         now = self.clock()
         if r.t_first is None:
             r.t_first = now
+            self.arrivals.round_opened(f.index, r.base_version, now)
         if r.t_quorum is None and len(r.answered()) >= self.rs.k:
             r.t_quorum = now
-        self._credit(p, f)
+        self._credit(p, f, c)
 
-    def _credit(self, p: Push, f: _Fragment) -> None:
-        """(lock held) The island's bookkeeping for an accepted push; a push refused while it is being folded
-        must leave none (its final flag would drop the island from the fragment's expected set)."""
+    def _credit(self, p: Push, f: _Fragment, c: _Contrib) -> None:
+        """(lock held) The island's bookkeeping for an accepted push (its arrival time, its checked weight, its
+        final flag); a push refused while it is being folded leaves none (its final flag would drop the island
+        from the fragment's expected set)."""
+        now = self.clock()
+        self.arrivals.arrived(p.island, f.index, p.base_version, now)
         m = self.members.get(p.island)
         if m is not None:
-            m.last_seen = self.clock()
+            m.last_seen = now
             if p.final:
                 m.final_fragments.add(f.index)
             m.last_step = max(m.last_step, int(p.local_step or 0))
@@ -406,7 +393,7 @@ class Coordinator:
             c.push.body = None  # the decoded values live in the accumulator now
             if err is None:
                 c.folded = True
-                self._answer(r, p, f)
+                self._answer(r, p, f, c)
             else:  # it never was an answer: nothing to undo but its registration
                 r.contribs.pop(p.island, None)
                 self.seen.discard(key)
@@ -418,61 +405,27 @@ class Coordinator:
 
     # --------------------------------------------------------------------------------------- scheduling
     def expected(self, f: _Fragment, now: float) -> set:
-        return {i for i, m in self.members.items()
-                if m.alive(now, self.rs.lease_s) and not m.finished and f.index not in m.final_fragments}
-
-    def _joined_enough(self) -> bool:
-        """(lock held) Whether at least ``quorum`` islands have joined this run so far.  Until then "every
-        current member answered" does not close a round, so islands launched a little later than the first
-        one are not left behind by rounds merged without them.  Islands that joined and then left (lease,
-        BYE, final cut) still count: they leave the expected set as before."""
-        return len(self.members) >= min(self.rs.k, self.rs.islands)
-
-    def _floor(self, f: _Fragment) -> int:
-        """(lock held) The fewest answers that may close a round of ``f`` by "every member answered": the
-        quorum, or fewer once islands have finished (final push or last step).  An island that crashed, lost
-        its link or said BYE before its end still counts, so with ``--quorum`` equal to ``--islands`` (a fixed
-        roster) the others wait for it to come back instead of merging without it."""
-        active = sum(1 for m in self.members.values() if not m.finished and f.index not in m.final_fragments)
-        return max(1, min(self.rs.k, active))
+        return self.roster.expected(f.index, now)
 
     def due(self) -> list[int]:
         """Fragments whose open round should merge now (logs rounds that wait below quorum past the timeout)."""
-        now = self.clock()
-        out = []
         with self.lock:
-            for f in self.mine():
-                r = f.round
-                answered = r.answered()
-                if f.closed or r.closed or not answered:
-                    continue
-                exp = self.expected(f, now)
-                if exp <= answered and self._joined_enough() and len(answered) >= self._floor(f):
-                    out.append(f.index)
-                elif len(answered) >= self.rs.k:
-                    if r.t_quorum is None:
-                        r.t_quorum = now
-                    if now >= r.t_quorum + self.rs.grace_s or now >= r.t_first + self.rs.timeout_s:
-                        out.append(f.index)
-                elif now >= r.t_first + self.rs.timeout_s and now >= r.next_wait_log:
-                    r.next_wait_log = now + max(self.rs.timeout_s, 1.0)
-                    log.warning("fragment %d round on v%d waits: %d of quorum %d answered (%s); missing %s",
-                                f.index, f.version, len(answered), self.rs.k, sorted(answered),
-                                sorted(exp - answered))
-        return out
+            return due_now(self.rs, self.roster, self.arrivals, self.mine(), self.clock())
 
     def next_deadline(self) -> Optional[float]:
-        """Earliest clock time at which a round may become due by grace/timeout (None: only events matter)."""
+        """Earliest clock time at which a round may become due by time (None: only events matter)."""
         with self.lock:
-            ts = []
-            for f in self.mine():
-                r = f.round
-                if f.closed or r.closed or len(r.answered()) < self.rs.k:
-                    continue  # below quorum only events (pushes, lease expiry) can make a round due
-                if r.t_quorum is not None:
-                    ts.append(r.t_quorum + self.rs.grace_s)
-                ts.append(r.t_first + self.rs.timeout_s)
-            return min(ts) if ts else None
+            return next_deadline(self.rs, self.roster, self.arrivals, self.mine(), self.clock())
+
+    def round_status(self, island: str) -> dict:
+        """What ``island`` may be waiting for (the HEARTBEAT the syncer sends it; syncer/due.py)."""
+        with self.lock:
+            return round_status(self.rs, self.roster, self.arrivals, self.mine(), island, self.clock())
+
+    def pace(self) -> float:
+        """The fleet's pace in steps/s (syncer/due.py)."""
+        with self.lock:
+            return pace(self.roster, self.clock())
 
     def pending(self, index: int) -> bool:
         with self.lock:
@@ -507,6 +460,9 @@ class Coordinator:
             f.carry = []
             version = f.version
             expected = sorted(self.expected(f, self.clock()))
+            if self.rs.adaptive and fresh:   # up, waited for (or not), and not there: a miss for the window
+                for i in set(expected) - {c.island for c in fresh}:
+                    self.arrivals.missed(i)
             t_first = r.t_first if r.t_first is not None else self.clock()
         t0 = self.clock()
         t_wall = time.time()
@@ -531,6 +487,7 @@ class Coordinator:
                 f.version = version + 1
                 self.merges_total += 1
                 for c in fresh + carried:
+                    self.book.merged(c.push, c.claimed)
                     m = self.members.get(c.island)
                     if m is not None:
                         m.credit(c.push.steps, c.push.tokens)
@@ -552,44 +509,18 @@ class Coordinator:
                            grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall, outer_lr=outer_lr)
 
     def _merge_fold(self, f: _Fragment, r: _Round, fresh: list, carried: list, version: int, index: int) -> tuple:
-        """(accumulator, total weight, responders) of a merge: fresh pushes were folded on arrival (here only with
-        --exact, in island order), carried ones are folded now with weight x late_factor^lag."""
+        """(accumulator, total weight, responders) of a merge (round_state.fold_held)."""
         acc = r.acc
         if acc is None:
             acc = r.acc = self._take_acc(f.numel)
-        if self.ms.exact:
-            for c in fresh:
-                codecs.decode_accumulate(c.push.codec, c.push.body, f.numel, c.weight_raw, acc, c.push.block,
-                                         threads=self.runner.threads)
-        weights = [c.weight_raw for c in fresh]
-        responders = [self._resp(c, 0, c.weight_raw, False) for c in fresh]
-        for c in carried:
-            lag = version - c.push.base_version
-            w = c.weight_raw * (self.ms.late_factor ** lag)
-            try:
-                codecs.decode_accumulate(c.push.codec, c.push.body, f.numel, w, acc, c.push.block,
-                                         threads=self.runner.threads)
-            except CodecError as e:  # validated on arrival, so not expected; never poisons the round
-                log.error("fragment %d: carried push from island %s dropped: %s", index, c.island, e)
-                continue
-            weights.append(w)
-            responders.append(self._resp(c, lag, w, True))
-        total = 0.0
-        for w in weights:  # fixed order
-            total += w
+        total, responders = fold_held(self.book, acc, fresh, carried, version, self.ms.late_factor, f.numel,
+                                      self.runner.threads, index)
         return acc, total, responders
 
     def _base_update(self, f: _Fragment, scratch: np.ndarray, version: int) -> None:
         """shadow += decode(encode(base - shadow)) (the merge holds the fragment's write lock; ``scratch`` is the
         spent accumulator)."""
         f.encode_update(self.down_codec, self.down_block, scratch, version, self.runner.threads)
-
-    @staticmethod
-    def _resp(c: _Contrib, lag: int, w: float, carried: bool) -> dict:
-        p = c.push
-        return {"island": p.island, "lag": lag, "weight": w, "carried": carried, "base_version": p.base_version,
-                "steps": p.steps, "tokens": p.tokens, "local_step": p.local_step, "codec": p.codec,
-                "bytes": int(p.nbytes)}
 
     def resumed(self, merges_total: int, members: dict, merged: set) -> None:
         """(restore) The rest of a checkpoint's committed state, once every fragment's arrays are installed."""

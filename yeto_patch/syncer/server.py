@@ -81,6 +81,7 @@ class SyncerServer:
         self.writer = CheckpointWriter(cfg.checkpoint, cfg.background_checkpoint) if cfg.checkpoint else None
         self.coord.protect = self.writer.protect if self.writer else None
         self.heartbeat_s = cfg.heartbeat_s or max(0.05, cfg.rounds.lease_s / 4)
+        self.coord.roster.heartbeat_s = self.heartbeat_s   # (a lost link counts as up for one heartbeat period)
         self.sessions: dict[str, _Session] = {}
         self.all_sessions: set = set()
         self.init = Initializing(InitChoice(cfg.initializer, cfg.islands, cfg.init_wait_s),
@@ -313,8 +314,8 @@ class SyncerServer:
         next_hb = time.monotonic() + self.heartbeat_s
         while not s.closed and not self.stopping.is_set():
             now = time.monotonic()
-            if now >= next_hb:
-                s.post(MsgType.HEARTBEAT, {"t": time.time()})
+            if now >= next_hb:   # (what its rounds wait for rides along: island/link/patience.py logs it)
+                s.post(MsgType.HEARTBEAT, {"t": time.time(), **coord.round_status(s.island)})
                 next_hb = now + self.heartbeat_s
             try:
                 t, meta, body = s.conn.recv(timeout=min(1.0, self.heartbeat_s))
@@ -322,9 +323,10 @@ class SyncerServer:
                 if s.conn.broken:
                     raise
                 continue
-            coord.touch(s.island)
             if t == MsgType.HEARTBEAT:
+                coord.touch(s.island, meta.get("step"), meta.get("rate"))
                 continue
+            coord.touch(s.island)
             if t == MsgType.PUSH:
                 self._on_push(s, meta, body)
             elif t == MsgType.INIT:

@@ -12,7 +12,7 @@ from typing import Optional, Union
 from .outer import OuterOptimizer
 
 __all__ = ["MergeSettings", "RoundSettings", "PushRefused", "Push", "WEIGHTINGS", "INT64_MAX", "MAX_PUSH_STEPS",
-           "MAX_PUSH_TOKENS", "bounded_int", "shown"]
+           "MAX_PUSH_TOKENS", "MAX_PATIENCE_S", "bounded_int", "shown", "default_min_quorum"]
 
 WEIGHTINGS = ("equal", "steps", "tokens")
 INT64_MAX = (1 << 63) - 1
@@ -21,6 +21,20 @@ MAX_PUSH_STEPS = 1 << 31
 #: Largest ``tokens`` one push may report: every weight is then an exact float64, and any round's total weight
 #: (a few pushes per island) stays far below float32's range, so weights can never become infinite.
 MAX_PUSH_TOKENS = 1 << 53
+#: Largest ``patience`` (seconds until the island blocks waiting for the push's answer) a push may report; larger
+#: or malformed values are read as "unknown".
+MAX_PATIENCE_S = 1e6
+
+
+MIN_QUORUM = 2   # the elastic rounds' minimum quorum (fleets of 3 islands or more)
+
+
+def default_min_quorum(islands: int) -> int:
+    """The minimum quorum of elastic rounds (no ``--quorum``): 2 islands (1 for a fleet of one or two), or all that
+    are up when fewer are. A round never waits for an island that is down; a larger quorum made the islands that
+    answered first wait for slower ones, a smaller one split rounds into single pushes (docs/operations.md,
+    "Rounds under failures")."""
+    return 1 if int(islands) <= 2 else MIN_QUORUM
 
 
 def bounded_int(v, hi: int = INT64_MAX, lo: int = 0) -> bool:
@@ -44,8 +58,8 @@ class MergeSettings:
     lr: Union[float, str, None] = None   # a number, "auto" (outer.lr_for_steps) or None (the kind's default)
     momentum: Optional[float] = None
     delay: int = 1
-    weights: str = "equal"
-    max_base_lag: int = 1
+    weights: str = "tokens"
+    max_base_lag: int = 4
     late_factor: float = 0.5
     exact: bool = False
 
@@ -60,16 +74,37 @@ class MergeSettings:
 
 @dataclass(frozen=True)
 class RoundSettings:
+    """``quorum`` None: elastic rounds (the default): a round merges with the islands that are up once the minimum
+    quorum (``default_min_quorum``, or fewer when fewer are up) answered; ``quorum`` equal to ``islands``: the fixed
+    roster (every island that joined and has not finished is waited for, down or not); between: at least that many
+    pushes. ``grace_s`` None: the adaptive grace window (syncer/grace.py); a number: that fixed grace."""
     islands: int = 1
-    quorum: Optional[int] = None  # default: islands
-    grace_s: float = 5.0
+    quorum: Optional[int] = None
+    grace_s: Optional[float] = None
     timeout_s: float = 600.0
     lease_s: float = 60.0
     total_rounds: Optional[int] = None
+    min_quorum: Optional[int] = None   # elastic rounds' minimum quorum (None: default_min_quorum; models compare)
+
+    @property
+    def elastic(self) -> bool:
+        """No ``--quorum``: the minimum quorum counts only the islands that are up."""
+        return self.quorum is None
+
+    @property
+    def fixed_roster(self) -> bool:
+        return self.quorum is not None and self.quorum >= self.islands
 
     @property
     def k(self) -> int:
-        return self.quorum if self.quorum is not None else self.islands
+        """The (minimum) quorum: ``--quorum``, or the elastic default."""
+        if self.quorum is not None:
+            return self.quorum
+        return self.min_quorum if self.min_quorum is not None else default_min_quorum(self.islands)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.grace_s is None
 
 
 class PushRefused(Exception):
@@ -94,3 +129,4 @@ class Push:
     incarnation: str = ""
     blend: bool = False   # the island blends merged bases in (tau > 0): the outer lr "auto" rule depends on it
     nbytes: int = 0
+    patience: Optional[float] = None   # seconds from sending until the island blocks for the answer (None: unknown)

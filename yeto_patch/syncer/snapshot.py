@@ -40,7 +40,7 @@ def capture(coord: "Coordinator", extra: Optional[dict] = None) -> Snapshot:
                 "manifest_digest": auth.manifest_digest(coord.manifest).hex(),
                 "layout": coord.layout, "merge_config": coord.ms.resolved(), "merges_total": coord.merges_total,
                 "shard": coord.shard.as_json(), "fragments": frags, "ledger": ledger, "merged_pushes": merged,
-                **(extra or {})}
+                "weight_book": coord.book.state(), **(extra or {})}
     return Snapshot(meta, arrays)
 
 
@@ -92,6 +92,7 @@ def restore(coord: "Coordinator", meta: dict, arrays: list) -> None:
                    for island, e in meta.get("ledger", {}).items()}
         merged = {(str(i), int(fr), int(b)) for i, fr, b in meta.get("merged_pushes", [])}
         total = meta.get("merges_total", 0)
+        coord.book.load(meta.get("weight_book"))
         coord.resumed(max(0, min(INT64_MAX, int(total))) if isinstance(total, int) else 0, members, merged)
 
 

@@ -21,7 +21,7 @@ API::
         # sends INIT when the syncer asks (init_source(fragment) -> iterable of float32 arrays), then waits
         # for the base of every fragment; returns them (the island installs them before training)
     c.push(fragment, *, base_version, local_step, steps, tokens, codec, block=256, body=None, body_len=None,
-           body_iter=None, final=False, wait=False, timeout=None, blend=False) -> Optional[PushReply]
+           body_iter=None, final=False, wait=False, timeout=None, blend=False, patience=None) -> Optional[PushReply]
         # body: encoded bytes (wire.codecs.encode of the fragment's flat delta, anchor minus current) or
         # body_iter yielding buffers with body_len.  wait=True blocks for the syncer's reply (raising
         # SyncerRefusal if refused); otherwise a refusal is raised by the next call on this client.
@@ -36,6 +36,8 @@ API::
     c.finish(last_step, timeout) -> dict[int, Base]
         # final cut handshake: FINAL (after the island pushed its final deltas with final=True), wait for
         # FINAL_BASE of every fragment (float32, with versions), ACK them; returns the final model
+    c.status() -> (SyncerStatus, seconds since the syncer last sent anything)   # what its rounds wait for
+    c.local_step, c.rate                     # the island's step and compute rate (steps/s), sent in heartbeats
     c.check()                                # re-raise a failure seen by the reader thread
     c.close()                                # BYE (best effort) and close; idempotent
     c.abort()                                # close without BYE (a reconnect replaces this link)
@@ -76,8 +78,8 @@ from .handshake import _RESUME, _RESUME_LOCK, UNVERIFIED_MAX, _handshake, probe 
 from .message import encode_meta
 from .text import check_island_id
 from .transport import Connection, connect
-from .values import (DELTA_CODECS, Base, PushReply, SyncerRefusal, Welcome, merge_info,  # noqa: F401 - re-exported
-                     recoverable, shard_fields)
+from .values import (DELTA_CODECS, Base, PushReply, SyncerRefusal, SyncerStatus, Welcome,  # noqa: F401 - re-exported
+                     merge_info, recoverable, shard_fields, syncer_status)
 
 __all__ = ["SyncerClient", "SyncerRefusal", "Welcome", "Base", "PushReply", "probe", "recoverable"]
 
@@ -141,6 +143,9 @@ class SyncerClient:
         self.conn: Optional[Connection] = None
         self.welcome: Optional[Welcome] = None
         self.local_step = 0
+        self.rate = 0.0                  # the island's compute rate (steps/s; 0: unknown), sent in heartbeats
+        self._status = SyncerStatus([], [])
+        self._heard = time.monotonic()   # when the syncer last sent anything
         self._cv = threading.Condition()
         self._bases: "collections.OrderedDict[int, Base]" = collections.OrderedDict()
         self._final: dict[int, Base] = {}
@@ -211,6 +216,11 @@ class SyncerClient:
             if self._refusals:
                 raise self._refusals.popleft()  # each refusal is reported once; the connection stays usable
 
+    def status(self) -> tuple:
+        """(the syncer's last SyncerStatus, seconds since the syncer last sent anything)."""
+        with self._cv:
+            return self._status, time.monotonic() - self._heard
+
     def conn_lost(self) -> bool:
         """True once the session failed (lost or stalled link, the syncer's ERROR): only a new client helps."""
         with self._cv:
@@ -248,7 +258,7 @@ class SyncerClient:
                     self._fail(e if isinstance(e, PeerError) else
                                ProtocolError(f"lost the connection to the syncer at {self.address}: {e}"))
                 return
-            last = time.monotonic()
+            last = self._heard = time.monotonic()
             try:
                 self._dispatch(t, meta, body)
             except Exception as e:  # noqa: BLE001 - surfaced to the caller
@@ -312,13 +322,17 @@ class SyncerClient:
             with self._cv:
                 self._init_requests = [int(f) for f in meta.get("request", [])]
                 self._notify()
+        elif t == MsgType.HEARTBEAT:
+            st = syncer_status(meta)
+            with self._cv:
+                self._status = st
         elif t == MsgType.BYE:
             with self._cv:
                 self._bye_seen = True
                 if not self.final_cut_complete() and self._error is None:
                     self._error = ProtocolError(f"the syncer closed the session: {meta.get('reason', 'goodbye')}")
                 self._notify()
-        # HEARTBEAT and anything else: the reader saw the syncer alive; nothing to do
+        # anything else: the reader saw the syncer alive; nothing to do
 
     def _base_update(self, t, meta, body, frag, version, dtype, numel) -> None:
         """A BASE that carries the change from the previous base (``--base-wire int8/int4``): validated, then
@@ -354,7 +368,10 @@ class SyncerClient:
                 if self._closed or self._error is not None:
                     return
             try:
-                self.conn.send(MsgType.HEARTBEAT, {"step": self.local_step})
+                beat = {"step": int(self.local_step)}
+                if self.rate > 0:
+                    beat["rate"] = round(float(self.rate), 6)
+                self.conn.send(MsgType.HEARTBEAT, beat)
             except (ProtocolError, OSError) as e:
                 if not self._closed:
                     self._fail(e)
@@ -425,8 +442,10 @@ class SyncerClient:
     def push(self, fragment: int, *, base_version: int, local_step: int, steps: int, tokens: int, codec: str,
              block: int = codecs.DEFAULT_BLOCK, body=None, body_len: Optional[int] = None,
              body_iter: Optional[Iterable] = None, final: bool = False, wait: bool = False,
-             timeout: Optional[float] = None, blend: bool = False) -> Optional[PushReply]:
-        """Send a fragment's encoded delta. See the module docstring."""
+             timeout: Optional[float] = None, blend: bool = False,
+             patience: Optional[float] = None) -> Optional[PushReply]:
+        """Send a fragment's encoded delta. See the module docstring. ``patience``: seconds until the island
+        blocks for this push's answer (the syncer's adaptive grace window never holds a round longer)."""
         conn = self._need()
         if isinstance(fragment, bool) or not (isinstance(fragment, int) and 0 <= fragment < self.welcome.fragments):
             raise ProtocolError(f"push of fragment {fragment!r}: the syncer's layout has fragments "
@@ -443,7 +462,8 @@ class SyncerClient:
         self.local_step = max(self.local_step, int(local_step))
         meta = _aligned({"fragment": fragment, "base_version": int(base_version), "local_step": int(local_step),
                          "steps": int(steps), "tokens": int(tokens), "codec": codec, "block": int(block),
-                         "numel": numel, "final": bool(final), "blend": bool(blend)})
+                         "numel": numel, "final": bool(final), "blend": bool(blend),
+                         **({} if patience is None else {"patience": round(max(0.0, float(patience)), 3)})})
         key = (fragment, int(base_version))
         if wait:
             with self._cv:

@@ -14,8 +14,8 @@ import numpy as np
 from . import codecs
 from .frames import AuthError, CodecError, PeerError, ProtocolError
 
-__all__ = ["SyncerRefusal", "Welcome", "Base", "PushReply", "recoverable", "DELTA_CODECS", "shard_fields",
-           "merge_info"]
+__all__ = ["SyncerRefusal", "Welcome", "Base", "PushReply", "SyncerStatus", "recoverable", "DELTA_CODECS",
+           "shard_fields", "merge_info", "syncer_status"]
 
 
 class SyncerRefusal(PeerError):
@@ -68,6 +68,50 @@ def shard_fields(meta: dict) -> dict:
         raise ProtocolError(f"malformed WELCOME shard fields: shard={shard!r:.80} owned={owned!r:.80}")
     return {"shard": tuple(shard), "owned": list(range(n)) if owned is None else owned,
             "shard_addresses": tuple(addrs)}
+
+
+@dataclass
+class SyncerStatus:
+    """What the syncer's last HEARTBEAT said this island's rounds wait for (docs/protocol.md, "Membership"):
+    ``rounds`` [fragment, version, answered, quorum] of the open rounds this island answered, ``missing`` the
+    islands they wait for (a "(down Ns)" suffix marks one that is not up), ``unfinished`` (after this island's
+    FINAL) the islands still training, ``pace`` the fleet's pace in steps/s (0: unknown)."""
+    rounds: list
+    missing: list
+    unfinished: Optional[list] = None
+    pace: float = 0.0
+
+    def describe(self) -> str:
+        parts = []
+        if self.rounds:
+            parts.append("open rounds " + ", ".join(f"fragment {f} on v{v} ({a} answered, quorum {q})"
+                                                    for f, v, a, q in self.rounds[:8]))
+        if self.missing:
+            parts.append("waiting for islands " + ", ".join(self.missing))
+        if self.unfinished:
+            parts.append("the final cut waits for islands " + ", ".join(self.unfinished) + " to finish")
+        return "; ".join(parts) or "no round of this island is open"
+
+
+def _ids(v, limit: int = 16) -> list:
+    if not isinstance(v, list):
+        return []
+    return ["".join(c if c.isprintable() else "?" for c in x[:300]) for x in v[:limit] if isinstance(x, str)]
+
+
+def syncer_status(meta: dict) -> SyncerStatus:
+    """A syncer HEARTBEAT's status fields, bounded and checked (anything malformed is left out)."""
+    rounds = []
+    for r in meta.get("rounds") or []:
+        if isinstance(r, list) and len(r) == 4 and all(isinstance(x, int) and not isinstance(x, bool) for x in r):
+            rounds.append(r)
+        if len(rounds) >= 64:
+            break
+    pace = meta.get("pace", 0.0)
+    pace = float(pace) if isinstance(pace, (int, float)) and not isinstance(pace, bool) and 0 <= pace <= 1e6 else 0.0
+    unfinished = meta.get("unfinished")
+    return SyncerStatus(rounds, _ids(meta.get("missing")), _ids(unfinished) if unfinished is not None else None,
+                        pace)
 
 
 DELTA_CODECS = ("int8", "int4")

@@ -210,10 +210,11 @@ class Link:
     sometimes answers with the island's own weights (a base to install synchronously)."""
     final_cut, resilient = False, True
 
-    def __init__(self, frags, rng):
+    def __init__(self, frags, rng, seed=0):
         self.frags, self.rng = frags, rng
         self.versions = [f.anchor_version for f in frags]
         self.due = []   # [polls left, fragment]
+        self.pacing = random.Random(seed)   # (YETO_DILOCO_SYNC_EVERY=auto: the fleet's pace and this island's rate)
 
     def send_push(self, frag):
         self.due.append([self.rng.randint(0, 4), frag.index])
@@ -238,6 +239,24 @@ class Link:
     def wait(self, t):
         pass
 
+    def stepped(self, step):
+        pass
+
+    def reachable(self):
+        return True
+
+    def waiting_on(self):
+        return "nothing"
+
+    def pace(self):
+        return 10.0
+
+    def rate(self):
+        return self.pacing.choice([2.0, 5.0])   # (slower than the fleet: H between tau + 1 and H / 2)
+
+    def catch_up(self, frag, h):
+        return self.pacing.choice([0, 0, 1, h // 2])
+
     def init_requested(self):
         return []
 
@@ -259,9 +278,9 @@ class Log:
         pass
 
 
-def island_rank(hub, rank, seed, F, H, tau, total):
+def island_rank(hub, rank, seed, F, H, tau, total, auto=False, ended=False):
     s = types.SimpleNamespace(sync_every=H, overlap_steps=tau, merge_alpha=0.5, timeout=5.0, syncer="fake",
-                              push_dtype="f32", island_id="a", vocab_size=None, error_feedback=False)
+                              push_dtype="f32", island_id="a", vocab_size=None, error_feedback=False, sync_auto=auto)
     frags = Fragments([[f] for f in range(F)], [NUMEL] * F, [NUMEL] * F, rank0=rank == 0)
     for frag in frags:
         frag.installed(0)
@@ -271,11 +290,14 @@ def island_rank(hub, rank, seed, F, H, tau, total):
     parts = IslandParts(settings=s, rule=InstallRule.of(s), rank=rank, comm=Comm(hub, rank),
                         channel=Channel(hub, rank), view=view, io=FragmentIO(view, None, s, rank), frags=frags,
                         pushes=PushLane(hub, rank, "push-lane", rng), bases=BaseLane(hub, rank, "base-lane", rng),
-                        step=lambda: engine.step, total=total, link=Link(frags, rng) if rank == 0 else None,
+                        step=lambda: engine.step, total=total, link=Link(frags, rng, seed) if rank == 0 else None,
                         log=Log() if rank == 0 else None)
+    if ended:   # the syncer's welcome said its final cut was done
+        if parts.link is not None:
+            parts.link.final_cut = True
     engine.parts, engine.rank, engine.total, engine.started = parts, rank, total, True
     engine.installer = Installer(parts)
-    engine.boundaries = Boundaries(parts, engine.installer)
+    engine.boundaries = Boundaries(parts, engine.installer, syncer_ended=ended)
     while not engine.finished:
         engine.before_optimizer_step()
         engine.before_param_copy(object())
@@ -283,13 +305,13 @@ def island_rank(hub, rank, seed, F, H, tau, total):
     return engine
 
 
-def run_island(n, seed, F, H, tau, total=24):
+def run_island(n, seed, F, H, tau, total=24, auto=False, ended=False):
     hub = Hub(n)
     errors, engines = {}, {}
 
     def main(rank):
         try:
-            engines[rank] = island_rank(hub, rank, seed, F, H, tau, total)
+            engines[rank] = island_rank(hub, rank, seed, F, H, tau, total, auto, ended)
         except BaseException as e:  # noqa: BLE001
             errors[rank] = e
             with hub.cv:
@@ -318,6 +340,24 @@ def test_every_rank_runs_the_same_collectives_in_the_same_order(seed, F, H, tau)
     assert names.count("yeto-patch: the final model") >= 1 and all(e.finished for e in engines.values())
     anchors = {r: e.parts.frags.anchors() for r, e in engines.items()}
     assert anchors[0] == anchors[1] == anchors[2]   # every rank's fragments went through the same states
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_auto_cadence_moves_every_ranks_boundaries_alike(seed):
+    """YETO_DILOCO_SYNC_EVERY=auto: rank 0's plans retune H and bring boundaries forward; every rank's cadence
+    follows the broadcast plan, so the collectives stay in step."""
+    hub, engines = run_island(3, seed, 3, 8, 2, total=40, auto=True)
+    seqs = list(hub.logs.values())
+    assert seqs[0] == seqs[1] == seqs[2]
+    cadences = [(e.boundaries.cadence.h, e.boundaries.cadence.next) for e in engines.values()]
+    assert cadences[0] == cadences[1] == cadences[2] and cadences[0][0] < 8   # a slower rate: fewer steps
+
+
+def test_an_island_back_after_the_syncers_final_cut_takes_the_final_model_at_its_first_step():
+    hub, engines = run_island(3, 0, 3, 8, 2, total=40, ended=True)
+    assert all(e.finished and e.step == 1 for e in engines.values())
+    seqs = list(hub.logs.values())
+    assert seqs[0] == seqs[1] == seqs[2]
 
 
 def test_a_collective_only_rank_0_calls_is_caught(monkeypatch):

@@ -41,6 +41,25 @@ def test_counters_run_from_the_install():
     assert fs[1].steps_since == 2
 
 
+def test_a_push_reports_the_counts_since_the_previous_push_and_a_blend_keeps_them():
+    """The syncer's weights see what was computed: a push takes the steps and tokens since the previous push; a base
+    blended in (or kept) leaves the local progress, so counting goes on; one that replaces the masters resets."""
+    fs = frags()
+    for frag in fs:
+        frag.installed(0)
+    fs.count_step(10)
+    fs.count_step(10)
+    push = fs[0].begin_push(2)
+    assert (push.steps, push.tokens, fs[0].steps_since, fs[0].tokens_since) == (2, 20, 0, 0)
+    fs.count_step(5)
+    fs[0].push_handed(None)
+    fs[0].installed(1, keep_counts=True)     # blended in at the push's step + tau: the 5 tokens stay
+    fs[1].installed(1)                       # replaced: counting starts again
+    assert (fs[0].steps_since, fs[0].tokens_since) == (1, 5) and (fs[1].steps_since, fs[1].tokens_since) == (0, 0)
+    fs.count_step(5)
+    assert fs[0].begin_push(4).tokens == 10 and fs[0].take_counts() == (0, 0)
+
+
 def test_a_boundary_goes_push_lane_syncer_staged_armed_installed():
     frag = frags()[0]
     frag.installed(3)

@@ -99,6 +99,9 @@ def test_plan_round_trips_through_json_with_named_fields():
     d = json.loads(json.dumps(p.as_json()))
     assert d["install"] == [{"fragment": 2, "version": 5, "updates": 1, "own_weights": True}]
     assert Plan.from_json(d) == p
+    auto = Plan([0], sync_every=12, shift={0: 3})   # YETO_DILOCO_SYNC_EVERY=auto: rank 0's H and catch-up
+    d = json.loads(json.dumps(auto.as_json()))
+    assert (d["sync_every"], d["shift"]) == (12, {"0": 3}) and Plan.from_json(d) == auto
 
 
 def test_base_spec_of_updates_checks_they_apply_to_the_anchor():

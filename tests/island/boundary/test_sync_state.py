@@ -23,8 +23,9 @@ def island(anchors=(3, 5)):
         st.installed(v)
     fs.count_step(7)
     fs.count_step(5)
-    fs[1].begin_push(12)
+    fs[1].begin_push(12)   # counts again from here
     fs[1].push_handed(PushWire(np.arange(10, dtype=np.uint8), "int8", {"bytes": 10}))
+    fs.count_step(3)
     fs[0].side.residual = np.full(4, 0.5, np.float32)
     return fs
 
@@ -35,8 +36,9 @@ def test_save_then_load_round_trips_the_state(tmp_path):
     arrays = {}
     state = sync_state.load(sync_state.state_path(str(tmp_path), 40), 40, arrays, settings(), manifest_digest="d1",
                             layout=fs.layout)
-    assert state["anchor_version"] == [3, 5] and state["steps_since"] == [2, 2] and state["tokens_since"] == [12, 12]
-    assert state["pending"]["1"]["base_version"] == 5 and state["pending"]["1"]["steps"] == 2
+    assert state["anchor_version"] == [3, 5] and state["steps_since"] == [3, 1] and state["tokens_since"] == [15, 3]
+    assert state["pending"]["1"]["steps"] == 2 and state["pending"]["1"]["tokens"] == 12   # since the previous push
+    assert state["pending"]["1"]["base_version"] == 5
     assert set(state["pending"]["1"]) == {"step", "fragment", "base_version", "steps", "tokens", "final", "codec",
                                           "bytes"}
     np.testing.assert_array_equal(arrays["push.1"], np.arange(10, dtype=np.uint8))
@@ -82,7 +84,7 @@ def test_restore_keeps_progress_where_the_anchor_is_current_and_skips_where_merg
     resend = sync_state.restore(state, arrays, fs, versions, keep={1}, rank=0, error_feedback=True)
     assert [st.index for st in resend] == [1]
     assert fs[0].skip == 2 and fs[1].skip == 0
-    assert (fs[1].steps_since, fs[1].tokens_since) == (2, 12) and fs[0].steps_since == 0
+    assert (fs[1].steps_since, fs[1].tokens_since) == (1, 3) and fs[0].steps_since == 0
     assert (fs[1].push.step, fs[1].push.base_version, fs[1].push.phase.value) == (12, 5, "at syncer")
     assert fs[1].side.repushed == {5} and fs[1].side.wire.codec == "int8"
     np.testing.assert_array_equal(fs[1].side.wire.body, np.arange(10, dtype=np.uint8))
@@ -90,6 +92,18 @@ def test_restore_keeps_progress_where_the_anchor_is_current_and_skips_where_merg
     other = Fragments(old.layout, old.numels, [4, 3, 3], rank0=False)   # another rank: the same push, no body
     assert sync_state.restore(state, arrays, other, versions, keep={1}, rank=1, error_feedback=True) == []
     assert other[1].push == fs[1].push and other[1].rank0 is None
+
+
+def test_elastic_rounds_merged_without_the_island_are_not_skipped(tmp_path):
+    """Without a fixed roster the rounds merged while the island was down did not hold its pushes: it skips none."""
+    old = island()
+    sync_state.save(str(tmp_path), 40, settings(), 40, "d1", old)
+    arrays = {}
+    state = sync_state.load(sync_state.state_path(str(tmp_path), 40), 40, arrays, settings(), manifest_digest="d1",
+                            layout=old.layout)
+    fs = Fragments(old.layout, old.numels, [4, 3, 3])
+    sync_state.restore(state, arrays, fs, {0: 5, 1: 5}, keep={1}, rank=0, error_feedback=True, fixed_roster=False)
+    assert fs[0].skip == 0 and fs[1].push.base_version == 5
 
 
 def test_a_state_saved_by_the_previous_version_loads(tmp_path):

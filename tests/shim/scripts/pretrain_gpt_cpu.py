@@ -2,6 +2,11 @@
 the local (non-Transformer-Engine) layer spec, mock data or indexed text files, megatron.training.pretrain. Knows
 nothing about DiLoCo. Usage: torchrun --nproc-per-node 2 pretrain_gpt_cpu.py <Megatron-LM arguments> [--export-npz PATH]
 [--crash-at-iteration N] [--export-npz-at-start PATH] [--wait-for-file PATH] [--valid-seed N]
+[--sleep-per-iteration S]
+[--hold-at-iteration N PATH]
+
+--sleep-per-iteration S: each iteration takes S seconds longer (a slower island). --hold-at-iteration N PATH
+(repeatable): iteration N waits (up to 30 min) until PATH exists (a test decides when an island may go on).
 
 --export-npz PATH: after pretrain() returns (also when --load reached --train-iters and nothing trained), each
 rank writes PATH.rank<r>.npz with its part of the full model (full_model.py: FP32 masters and weights).
@@ -128,9 +133,33 @@ if __name__ == "__main__":
         i = sys.argv.index("--wait-for-file")
         wait_for = sys.argv[i + 1]
         del sys.argv[i:i + 2]
+    sleep_s = 0.0
+    if "--sleep-per-iteration" in sys.argv:
+        i = sys.argv.index("--sleep-per-iteration")
+        sleep_s = float(sys.argv[i + 1])
+        del sys.argv[i:i + 2]
+    holds = {}   # iteration -> file (repeatable)
+    while "--hold-at-iteration" in sys.argv:
+        i = sys.argv.index("--hold-at-iteration")
+        holds[int(sys.argv[i + 1])] = sys.argv[i + 2]
+        del sys.argv[i:i + 3]
+    import time
+
     import megatron.training.training as T
+    if sleep_s or holds:
+        _slow_step = T.train_step
+
+        def train_step(*a, **k):   # (outside yeto-patch's hooks: the island's own pace)
+            gate = holds.get(get_args().curr_iteration + 1)
+            if gate is not None:
+                t_end = time.time() + 1800
+                while not os.path.exists(gate) and time.time() < t_end:
+                    time.sleep(0.2)
+            out = _slow_step(*a, **k)
+            time.sleep(sleep_s)
+            return out
+        T.train_step = train_step
     if wait_for is not None:
-        import time
         _first_step = T.train_step
 
         def train_step(*a, **k):   # outside any hook on train_step: it runs before them

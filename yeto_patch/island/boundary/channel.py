@@ -75,15 +75,18 @@ class IslandChannel:
 
     def await_ready(self, ready: Callable[[], bool], what: str, *, timeout: float, slice_s: float,
                     wait: Callable[[float], None], source: str, step: Callable[[], int],
-                    requests: Optional[Callable[[], list]] = None, serve: Optional[Callable[[int], None]] = None):
+                    requests: Optional[Callable[[], list]] = None, serve: Optional[Callable[[int], None]] = None,
+                    patience=None):
         """Every rank: loop until rank 0's `ready()` is True, within `timeout` seconds (then an EngineError naming
         `what` and `source`). Rank 0 sleeps in `wait(seconds)` between checks and logs once what it waits for;
-        `requests()` (rank 0) returns items that every rank then passes to `serve(item)`."""
+        `requests()` (rank 0) returns items that every rank then passes to `serve(item)`. `patience` (rank 0, an
+        island/link/patience.Patience): the timeout counts only while the syncer is unreachable instead, and
+        a long wait is logged every minute with what the syncer says it waits for."""
         t_end = time.monotonic() + timeout
         logged = False
 
         def probe():
-            nonlocal logged
+            nonlocal logged, t_end
             t_slice = time.monotonic() + slice_s
             while True:
                 if ready():
@@ -93,13 +96,18 @@ class IslandChannel:
                     if req:
                         return {"init": req}
                 now = time.monotonic()
-                if now >= t_end:
+                if patience is not None:
+                    patience.check()
+                    t_end = max(t_end, now + slice_s)
+                elif now >= t_end:
                     raise EngineError(f"yeto-patch: timed out after {timeout:.0f}s (YETO_DILOCO_TIMEOUT) "
                                       f"waiting for {what} from {source}")
                 if now >= t_slice:
                     return {"wait": True}
                 if not logged:
-                    log.info("yeto-patch: step %d: waiting for %s (up to %.0fs)", step(), what, t_end - now)
+                    log.info("yeto-patch: step %d: waiting for %s (%s)", step(), what,
+                             "giving up after YETO_DILOCO_TIMEOUT=%.0fs without the syncer" % timeout
+                             if patience is not None else "up to %.0fs" % (t_end - now))
                     logged = True
                 wait(min(t_end, t_slice) - now)
         while True:

@@ -28,7 +28,7 @@ from yeto_patch.island.boundary.fragment import PushPhase, PushWire
 from yeto_patch.island.boundary.installs import Installer
 from yeto_patch.island.boundary.parts import IslandParts
 from yeto_patch.island.boundary.plan import BaseSpec, Plan, base_spec, needs_plan, overdue, plan, stageable
-from yeto_patch.island.boundary.schedule import due_fragments
+from yeto_patch.island.boundary.schedule import Cadence, suggest
 from yeto_patch.island.errors import EngineError
 
 log = logging.getLogger("yeto_patch")
@@ -62,12 +62,16 @@ class Answer:
 
 class Boundaries:
     """The fragments' boundaries on one rank (see the module docstring)."""
-    __slots__ = ("parts", "installer", "planned")
+    __slots__ = ("parts", "installer", "planned", "cadence", "syncer_ended")
 
-    def __init__(self, parts: IslandParts, installer: Installer):
+    def __init__(self, parts: IslandParts, installer: Installer, syncer_ended: bool = False):
         self.parts = parts
         self.installer = installer
         self.planned: Optional[PlannedStep] = None
+        # the syncer's welcome said its final cut is done (every rank knows it): the first step plans, and takes it
+        self.syncer_ended = bool(syncer_ended)
+        # when each fragment is due (every rank; H may follow the fleet's pace: YETO_DILOCO_SYNC_EVERY=auto)
+        self.cadence = Cadence(parts.settings.sync_every, len(parts.frags), parts.step())
 
     # ------------------------------------------------------------------------------------- pushes
     def push(self, f: int, final: bool = False) -> None:
@@ -113,8 +117,8 @@ class Boundaries:
         """Every rank: rank 0's plan of `step` (with the seconds it took), or None on a step where nothing can
         happen (no collective)."""
         p = self.parts
-        due = due_fragments(step, p.settings.sync_every, len(p.frags))
-        if not needs_plan(step, p.total, due, bool(p.frags.pushing())):
+        due = self.cadence.due(step)
+        if not needs_plan(step, p.total, due, bool(p.frags.pushing())) and not self.syncer_ended:
             return None
         t0 = time.perf_counter()
 
@@ -124,14 +128,27 @@ class Boundaries:
             p.link.poll()
             ready = {frag.index for frag in p.frags if p.bases.finished(frag.index)}
             out = plan(step, p.total, due, p.frags, p.link.final_cut, p.rule, ready)
+            if p.settings.sync_auto:
+                self._pace(out)
             return {"plan": out.as_json(), "handed": handed}
         decided = p.channel.rank0(decide, f"plan step {step}")
         self.mark_handed(decided["handed"])
         return PlannedStep(step, Plan.from_json(decided["plan"]), time.perf_counter() - t0)
 
+    def _pace(self, plan_: Plan) -> None:
+        """Rank 0 (YETO_DILOCO_SYNC_EVERY=auto): the plan's H at the fleet's pace, and how much earlier the next
+        boundary of each fragment pushing now comes when its round merged without it (schedule.py)."""
+        p, h = self.parts, self.cadence.h
+        plan_.sync_every = suggest(p.settings.sync_every, p.rule.tau, p.link.rate(), p.link.pace(), h)
+        plan_.shift = {f: k for f in plan_.push if (k := p.link.catch_up(p.frags[f], h))}
+
     def begin(self, plan_: Plan) -> None:
-        """Every rank: the plan's staged bases are armed for this step's install points, and its arrived bases
-        handed to the background lane."""
+        """Every rank: the plan's new H and boundary shifts go to the cadence (from the next boundaries on), its
+        staged bases are armed for this step's install points, and its arrived bases handed to the background
+        lane."""
+        self.cadence.retune(plan_.sync_every)
+        for f, k in plan_.shift.items():
+            self.cadence.shift(f, k)
         for f in plan_.arm:
             self.installer.arm(f, "arrived")
         for spec in plan_.stage:

@@ -56,7 +56,8 @@ class FragmentShape:
 @dataclass
 class Push:
     """A push awaiting its answer, the same on every rank: the boundary's step, the anchor version its delta is
-    relative to, the steps and tokens since that anchor, and where it is."""
+    relative to, the steps and tokens since the fragment's previous push (what the syncer's merge weights see),
+    and where it is."""
     step: int
     base_version: int
     steps: int
@@ -116,7 +117,7 @@ class Fragment:
     def __init__(self, shape: FragmentShape, rank0: bool):
         self.shape = shape
         self.anchor_version = -1          # the base version the anchor is (-1 before the first install)
-        self.steps_since = 0              # optimizer steps and tokens since that anchor
+        self.steps_since = 0              # optimizer steps and tokens since the previous push (``take_counts``)
         self.tokens_since = 0
         self.push: Optional[Push] = None
         self.staging: Optional[Staging] = None
@@ -171,13 +172,20 @@ class Fragment:
         self.steps_since += 1
         self.tokens_since += tokens
 
+    def take_counts(self) -> Tuple[int, int]:
+        """(steps, tokens) since the previous push, for the push made now; counting starts again."""
+        out = (self.steps_since, self.tokens_since)
+        self.steps_since = self.tokens_since = 0
+        return out
+
     def begin_push(self, step: int, final: bool = False) -> Push:
-        """The boundary's push: its delta against the current anchor goes into the background push lane."""
+        """The boundary's push: its delta against the current anchor goes into the background push lane; it
+        reports the steps and tokens since the previous push (``take_counts``)."""
         if self.push is not None:
             raise EngineError(f"internal: {self.describe()} pushes again before its previous push was answered")
         if self.staging is not None and self.staging.phase is BasePhase.ARMED:
             raise EngineError(f"internal: {self.describe()} pushes while a base is armed")
-        self.push = Push(step, self.anchor_version, self.steps_since, self.tokens_since, final)
+        self.push = Push(step, self.anchor_version, *self.take_counts(), final)
         return self.push
 
     def push_handed(self, wire: Optional[PushWire]) -> None:
@@ -214,14 +222,17 @@ class Fragment:
         st.phase, st.job, st.why, st.wait_s = BasePhase.ARMED, job, why, wait_s
         return st
 
-    def installed(self, version: int) -> Optional[Push]:
-        """The base of `version` is the anchor now: counting starts again, the push it answers (returned) and the
-        staged base are done."""
+    def installed(self, version: int, keep_counts: bool = False) -> Optional[Push]:
+        """The base of `version` is the anchor now: the push it answers (returned) and the staged base are done.
+        `keep_counts`: the base was blended in (or the local masters kept), so the local progress since the
+        previous push stays and the next push reports it; otherwise (the masters replaced) counting starts
+        again."""
         answered, self.push = self.push, None
         self.staging = None
         self.anchor_version = int(version)
-        self.steps_since = 0
-        self.tokens_since = 0
+        if not keep_counts:
+            self.steps_since = 0
+            self.tokens_since = 0
         if self.rank0 is not None:
             self.rank0.adopt = False
         return answered

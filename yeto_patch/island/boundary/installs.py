@@ -59,8 +59,10 @@ class Installer:
 
     def _installed(self, frag: Fragment, version: int, mode: str, why: str, ms: float, updates: int,
                    extra: dict) -> None:
-        """Every rank: fragment `frag`'s anchor is base `version` now; rank 0 logs the push it answers."""
-        push = frag.installed(version)
+        """Every rank: fragment `frag`'s anchor is base `version` now; rank 0 logs the push it answers. A base
+        blended in (or kept) leaves the local progress since the previous push in place: its steps and tokens are
+        still counted for the next push; one that replaces the masters starts counting again."""
+        push = frag.installed(version, keep_counts=mode in ("blend", "keep"))
         if self.parts.rank == 0:
             side = frag.side
             wire, side.wire = side.wire, None

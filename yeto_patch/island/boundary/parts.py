@@ -46,11 +46,17 @@ class IslandParts:
         return max(1.0, min(30.0, self.settings.timeout / 4))
 
     def await_ready(self, ready: Callable[[], bool], what: str, serve_init: Optional[Callable[[int], None]] = None):
-        """Every rank: loop until rank 0's `ready()` is True, bounded by YETO_DILOCO_TIMEOUT; with `serve_init`
-        the whole island answers the syncer's INIT requests meanwhile (rank 0 logs once what it waits for)."""
+        """Every rank: loop until rank 0's `ready()` is True; the wait fails once the syncer has been unreachable
+        for YETO_DILOCO_TIMEOUT (island/link/patience.py) and goes on while the syncer is alive, saying every
+        minute what its rounds wait for. With `serve_init` the whole island answers the syncer's INIT requests
+        meanwhile (rank 0 logs once what it waits for)."""
         s = self.settings
+        source = f"the syncer at {s.syncer}"
+        patience = None
+        if self.link is not None:   # (rank 0, no collective) the timeout counts only while the syncer is unreachable
+            from yeto_patch.island.link.patience import Patience
+            patience = Patience(s.timeout, self.link, what, source, step=self.step)
         self.channel.await_ready(ready, what, timeout=s.timeout, slice_s=self.slice_s(),
-                                 wait=lambda t: self.link.wait(t), source=f"the syncer at {s.syncer}",
-                                 step=self.step,
+                                 wait=lambda t: self.link.wait(t), source=source, step=self.step,
                                  requests=(lambda: self.link.init_requested()) if serve_init else None,
-                                 serve=serve_init)
+                                 serve=serve_init, patience=patience)

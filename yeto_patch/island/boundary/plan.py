@@ -20,7 +20,7 @@ Rank 0 computes the plan and broadcasts it (as JSON) so that every rank runs the
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import AbstractSet, List, Optional, Sequence
+from typing import AbstractSet, Dict, List, Optional, Sequence
 
 from yeto_patch.island.boundary.fragment import PushPhase
 from yeto_patch.island.errors import EngineError
@@ -86,17 +86,22 @@ class Plan:
     install: List[BaseSpec] = field(default_factory=list)   # installed synchronously (adoption, own weights)
     stage: List[BaseSpec] = field(default_factory=list)     # handed to the background base lane
     arm: List[int] = field(default_factory=list)            # staged bases installed in this step
+    sync_every: Optional[int] = None                        # YETO_DILOCO_SYNC_EVERY=auto: H from the next boundaries
+    shift: Dict[int, int] = field(default_factory=dict)     # auto: fragment -> steps its next boundary comes earlier
 
     def as_json(self) -> dict:
         return {"push": self.push, "skip": self.skip, "final": self.final, "by_syncer": self.by_syncer,
                 "install": [asdict(b) for b in self.install], "stage": [asdict(b) for b in self.stage],
-                "arm": self.arm}
+                "arm": self.arm, "sync_every": self.sync_every,
+                "shift": {str(f): int(k) for f, k in self.shift.items()}}
 
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
+        h = d["sync_every"]
         return cls([int(f) for f in d["push"]], [int(f) for f in d["skip"]], bool(d["final"]),
                    bool(d["by_syncer"]), [BaseSpec.from_json(b) for b in d["install"]],
-                   [BaseSpec.from_json(b) for b in d["stage"]], [int(f) for f in d["arm"]])
+                   [BaseSpec.from_json(b) for b in d["stage"]], [int(f) for f in d["arm"]],
+                   None if h is None else int(h), {int(f): int(k) for f, k in d["shift"].items()})
 
 
 def needs_plan(step: int, total: int, due: Sequence[int], any_push: bool) -> bool:

@@ -4,8 +4,26 @@ Fragment f is due at the steps s (count of optimizer steps done, 1-based) with
 ``s % H == ((f + 1) * H // P) % H``: with H=100 and P=4 the fragments are due at steps 25, 50, 75, 100 (+ k*H),
 so the island's traffic is spread out and each fragment still syncs once every H steps. With P > H several
 fragments share a step.
+
+``Cadence`` holds the same schedule with an H that may change during the run (``YETO_DILOCO_SYNC_EVERY=auto``):
+each fragment is due H steps after its previous boundary, and a new H applies from each fragment's next boundary
+on. ``suggest`` is the rule of ``auto``: an island pushes every ``H_nominal x its rate / the fleet's pace`` steps
+(the syncer's pace: the fastest compute rate among the islands that are up), so islands of different speeds push
+at the fleet's wall-clock rhythm, the fastest every ``H_nominal`` steps, a half-speed one every ``H_nominal / 2``;
+never fewer than tau + 1 steps, never more than ``H_nominal``; it changes only by at least ``RETUNE_SHARE`` of H.
+
+With ``auto`` an island also keeps its phase with the fleet: a fragment whose round merged before the island
+pushed (a restart, a pause or a slow step put it behind the others) has its next boundary brought forward by the
+steps it was late plus tau (``catch_up``, at most H / 2 at a time), so its next push lands inside the round rather
+than being carried into the one after.
 """
 from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["offset", "due_fragments", "Cadence", "suggest", "catch_up", "RETUNE_SHARE"]
+
+RETUNE_SHARE = 0.1
 
 
 def offset(fragment: int, sync_every: int, fragments: int) -> int:
@@ -18,3 +36,68 @@ def due_fragments(step: int, sync_every: int, fragments: int) -> list:
         return []
     r = step % sync_every
     return [f for f in range(fragments) if offset(f, sync_every, fragments) == r]
+
+
+def _first_after(step: int, off: int, h: int) -> int:
+    """The smallest s > step with s % h == off (s >= 1)."""
+    s = step + 1
+    return s + (off - s) % h
+
+
+class Cadence:
+    """The fragments' next boundaries with an H that may change. ``due(step)`` is pure; ``passed(step)`` after the
+    step's boundaries moves the fragments due at it on by H (and applies an H set by ``retune``). With a fixed H it
+    gives exactly ``due_fragments``."""
+
+    def __init__(self, sync_every: int, fragments: int, step: int = 0):
+        self.h = int(sync_every)
+        self.fragments = int(fragments)
+        self.next = [_first_after(int(step), offset(f, self.h, self.fragments), self.h) for f in range(fragments)]
+        self._pending: Optional[int] = None
+        self._shifts: dict = {}
+
+    def due(self, step: int) -> list:
+        return [f for f, s in enumerate(self.next) if s == step] if step > 0 else []
+
+    def retune(self, sync_every: Optional[int]) -> None:
+        """Use `sync_every` from the next boundaries on (applied by ``passed``)."""
+        if sync_every is not None and int(sync_every) >= 1 and int(sync_every) != self.h:
+            self._pending = int(sync_every)
+
+    def shift(self, fragment: int, steps: int) -> None:
+        """Bring `fragment`'s next boundary `steps` earlier (applied by ``passed``, at least one step on)."""
+        if steps > 0:
+            self._shifts[int(fragment)] = int(steps)
+
+    def passed(self, step: int) -> None:
+        """Step `step` is done: fragments due at it (or before: a step that was never shown) move on by H; a new
+        H moves every other fragment's next boundary too (H_new after its previous one, at least one step on)."""
+        for f, s in enumerate(self.next):
+            while self.next[f] <= step:
+                self.next[f] += self.h
+        if self._pending is not None:
+            old, self.h, self._pending = self.h, self._pending, None
+            self.next = [max(step + 1, s - old + self.h) for s in self.next]
+        for f, k in self._shifts.items():
+            if 0 <= f < len(self.next):
+                self.next[f] = max(step + 1, self.next[f] - k)
+        self._shifts = {}
+
+
+def suggest(nominal: int, tau: int, rate: float, pace: float, current: int) -> int:
+    """The H of ``YETO_DILOCO_SYNC_EVERY=auto`` (see the module docstring); `current` when nothing is known or
+    the change would be below RETUNE_SHARE of it."""
+    if rate <= 0 or pace <= 0:
+        return current
+    h = max(int(tau) + 1, 1, min(int(nominal), int(round(nominal * min(1.0, rate / pace)))))
+    return h if abs(h - current) >= max(1, RETUNE_SHARE * current) else current
+
+
+def catch_up(late_s: float, step_s: Optional[float], h: int, tau: int = 0) -> int:
+    """Steps to bring a fragment's next boundary forward by when its push came `late_s` seconds after its round
+    merged: those seconds, plus tau steps (a round waits at most the patience of the islands that opened it, tau
+    steps of theirs: landing that much earlier puts the push near the round's first one rather than at its
+    close); at most H / 2 at a time; 0 when nothing is known."""
+    if late_s <= 0 or not step_s:
+        return 0
+    return min(max(1, h // 2), int(late_s / step_s) + max(1, int(tau)))

@@ -178,17 +178,19 @@ def mismatch(meta: dict, *, manifest_digest: str, layout, iteration: int, island
 
 
 def restore(state: dict, arrays: Dict[str, np.ndarray], fragments, versions: Dict[int, int], keep, rank: int,
-            error_feedback: bool) -> List:
+            error_feedback: bool, fixed_roster: bool = True) -> List:
     """Every rank, after the start's installs: counters and unanswered pushes of the fragments in `keep` (their
-    anchor is still the syncer's base), the error-feedback residuals (rank 0). A fragment the syncer merged past
-    the saved anchor (with this island's pushes made before it died, whose steps it now trains again) skips that
-    many of its next boundaries, so the island's rounds line up with the other islands' again. The saved pushes
-    are every rank's (the meta is broadcast); only rank 0 holds their bodies. Returns (rank 0) the fragments
-    whose saved push must be sent again."""
+    anchor is still the syncer's base), the error-feedback residuals (rank 0). With a fixed roster (every round
+    holds one push of every island) a fragment the syncer merged past the saved anchor (with this island's pushes
+    made before it died, whose steps it now trains again) skips that many of its next boundaries, so the island's
+    rounds line up with the other islands' again. Elastic rounds merged without it while it was down: it skips
+    none (it trains again on the steps since its checkpoint from the current base; their tokens are used twice).
+    The saved pushes are every rank's (the meta is broadcast); only rank 0 holds their bodies. Returns (rank 0)
+    the fragments whose saved push must be sent again."""
     from yeto_patch.island.boundary.fragment import Push, PushWire
     for frag in fragments:
         ahead = int(versions[frag.index]) - int(state["anchor_version"][frag.index])
-        if frag.index not in keep and ahead > 0:
+        if frag.index not in keep and ahead > 0 and fixed_roster:
             frag.skip = ahead
     resend = []
     for f in sorted(keep):

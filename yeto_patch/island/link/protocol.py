@@ -38,6 +38,25 @@ class SyncerLinkLike(Protocol):
     def final_model(self, last_step: int, deadline: float, slice_s: float, drain: bool) -> Optional[dict]:
         """One bounded try at the final model: {fragment: Base}, or None to try again."""
 
+    # liveness and pace (island/link/patience.py, YETO_DILOCO_SYNC_EVERY=auto)
+    def stepped(self, step: int) -> None:
+        """The island finished optimizer step `step` (heartbeats carry it, with the compute rate)."""
+
+    def reachable(self) -> bool:
+        """The syncer is connected and was heard from recently (every shard of a sharded syncer)."""
+
+    def waiting_on(self) -> str:
+        """What the syncer's last heartbeat says this island's rounds wait for."""
+
+    def pace(self) -> float:
+        """The fleet's pace (steps/s) as the syncer's last heartbeat said (0: unknown)."""
+
+    def rate(self) -> float:
+        """This island's compute rate (steps/s of training, without the waits; 0: unknown)."""
+
+    def catch_up(self, frag, h: int) -> int:
+        """Steps to bring fragment `frag`'s next boundary forward by (a round merged without its push)."""
+
     def close(self, graceful: bool = True) -> None:
         """BYE (after the queued pushes when `graceful`); idempotent."""
 

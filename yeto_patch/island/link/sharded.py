@@ -95,7 +95,8 @@ class ShardedLink:
                 f"{a} owns fragments {w.owned}" for a, w in zip(addresses, welcomes)))
         return types.SimpleNamespace(layout=first.layout, numels=first.numels, fragments=first.fragments, versions=versions,
                        needs_init=sorted(f for w in welcomes for f in w.needs_init),
-                       final=any(w.final for w in welcomes))
+                       final=any(w.final for w in welcomes),
+                       fixed_roster=all(int(w.quorum) >= int(w.islands) for w in welcomes))
 
     @property
     def run_ids(self) -> list:
@@ -114,6 +115,33 @@ class ShardedLink:
     def resilient(self, value: bool) -> None:
         for link in self.links:
             link.resilient = value
+
+    # ---------------------------------------------------------------------------------------------- liveness
+    def stepped(self, step: int) -> None:
+        for link in self.links:
+            link.stepped(step)
+
+    def reachable(self) -> bool:
+        """Every shard is connected and heard from."""
+        return all(link.reachable() for link in self.links)
+
+    def waiting_on(self) -> str:
+        if len(self.links) == 1:
+            return self.links[0].waiting_on()
+        return "; ".join(f"shard {i}: {link.waiting_on()}" for i, link in enumerate(self.links))
+
+    def pace(self) -> float:
+        return max((link.pace() for link in self.links), default=0.0)
+
+    def rate(self) -> float:
+        return self.links[0].rate()
+
+    def catch_up(self, frag, h: int) -> int:
+        return self.owner[frag.index].catch_up(frag, h)
+
+    @property
+    def clock(self):
+        return self.links[0].clock
 
     # ---------------------------------------------------------------------------------------------- data
     def send_push(self, frag) -> None:

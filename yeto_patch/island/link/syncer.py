@@ -9,21 +9,28 @@ the wait for the syncer's first message have their own short bound (``attempt_ti
 link fails an attempt quickly and the back-off applies even when YETO_DILOCO_TIMEOUT is short. Errors that a retry
 cannot help (a bad key, another run's manifest, a refusal) end the attempts at once.
 
-After a lost link (syncer restart, cut link, dead peer) ``reconnect`` keeps the incarnation and reconciles: a
-push whose base is still the syncer's current one is sent again (the syncer refuses it as a duplicate if it had
-it: counted once either way); a push the syncer merged meanwhile is answered by the current base, which the
-syncer sends on every welcome; a fragment where the syncer is behind this island (it resumed from an older
-checkpoint) adopts the syncer's base.
+After a lost link (syncer restart, cut link, dead peer) the link reconnects in the background (the island trains on
+until it needs an answer: its tau bound), keeps the incarnation and reconciles: every unanswered push is sent again
+(the syncer refuses it as a duplicate if it had it: counted once either way; one it merged past without it is
+carried into its next round, within its --max-base-lag); the current bases come with every welcome; a fragment
+where the syncer is behind this island (it resumed from an older checkpoint) adopts the syncer's base.
+
+The link also carries what waits need (``island/link/patience.py``): whether the syncer is reachable, what its
+heartbeats say this island's rounds wait for, the fleet's pace, and this island's step and compute rate (sent in
+heartbeats; ``stepped``), and each push says its patience: the seconds until the island would block for its
+answer (tau steps of its step time), which bounds how long the syncer's adaptive grace window holds a round.
 """
 from __future__ import annotations
 
 import collections
 import logging
 import random
+import threading
 import time
 from typing import Callable, Optional
 
 from yeto_patch.island.errors import EngineError, describe
+from yeto_patch.island.link.patience import Patience, StepClock
 from yeto_patch.island.masters.builds import explain_refusal
 from yeto_patch.wire.frames import PeerError
 
@@ -108,6 +115,11 @@ class SyncerLink:
         self.resilient = False       # after start: a lost link is replaced instead of failing the island
         self.outage: Optional[float] = None   # when the link was lost (None: it is up)
         self.refusals = collections.deque()   # refusals the sender thread met (raised by poll)
+        self.clock = StepClock()              # this island's step and compute rate
+        self._final_wait: Optional[Patience] = None
+        self._redial: Optional[tuple] = None  # (thread, result, cause, deadline) of a reconnect under way
+        self.arrived_at: dict = {}            # fragment -> (newest base version received, when: monotonic)
+        self._closed = False
 
     # ---------------------------------------------------------------------------------------------- connecting
     def _client(self, incarnation, timeout, start_digests, connect_timeout):
@@ -119,7 +131,7 @@ class SyncerLink:
                             initializer=bool(s.initializer))
 
     def _dial(self, incarnation, timeout, start_digests, deadline, what, on_retry=None):
-        from yeto_patch.wire.sender import BackgroundSender
+        """(client, welcome, attempts): a connected client (``_use`` makes it the link's)."""
         per_attempt = attempt_timeout(self.settings.timeout)
 
         def attempt():
@@ -139,9 +151,13 @@ class SyncerLink:
             if on_retry is not None:
                 on_retry(e, left)
         (c, w), n = dial(attempt, deadline, what, on_retry=retrying)
+        return c, w, n
+
+    def _use(self, c) -> None:
+        from yeto_patch.wire.sender import BackgroundSender
         self.client = c
+        c.local_step, c.rate = max(c.local_step, self.clock.step), self.clock.rate
         self.sender = BackgroundSender(self.settings.send_queue_bytes, name="yeto-push-sender")
-        return w, n
 
     def open(self):
         """Connect and say hello (start-up); returns the syncer's Welcome. Waits for a syncer that is not up yet
@@ -155,12 +171,13 @@ class SyncerLink:
                 log.info("yeto-patch: the syncer at %s does not answer yet (%s: %s); trying again for up to %.0fs "
                          "(YETO_DILOCO_TIMEOUT)", self.address, type(e).__name__, e, left)
         try:
-            w, n = self._dial(None, s.timeout, self.start_digests, time.monotonic() + s.timeout,
-                              f"connect to the syncer at {self.address}", on_retry=waiting)
+            c, w, n = self._dial(None, s.timeout, self.start_digests, time.monotonic() + s.timeout,
+                                 f"connect to the syncer at {self.address}", on_retry=waiting)
         except PeerError as e:   # another build or configuration: say which option aligns the islands
             if e.code != "manifest" or not explain_refusal(e.message):
                 raise
             raise PeerError(e.code, e.message + explain_refusal(e.message)) from e
+        self._use(c)
         if n > 1:
             log.info("yeto-patch: connected to the syncer at %s (attempt %d)", self.address, n)
         self.owned = list(w.owned)
@@ -170,31 +187,111 @@ class SyncerLink:
     def attach(self, fragments) -> None:
         self.fragments = fragments
 
+    # ---------------------------------------------------------------------------------------------- liveness
+    def stepped(self, step: int) -> None:
+        """The island finished optimizer step `step` (its heartbeats carry it, with the compute rate)."""
+        self.clock.stepped(step)
+        c = self.client
+        if c is not None:
+            c.local_step = max(c.local_step, int(step))
+            c.rate = self.clock.rate
+
+    def reachable(self) -> bool:
+        """The syncer is connected and was heard from within its silence bound (the client fails a link silent for
+        a lease, after which a reconnect is due)."""
+        c = self.client
+        if c is None or self.outage is not None or c.conn_lost():
+            return False
+        return c.status()[1] <= max(3 * c.welcome.heartbeat_s, c.welcome.lease_s)
+
+    def waiting_on(self) -> str:
+        c = self.client
+        return c.status()[0].describe() if c is not None else "not connected"
+
+    def pace(self) -> float:
+        """The fleet's pace (steps/s) as the syncer's last heartbeat said (0: unknown)."""
+        c = self.client
+        return c.status()[0].pace if c is not None else 0.0
+
+    def rate(self) -> float:
+        """This island's compute rate (steps/s, from the median step time; 0: unknown)."""
+        return self.clock.rate
+
+    def patience(self, push_step: int) -> float:
+        """Seconds from now until this island blocks for the answer of a push made at `push_step` (tau rule);
+        0 with tau = 0 or before the step time is known."""
+        tau, step_s = self.settings.overlap_steps, self.clock.step_s
+        if tau <= 0 or not step_s:
+            return 0.0
+        return max(0.0, (int(push_step) + tau - self.clock.step) * step_s)
+
+    def catch_up(self, frag, h: int) -> int:
+        """Steps to bring fragment `frag`'s next boundary forward by, when it pushes now into a round that merged
+        without it (a base newer than its anchor arrived before the push; schedule.catch_up); 0 otherwise."""
+        from yeto_patch.island.boundary.schedule import catch_up
+        got = self.arrived_at.get(frag.index)
+        if got is None or got[0] <= frag.anchor_version or frag.side.adopt:
+            return 0
+        return catch_up(time.monotonic() - got[1], self.clock.step_s, h, self.settings.overlap_steps)
+
     def reconnect(self, cause) -> None:
-        """The link is gone: replace it (same incarnation) and reconcile; gives up YETO_DILOCO_TIMEOUT after the
-        link was lost."""
+        """The link is gone: replace it (same incarnation) and reconcile, waiting for it; gives up
+        YETO_DILOCO_TIMEOUT after the link was lost."""
+        self._lost(cause)
+        self._redialed(block=True)
+
+    def _lost(self, cause) -> None:
+        """The link is gone: redial in the background (same incarnation) while the island trains on; ``poll``
+        takes the new link when it is up (pushes made meanwhile are sent then)."""
+        if self._redial is not None:
+            return
         s = self.settings
         now = time.monotonic()
         if self.outage is None:
             self.outage = now
         deadline = self.outage + s.timeout
-        log.warning("yeto-patch: step %d: lost the syncer at %s (%s: %s); reconnecting for up to %.0fs",
-                    self.step(), self.address, type(cause).__name__, cause, deadline - now)
+        log.warning("yeto-patch: step %d: lost the syncer at %s (%s: %s); reconnecting for up to %.0fs while "
+                    "training on", self.step(), self.address, type(cause).__name__, cause, deadline - now)
         old_client, old_sender = self.client, self.sender
         if old_sender is not None:
             old_sender.abort(timeout=2.0)
         if old_client is not None:
             old_client.abort()
-        try:
-            w, attempts = self._dial(old_client.incarnation, min(s.timeout, 60.0), None, deadline, "reconnect")
-        except Exception as e:  # noqa: BLE001
+        box: dict = {}
+
+        def redial():
+            try:
+                box["ok"] = self._dial(old_client.incarnation, min(s.timeout, 60.0), None, deadline, "reconnect")
+            except Exception as e:  # noqa: BLE001 - raised by _redialed on the training thread
+                box["err"] = e
+            if self._closed and "ok" in box:
+                box["ok"][0].abort()
+        th = threading.Thread(target=redial, name="yeto-redial", daemon=True)
+        self._redial = (th, box, cause, deadline)
+        th.start()
+
+    def _redialed(self, block: bool) -> bool:
+        """Take a background reconnect that ended (or wait for it when `block`): True when the link is up; an
+        EngineError when it failed for good (YETO_DILOCO_TIMEOUT, or a refusal a retry cannot help)."""
+        if self._redial is None:
+            return True
+        th, box, cause, deadline = self._redial
+        th.join(None if block else 0)
+        if th.is_alive():
+            return False
+        self._redial = None
+        if "err" in box:
+            e, s = box["err"], self.settings
             late = time.monotonic() >= deadline
             raise EngineError(f"yeto-patch: lost the syncer at {self.address} at step {self.step()} "
                               f"({type(cause).__name__}: {cause}) and could not reconnect"
                               f"{' within YETO_DILOCO_TIMEOUT=%.0fs' % s.timeout if late else ''}: "
                               f"{describe(e, 'reconnect')}") from e
+        c, w, attempts = box["ok"]
+        self._use(c)
         self._check_same_run(w)
         self._reconcile(w, cause, attempts)
+        return True
 
     def _check_same_run(self, w) -> None:
         frags = self.fragments
@@ -210,6 +307,9 @@ class SyncerLink:
                               f"--resume")
 
     def _reconcile(self, w, cause, attempts) -> None:
+        """Every unanswered push goes again: one the syncer merged meanwhile is refused as a duplicate (counted
+        once), one it merged past without it is carried into its next round (or refused as stale beyond its
+        --max-base-lag), as the syncer decides."""
         repush, adopt = [], []
         for frag in (self.fragments[i] for i in self.owned):
             v = int(w.versions[frag.index])
@@ -217,9 +317,9 @@ class SyncerLink:
             if v < frag.anchor_version:
                 adopt.append(frag.index)
                 side.adopt = True
-            elif frag.push is not None and frag.push.base_version == v and side.wire is not None:
+            elif frag.push is not None and frag.push.base_version <= v and side.wire is not None:
                 repush.append(frag.index)
-                side.repushed.add(v)
+                side.repushed.add(int(frag.push.base_version))
                 self.send_push(frag)
         if adopt:
             log.warning("yeto-patch: the syncer at %s is behind this island for fragments %s (it resumed from an "
@@ -238,6 +338,8 @@ class SyncerLink:
         link: reconnect, which sends it again)."""
         from yeto_patch.island.boundary.plan import InstallRule
         from yeto_patch.wire.client import SyncerRefusal, recoverable
+        if self._redial is not None:
+            return   # the link is being replaced: the reconnect sends every unanswered push
         s = self.settings
         client, push, wire, f = self.client, frag.push, frag.side.wire, frag.index
         body = wire.body
@@ -248,7 +350,7 @@ class SyncerLink:
                 try:
                     client.push(f, base_version=push.base_version, local_step=push.step, steps=push.steps,
                                 tokens=push.tokens, codec=wire.codec, block=s.block, body=body,
-                                final=push.final, blend=InstallRule.of(s).blend)
+                                final=push.final, blend=InstallRule.of(s).blend, patience=self.patience(push.step))
                     break
                 except SyncerRefusal as e:   # an earlier push's refusal, raised before this one went out:
                     self.refusals.append(e)   # the training thread handles it (poll); send this push still
@@ -258,7 +360,7 @@ class SyncerLink:
         except Exception as e:  # noqa: BLE001
             if not recoverable(e):
                 raise
-            self.reconnect(e)   # sends every unanswered push again, this one included
+            self._lost(e)   # the reconnect sends every unanswered push again, this one included
 
     def send_init(self, f: int, arrays) -> None:
         self.client.send_init(f, arrays)
@@ -279,6 +381,8 @@ class SyncerLink:
         """Move what the client received into the fragments' `arrived` (newest per fragment); surface failures.
         After start a lost link is replaced (``reconnect``) instead of failing the island."""
         from yeto_patch.wire.client import SyncerRefusal, recoverable
+        if not self._redialed(block=False):
+            return   # reconnecting in the background: nothing arrives meanwhile
         while True:
             try:
                 if self.refusals:
@@ -293,12 +397,16 @@ class SyncerLink:
             except Exception as e:  # noqa: BLE001 - classified below
                 if not self.resilient or not recoverable(e):
                     raise
-                self.reconnect(e)
+                self._lost(e)
+                return
         self.outage = None
+        now = time.monotonic()
         for b in bases:
             self.fragments[b.fragment].side.take_base(b)
             if b.merge and self.record is not None:   # the syncer's figures of the merge (the boundary log)
                 self.record("merge", step=self.step(), fragment=b.fragment, version=b.version, **b.merge)
+            if b.version > self.arrived_at.get(b.fragment, (-1, 0.0))[0]:
+                self.arrived_at[b.fragment] = (b.version, now)
 
     def _expected_refusal(self, e) -> bool:
         """A refusal that needs no action: a push the syncer already holds, or one it merged past."""
@@ -320,14 +428,15 @@ class SyncerLink:
         return False
 
     def final_model(self, last_step: int, deadline: float, slice_s: float, drain: bool):
-        """``finish`` for at most `slice_s`; an EngineError once the monotonic `deadline` (YETO_DILOCO_TIMEOUT
-        after the final cut began) has passed."""
+        """``finish`` for at most `slice_s`; an EngineError once the syncer has been unreachable for
+        YETO_DILOCO_TIMEOUT (`deadline`: YETO_DILOCO_TIMEOUT after the final cut began, the earliest it gives up).
+        While the syncer is alive the wait goes on (the others may train on for long), with a log line a minute."""
         s = self.settings
-        now = time.monotonic()
-        if now >= deadline:
-            raise EngineError(f"yeto-patch: timed out after {s.timeout:.0f}s (YETO_DILOCO_TIMEOUT) waiting "
-                              f"for the final model from the syncer at {self.address}")
-        return self.finish(last_step, min(slice_s, deadline - now), drain)
+        if self._final_wait is None:   # (the other islands may train on for long: only an unreachable syncer ends it)
+            self._final_wait = Patience(s.timeout, self, "the final model", f"the syncer at {self.address}",
+                                        self.step, since=deadline - s.timeout)
+        self._final_wait.check()
+        return self.finish(last_step, slice_s, drain)
 
     def finish(self, last_step: int, timeout: float, drain: bool):
         """One bounded try at the final model: {fragment: Base}, or None to try again (a reconnect happened, or
@@ -349,6 +458,7 @@ class SyncerLink:
     # ---------------------------------------------------------------------------------------------- closing
     def close(self, graceful: bool = True) -> None:
         """BYE (after the queued pushes when `graceful`); idempotent."""
+        self._closed = True
         sender, client, self.sender, self.client = self.sender, self.client, None, None
         if sender is not None and graceful:
             try:
@@ -362,6 +472,7 @@ class SyncerLink:
                 pass
 
     def shutdown_quietly(self) -> None:
+        self._closed = True
         try:
             if self.client is not None:
                 self.client.close()

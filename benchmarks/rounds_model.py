@@ -1,0 +1,259 @@
+#!/usr/bin/env python
+"""The syncer's round rules in virtual time: the real coordinator (yeto_patch.syncer.rounds.Coordinator, with its
+roster, adaptive grace window and weights) fed by simulated islands, to compare settings of the rules without the
+machine's load in the figures (benchmarks/chaos.py runs the real processes and link code).
+
+Islands at speeds 1.0, 1.0, 1.0, 0.7, 0.5, 0.35 (step 0.1 s at speed 1), 4 fragments, H=20 (with
+YETO_DILOCO_SYNC_EVERY=auto: H x speed / the fastest, and the phase catch-up of island/boundary/schedule.py),
+tau=5: an island pushes each fragment at its boundaries, trains on up to tau steps and then waits for a base
+newer than its push; a base merged without it is installed at its next step. Pushes and bases take 20 ms. The
+chaos schedule is chaos.py's (per 180 s: 8 kills, each island down 1-5 of its boundary intervals and restarted
+from its last checkpoint, every 20 steps; 16 link outages of 1-5 s, pushes made meanwhile sent at the reconnect;
+19 pauses of 0.5-4 s, heartbeats stopped too). Figures as chaos.py's: goodput (tokens merged per fragment / tokens
+computed; weighted: each push at its merge weight relative to an on-time push), utilisation (computing / up),
+merges per minute, the longest interval without a merge, the mean lag of merged pushes and the pushes per merge.
+
+    python benchmarks/rounds_model.py                        # the default rule against its neighbours
+    python benchmarks/rounds_model.py --seeds 5 --quorums 1,2,3 --fixed-h
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import os
+import random
+import statistics
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from yeto_patch.island.boundary.schedule import Cadence, catch_up, suggest  # noqa: E402
+from yeto_patch.syncer import settings as syncer_settings  # noqa: E402
+from yeto_patch.syncer.merge import ChunkRunner  # noqa: E402
+from yeto_patch.syncer.rounds import Coordinator  # noqa: E402
+from yeto_patch.syncer.settings import MergeSettings, Push, PushRefused, RoundSettings  # noqa: E402
+from yeto_patch.wire import codecs  # noqa: E402
+
+P, TOKENS, LATENCY, LEASE = 4, 4096, 0.02, 2.0
+BODY = codecs.encode("f32", np.zeros(8, np.float32))
+
+
+class Island:
+    def __init__(self, k: int, speed: float, a):
+        self.name, self.speed, self.dt, self.auto = f"i{k}", speed, a.step_s / speed, a.auto
+        self.h = max(a.tau + 1, round(a.h * speed / max(a.speeds))) if a.auto else a.h
+        self.step, self.inc, self.up, self.paused_until = 0, 0, True, 0.0
+        self.cadence = Cadence(self.h, P, 0)
+        self.anchor, self.pending, self.count = [0] * P, [None] * P, [0] * P
+        self.blocked, self.blocked_at, self.offline, self.queued = None, 0.0, False, []
+        self.compute = self.wait = self.up_s = 0.0
+        self.up_since = 0.0
+        self.seen = {}                       # fragment -> (newest merged version, when it arrived)
+        self.checkpoint = (0, [0] * P, [0] * P)
+
+
+class Model:
+    def __init__(self, a, seed):
+        self.a, self.rng, self.t = a, random.Random(seed), 0.0
+        rs = RoundSettings(islands=len(a.speeds), quorum=a.quorum, grace_s=a.grace, timeout_s=20.0, lease_s=LEASE,
+                           min_quorum=a.min_quorum)
+        self.c = Coordinator(MergeSettings(weights="tokens", outer="avg", max_base_lag=a.max_base_lag), rs,
+                             ChunkRunner(1), clock=lambda: self.t)
+        self.c.roster.heartbeat_s = LEASE / 4
+        self.c.set_manifest([(f"t{f}", (8,), "float32") for f in range(P)], P)
+        for f in range(P):
+            self.c.init_fragment(f, np.zeros(8, np.float32))
+        self.isl = [Island(k, s, a) for k, s in enumerate(a.speeds)]
+        for i in self.isl:
+            self.c.join(i.name, "0")
+        self.events, self.n, self.merges, self.computed, self.refused = [], 0, [], 0, 0
+        for k, i in enumerate(self.isl):
+            self.at(i.dt * self.rng.uniform(0.5, 1.5), k, "step")
+        if a.chaos:
+            self.chaos()
+
+    def at(self, t, k, what, d=0.0):
+        self.n += 1
+        heapq.heappush(self.events, (t, self.n, k, what, d))
+
+    def chaos(self):
+        a, rng, n = self.a, self.rng, len(self.isl)
+        scale = a.seconds / 180.0
+        for _ in range(round(8 * scale)):
+            k = rng.randrange(n)
+            self.at(rng.uniform(0.1, 0.75) * a.seconds, k, "kill", rng.uniform(1, 5) * self.isl[k].h * self.isl[k].dt)
+        for _ in range(round(16 * scale)):
+            self.at(rng.uniform(0.05, 0.85) * a.seconds, rng.randrange(n), "outage", rng.uniform(1, 5))
+        for _ in range(round(19 * scale)):
+            self.at(rng.uniform(0.05, 0.85) * a.seconds, rng.randrange(n), "pause", rng.uniform(0.5, 4))
+
+    # ------------------------------------------------------------------------------------------ the syncer
+    def merge_due(self):
+        while True:
+            due = self.c.due()
+            if not due:
+                return
+            for f in due:
+                rec = self.c.merge(f)
+                if rec is not None and rec.ok:
+                    self.merges.append((self.t, rec))
+                    for i in self.isl:
+                        i.seen[f] = (rec.version, self.t + LATENCY)
+            for k, i in enumerate(self.isl):
+                if i.blocked is not None and self.answered(i, i.blocked):
+                    i.wait += self.t - i.blocked_at
+                    i.blocked = None
+                    self.at(self.t + i.dt, k, "step")
+
+    def answered(self, i, f) -> bool:
+        p = i.pending[f]
+        return p is None or self.c.frags[f].version > p[0]
+
+    def send(self, i, f, base, steps):
+        p = Push(i.name, f, base, "f32", 256, BODY, local_step=i.step, steps=steps, tokens=steps * TOKENS,
+                 incarnation=str(i.inc), patience=self.a.tau * i.dt)
+        try:
+            self.c.accept(p)
+        except PushRefused:
+            self.refused += 1
+
+    # ------------------------------------------------------------------------------------------ an island
+    def island_step(self, k):
+        a, i, c = self.a, self.isl[k], self.c
+        i.step += 1
+        i.compute += i.dt
+        self.computed += TOKENS
+        i.count = [x + 1 for x in i.count]
+        c.touch(i.name, i.step, 1.0 / i.dt)
+        due = i.cadence.due(i.step)
+        for f in range(P):   # a base merged since: installed unless this fragment pushes now
+            if f not in due and self.answered(i, f):
+                i.anchor[f], i.pending[f] = max(i.anchor[f], c.frags[f].version), None
+        for f in due:
+            if i.pending[f] is not None and not self.answered(i, f):
+                i.blocked, i.blocked_at = f, self.t
+                return
+            got = i.seen.get(f)
+            if i.auto and got and got[0] > i.anchor[f]:
+                i.cadence.shift(f, catch_up(self.t - got[1], i.dt, i.cadence.h, a.tau))
+            i.anchor[f] = max(i.anchor[f], c.frags[f].version) if i.pending[f] is not None else i.anchor[f]
+            if i.offline:
+                i.queued.append((f, i.anchor[f], i.count[f]))
+            else:
+                self.send(i, f, i.anchor[f], i.count[f])
+            i.pending[f], i.count[f] = (i.anchor[f], i.step), 0
+        late = [f for f in range(P) if i.pending[f] is not None and i.step - i.pending[f][1] >= a.tau
+                and not self.answered(i, f)]
+        if i.auto:
+            i.cadence.retune(suggest(a.h, a.tau, 1.0 / i.dt, c.pace(), i.cadence.h))
+        i.cadence.passed(i.step)
+        if i.step % a.checkpoint_every == 0:
+            i.checkpoint = (i.step, list(i.anchor), list(i.count))
+        if late:
+            i.blocked, i.blocked_at = late[0], self.t
+        else:
+            self.at(self.t + i.dt, k, "step")
+
+    def handle(self, k, what, d):
+        i, c = self.isl[k], self.c
+        if what == "step":
+            if i.up and i.blocked is None:
+                if self.t < i.paused_until:
+                    self.at(i.paused_until, k, "step")
+                else:
+                    self.island_step(k)
+        elif what == "kill" and i.up and self.t + d < self.a.seconds:
+            i.up, i.blocked = False, None
+            i.up_s += self.t - i.up_since
+            c.disconnected(i.name, bye=False)
+            self.at(self.t + d, k, "restart")
+        elif what == "restart":
+            i.up, i.inc, i.up_since, i.offline, i.queued = True, i.inc + 1, self.t, False, []
+            c.join(i.name, str(i.inc))
+            step, anchors, counts = i.checkpoint
+            versions = [f.version for f in c.frags]
+            i.step = step
+            i.count = [counts[f] if anchors[f] == versions[f] else 0 for f in range(P)]
+            i.anchor, i.pending = versions, [None] * P
+            i.cadence = Cadence(i.cadence.h, P, step)
+            self.at(self.t + i.dt, k, "step")
+        elif what == "outage" and i.up and not i.offline:
+            i.offline = True
+            c.disconnected(i.name, bye=False)
+            self.at(self.t + d, k, "reconnect")
+        elif what == "reconnect" and i.up and i.offline:
+            i.offline = False
+            c.join(i.name, str(i.inc))
+            for f, base, steps in i.queued:
+                self.send(i, f, base, steps)
+            i.queued = []
+        elif what == "pause" and i.up:
+            i.paused_until = max(i.paused_until, self.t + d)
+
+    def run(self) -> dict:
+        a = self.a
+        while self.events and self.events[0][0] <= a.seconds:
+            t, _, k, what, d = heapq.heappop(self.events)
+            while True:   # rounds that become due by time before this event
+                dl = self.c.next_deadline()
+                if dl is None or dl > t:
+                    break
+                self.t = dl
+                self.merge_due()
+            self.t = t
+            self.handle(k, what, d)
+            self.merge_due()
+        return self.figures()
+
+    def figures(self) -> dict:
+        a = self.a
+        for i in self.isl:
+            if i.up:
+                i.up_s += a.seconds - i.up_since
+                if i.blocked is not None:
+                    i.wait += a.seconds - i.blocked_at
+        resp = [r for _, m in self.merges for r in m.responders]
+        merged = sum(r["tokens"] for r in resp)
+        weighted = sum(r["tokens"] * r["weight"] / r["on_time_weight"] for r in resp if r["on_time_weight"])
+        times = [0.0] + [t for t, _ in self.merges] + [a.seconds]
+        return dict(goodput=merged / (P * self.computed), weighted=weighted / (P * self.computed),
+                    utilisation=sum(i.compute for i in self.isl) / sum(i.up_s for i in self.isl),
+                    merges_per_min=len(self.merges) / (a.seconds / 60), downtime_s=max(np.diff(times)),
+                    lag=statistics.mean(r["lag"] for r in resp), per_merge=len(resp) / len(self.merges),
+                    refused=self.refused)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=180.0)
+    ap.add_argument("--quorums", default="1,2,3", help="minimum quorums of elastic rounds to compare")
+    ap.add_argument("--fixed-h", action="store_true", help="also every island at H=20 (no auto)")
+    a = ap.parse_args(argv)
+    base = dict(speeds=(1.0, 1.0, 1.0, 0.7, 0.5, 0.35), step_s=0.1, h=20, tau=5, checkpoint_every=20,
+                max_base_lag=4, seconds=a.seconds, quorum=None, grace=None, chaos=True, auto=True, min_quorum=None)
+    default = syncer_settings.default_min_quorum(len(base["speeds"]))
+    quorums = [int(x) for x in a.quorums.split(",")]
+    rows = [(f"elastic, minimum quorum {q}{' (default)' if q == default else ''}", dict(base, min_quorum=q))
+            for q in quorums]
+    if a.fixed_h:
+        rows += [(f"elastic, minimum quorum {q}, one H for all", dict(base, auto=False, min_quorum=q))
+                 for q in quorums]
+    rows += [("fixed roster", dict(base, quorum=len(base["speeds"]))), ("defaults, no chaos", dict(base, chaos=False))]
+    print(f"rounds_model: {len(base['speeds'])} islands at speeds {base['speeds']}, H={base['h']} "
+          f"(auto unless said), tau={base['tau']}, {a.seconds:.0f} virtual s, {a.seeds} seeds; means")
+    print("| rules | goodput | weighted | utilisation | merges/min | downtime (s) | lag | pushes/merge | refused |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, kw in rows:
+        figs = [Model(argparse.Namespace(**kw), s).run() for s in range(a.seeds)]
+        m = {k: statistics.mean(f[k] for f in figs) for k in figs[0]}
+        print(f"| {name} | {m['goodput']:.3f} | {m['weighted']:.3f} | {m['utilisation']:.3f} | "
+              f"{m['merges_per_min']:.0f} | {m['downtime_s']:.1f} | {m['lag']:.2f} | {m['per_merge']:.2f} | "
+              f"{m['refused']:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

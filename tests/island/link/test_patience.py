@@ -1,0 +1,47 @@
+"""How long an island waits for its syncer (island/link/patience.py), with a fake clock. Torch-free; runtime
+well under 1 s."""
+import logging
+
+import pytest
+
+from yeto_patch.island.errors import EngineError
+from yeto_patch.island.link.patience import Patience, StepClock
+
+
+class FakeLink:
+    def __init__(self):
+        self.up = True
+
+    def reachable(self):
+        return self.up
+
+    def waiting_on(self):
+        return "open rounds fragment 0 on v3 (1 answered, quorum 2); waiting for islands b (down 70s)"
+
+
+def test_patience_waits_while_the_syncer_is_alive_and_fails_once_it_is_unreachable(caplog):
+    t = [0.0]
+    link = FakeLink()
+    p = Patience(20.0, link, "the base of fragment 0 newer than v3", "the syncer at s:1", clock=lambda: t[0])
+    with caplog.at_level(logging.WARNING, logger="yeto_patch"):
+        for _ in range(30):          # 15 minutes of a syncer that is alive: no error, a line a minute
+            t[0] += 30.0
+            p.check()
+    lines = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    assert len(lines) == 15 and "the syncer is alive" in lines[0] and "b (down 70s)" in lines[0]
+    link.up = False
+    t[0] += 19.0
+    p.check()                        # unreachable for 19 s: still within YETO_DILOCO_TIMEOUT
+    t[0] += 2.0
+    with pytest.raises(EngineError, match=r"timed out after 20s \(YETO_DILOCO_TIMEOUT\) waiting for the base of "
+                                          r"fragment 0 newer than v3 .* unreachable for 21s"):
+        p.check()
+
+
+def test_the_step_clock_measures_the_compute_rate_without_the_waits():
+    t = [0.0]
+    c = StepClock(clock=lambda: t[0])
+    for step in range(1, 40):
+        t[0] += 30.0 if step % 10 == 0 else 0.5   # a long wait every 10 steps
+        c.stepped(step)
+    assert c.step == 39 and c.step_s == pytest.approx(0.5) and c.rate == pytest.approx(2.0)

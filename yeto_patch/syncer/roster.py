@@ -1,0 +1,138 @@
+"""Who a round of the syncer waits for: the islands of the run (joined, alive, up, finished) and the rules that
+turn them into the set a round expects and the fewest answers it may merge with.
+
+Three kinds of rounds (``RoundSettings``):
+
+* **fixed roster** (``--quorum`` = ``--islands``): every island that joined and has not finished counts, down or
+  not: the others wait for one that crashed until it is back (bit-reproducible runs);
+* **explicit quorum** K below ``--islands``: at least K answers, waiting for the members alive by lease;
+* **elastic** (no ``--quorum``, the default): a round waits only for islands that are **up** (connected, or
+  within one heartbeat period of losing their link, and alive by lease) and merges once the minimum quorum
+  (``default_min_quorum``, or all of them when fewer are up) answered; an island that is down (process dead,
+  link gone, lease expired) is never waited for.
+
+Thread-safety: the :class:`~.rounds.Coordinator` calls every method under its lock.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from .limits import stateless_members
+from .members import Member
+from .settings import PushRefused, RoundSettings
+
+__all__ = ["Roster"]
+
+
+class Roster:
+    def __init__(self, rs: RoundSettings, clock: Callable[[], float], heartbeat_s: Optional[float] = None):
+        self.rs = rs
+        self.clock = clock
+        self.heartbeat_s = heartbeat_s   # (None: lease / 4, as the server's default)
+        self.members: dict[str, Member] = {}
+
+    # ------------------------------------------------------------------------------------------ changes
+    def join(self, island: str, incarnation: str) -> Member:
+        now = self.clock()
+        m = self.members.get(island)
+        alive = [i for i, mm in self.members.items() if mm.alive(now, self.rs.lease_s) and i != island]
+        if m is None and len(alive) >= self.rs.islands:
+            raise PushRefused("too-many-islands", f"this run expects {self.rs.islands} island(s) and already has "
+                                                  f"{sorted(alive)}; refusing island {island!r}")
+        if m is None:
+            m = self.members[island] = Member(island, incarnation, now)
+        else:
+            if m.incarnation != incarnation:   # a restarted island: a new process takes part again
+                m.finished = False
+                m.final_fragments = set()
+            m.incarnation = incarnation
+            m.last_seen = now
+        m.connected += 1
+        m.link_lost = None
+        return m
+
+    def touch(self, island: str) -> None:
+        m = self.members.get(island)
+        if m is not None:
+            m.last_seen = self.clock()
+
+    def disconnected(self, island: str, bye: bool) -> None:
+        m = self.members.get(island)
+        if m is None:
+            return
+        m.connected = max(0, m.connected - 1)
+        if not m.connected:
+            m.link_lost = self.clock()
+            if bye:
+                m.last_seen = -float("inf")  # leaves the expected set now
+
+    def finish(self, island: str, last_step: int) -> None:
+        m = self.members.get(island)
+        if m is not None:
+            m.finished = True
+            m.last_step = max(m.last_step, int(last_step))
+
+    def prune(self, busy: set) -> None:
+        """Forget ledger entries that carry no state (see limits.stateless_members)."""
+        for i in stateless_members(self.members, busy, self.clock(), self.rs.lease_s):
+            del self.members[i]
+
+    # ------------------------------------------------------------------------------------------ views
+    def alive(self, now: Optional[float] = None) -> list[str]:
+        now = self.clock() if now is None else now
+        return sorted(i for i, m in self.members.items() if m.alive(now, self.rs.lease_s))
+
+    def is_up(self, m: Member, now: float) -> bool:
+        """Alive by lease and connected, or its link lost less than a heartbeat period ago (a reconnect after a
+        cut link takes a second); a member restored from a checkpoint counts as up for its first lease."""
+        if not m.alive(now, self.rs.lease_s):
+            return False
+        hb = self.heartbeat_s if self.heartbeat_s is not None else self.rs.lease_s / 4
+        return m.connected > 0 or m.link_lost is None or now - m.link_lost <= hb
+
+    def _active(self, m: Member, fragment: int) -> bool:
+        return not m.finished and fragment not in m.final_fragments
+
+    def expected(self, fragment: int, now: float) -> set:
+        """The islands a round of ``fragment`` waits for now (elastic: those up; else alive by lease)."""
+        if self.rs.elastic:
+            return {i for i, m in self.members.items() if self._active(m, fragment) and self.is_up(m, now)}
+        return {i for i, m in self.members.items()
+                if m.alive(now, self.rs.lease_s) and self._active(m, fragment)}
+
+    def counted(self, fragment: int) -> set:
+        """The islands that have joined and not finished ``fragment``, up or not (the fixed roster's)."""
+        return {i for i, m in self.members.items() if self._active(m, fragment)}
+
+    def floor(self, fragment: int, now: float) -> int:
+        """The fewest answers a round of ``fragment`` may merge with. Fixed roster and explicit quorum: the quorum,
+        or fewer once islands have finished (an island that crashed, lost its link or said BYE still counts, so a
+        fixed roster waits for it). Elastic: the minimum quorum, or fewer when fewer islands are up (a round never
+        waits for an island that is down)."""
+        pool = self.expected(fragment, now) if self.rs.elastic else self.counted(fragment)
+        return max(1, min(self.rs.k, len(pool)))
+
+    def joined_enough(self) -> bool:
+        """Whether at least the quorum of islands has joined this run so far. Until then "every member
+        answered" does not close a round, so islands launched a little later than the first are not left behind.
+        Islands that joined and then left still count."""
+        return len(self.members) >= min(self.rs.k, self.rs.islands)
+
+    def all_finished(self) -> bool:
+        now = self.clock()
+        alive = [m for m in self.members.values() if m.alive(now, self.rs.lease_s)]
+        # FINALs end the run only once the quorum of islands has joined (an island that finished before the
+        # others ever joined must not cut the run at v0 without them); an island that is down is not waited for
+        return bool(alive) and all(m.finished for m in alive) and self.joined_enough()
+
+    def describe(self, islands, now: float) -> list[str]:
+        """``islands`` for a log line: each id, with "(down Ns)" for one that is not up."""
+        out = []
+        for i in sorted(islands):
+            m = self.members.get(i)
+            if m is None or self.is_up(m, now):
+                out.append(i)
+            else:
+                since = m.link_lost if m.link_lost is not None else m.last_seen
+                out.append(f"{i} (down {max(0.0, now - since):.0f}s)" if since > -float("inf") else f"{i} (left)")
+        return out

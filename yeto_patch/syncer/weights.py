@@ -1,0 +1,128 @@
+"""Merge weights nobody can inflate (``--weights steps`` and ``tokens``, the default).
+
+A push's weight is computed from what the syncer can check, and bounded relative to the other islands':
+
+* **steps**: what the push reports, at most the growth of the island's ``local_step`` since its previous merged
+  push of that fragment by the same process (incarnation); islands count the steps since their previous push of
+  the fragment, so honest pushes meet this exactly;
+* **tokens per step**: fixed per island process by its first merged push that reports steps and tokens (tokens /
+  steps; until then the push's own ratio); an island that reports no tokens (a loop without Megatron's
+  train_step) takes the median of the islands that do, 1 when none does; a later push's own token count is not
+  read;
+* the weight (``steps`` x tokens per step, or ``steps``) is then capped at ``MAX_RATIO`` times the **reference**:
+  the median, over the other islands, of each one's median weight of its last ``KEPT`` merged pushes (any
+  fragment). Honest fleets stay below the cap: islands that push at the fleet's rhythm
+  (``YETO_DILOCO_SYNC_EVERY=auto``) weigh in proportion to their speed, and the fastest of the benchmark fleet
+  (speeds 1 to 0.35) weighs 1.4x the others' median; only a fleet of two islands more than 2x apart in speed has
+  its faster island capped. With no other island on record yet (a run's first rounds), the push is held in its
+  encoded form and weighed at merge time against the round's other pushes (``cap_in_round``).
+
+Only merged pushes go on record, so the book is part of the committed state: checkpoints hold it (``state`` /
+``load``) and a resumed syncer weighs the next pushes exactly as the uninterrupted run would.
+
+So an authenticated island that claims 10^12 tokens (or steps) weighs at most ``MAX_RATIO`` times the others' median
+in every round: with N islands its share of a round is at most MAX_RATIO / (MAX_RATIO + N - 1).
+"""
+from __future__ import annotations
+
+import collections
+import statistics
+from typing import Optional
+
+from .settings import Push
+
+__all__ = ["WeightBook", "MAX_RATIO", "KEPT"]
+
+MAX_RATIO = 2.0   # a push weighs at most this x the other islands' median weight
+KEPT = 8          # recent weights kept per island (the reference)
+
+
+class WeightBook:
+    """Per island: its tokens per step (per incarnation), its pushes' local steps, its recent raw weights. The
+    coordinator calls it under its lock."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.tps: dict[str, tuple[str, float]] = {}            # island -> (incarnation, tokens per step)
+        self.last_step: dict[tuple, tuple[str, int]] = {}      # (island, fragment) -> (incarnation, local_step)
+        self.recent: dict[str, collections.deque] = {}         # island -> its recent raw weights
+
+    # ------------------------------------------------------------------------------------------ checks
+    def steps(self, p: Push) -> int:
+        """The push's steps, at most its local step's growth since this process's previous push of the fragment."""
+        steps = int(p.steps)
+        if not p.local_step:   # (an island that does not count its steps: only the cap bounds it)
+            return steps
+        prev = self.last_step.get((p.island, p.fragment))
+        if prev is not None and prev[0] == p.incarnation:
+            steps = min(steps, max(0, int(p.local_step) - prev[1]))
+        return min(steps, int(p.local_step))
+
+    def tokens_per_step(self, p: Push) -> float:
+        have = self.tps.get(p.island)
+        if have is not None and have[0] == p.incarnation:
+            return have[1]
+        if p.steps > 0 and p.tokens > 0:
+            return float(p.tokens) / float(p.steps)
+        known = [v for i, (_, v) in self.tps.items() if i != p.island]
+        return statistics.median(known) if known else 1.0
+
+    def claimed(self, p: Push) -> float:
+        """The push's weight from its checked fields, before the cap."""
+        if self.mode == "equal":
+            return 1.0
+        steps = self.steps(p)
+        return float(steps) if self.mode == "steps" else float(steps) * self.tokens_per_step(p)
+
+    # ------------------------------------------------------------------------------------------ cap
+    def reference(self, island: str) -> Optional[float]:
+        """The median, over the other islands on record, of each one's median recent weight (None: nobody)."""
+        per = [statistics.median(ws) for i, ws in self.recent.items() if i != island and ws]
+        return statistics.median(per) if per else None
+
+    def weight(self, p: Push) -> tuple[float, float, bool]:
+        """(weight, claimed weight, held): ``held`` when nobody else is on record yet: weigh it at merge time."""
+        raw = self.claimed(p)
+        if self.mode == "equal":
+            return raw, raw, False
+        ref = self.reference(p.island)
+        if ref is None:
+            return raw, raw, True
+        return min(raw, MAX_RATIO * ref), raw, False
+
+    def merged(self, p: Push, raw: float) -> None:
+        """A push was merged: its local step, its tokens per step (the island process's first) and its claimed
+        weight go on record."""
+        self.last_step[(p.island, p.fragment)] = (p.incarnation, int(p.local_step))
+        have = self.tps.get(p.island)
+        if (have is None or have[0] != p.incarnation) and p.steps > 0 and p.tokens > 0:
+            self.tps[p.island] = (p.incarnation, float(p.tokens) / float(p.steps))
+        if self.mode != "equal":
+            self.recent.setdefault(p.island, collections.deque(maxlen=KEPT)).append(raw)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def state(self) -> dict:
+        return {"tps": {i: [inc, v] for i, (inc, v) in self.tps.items()},
+                "last_step": [[i, f, inc, s] for (i, f), (inc, s) in self.last_step.items()],
+                "recent": {i: list(ws) for i, ws in self.recent.items()}}
+
+    def load(self, st) -> None:
+        """The book of a checkpoint (entries that are not well-formed, bounded numbers are skipped)."""
+        if not isinstance(st, dict):
+            return
+        num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 2.0 ** 90  # noqa: E731
+        for i, e in (st.get("tps") or {}).items():
+            if isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and num(e[1]):
+                self.tps[str(i)] = (e[0], float(e[1]))
+        for e in st.get("last_step") or []:
+            if isinstance(e, list) and len(e) == 4 and isinstance(e[2], str) and isinstance(e[1], int) \
+                    and isinstance(e[3], int) and 0 <= e[3] < 2 ** 63:
+                self.last_step[(str(e[0]), e[1])] = (e[2], e[3])
+        for i, ws in (st.get("recent") or {}).items():
+            if isinstance(ws, list):
+                self.recent[str(i)] = collections.deque((float(w) for w in ws if num(w)), maxlen=KEPT)
+
+    @staticmethod
+    def cap_in_round(raw: float, others: list) -> float:
+        """A held push's weight at merge time: at most MAX_RATIO x the median of the round's other pushes."""
+        return min(raw, MAX_RATIO * statistics.median(others)) if others else raw
