@@ -23,7 +23,7 @@ import numpy as np
 import xxhash
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from yeto_patch.wire import codecs  # noqa: E402
+from yeto_patch.wire import codecs, pieces  # noqa: E402
 
 TARGETS = {"int8", "int4", "int4-log"}
 
@@ -116,7 +116,7 @@ def main(argv=None):
     dst = np.empty_like(x)
     np.copyto(dst, x)
     xx = gb / best(lambda: xxhash.xxh3_64_intdigest(x), repeat)
-    print(f"input: {mib:g} MiB float32 ({n} values), block {args.block}, codec threads {codecs._threads}, "
+    print(f"input: {mib:g} MiB float32 ({n} values), block {args.block}, codec threads {pieces.threads()}, "
           f"best of {repeat}; cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}")
     print("memcpy = np.copyto of the float32 input (single thread), measured in the same rounds as each row")
     print("cpu columns: the same ratios in GB per CPU-second (all threads), robust when other processes load "

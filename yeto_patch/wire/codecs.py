@@ -16,15 +16,17 @@ a small thread pool over disjoint pieces; results are bit-identical for any thre
 """
 from __future__ import annotations
 
-import os
 import sys
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
 from .frames import CodecError
+from .pieces import PIECE as _PIECE
+from .pieces import nblocks as _nblocks
+from .pieces import run as _run
+from .pieces import scratch as _scratch
+from .pieces import set_threads
 
 if sys.byteorder != "little":  # the bit manipulations below assume a little-endian host
     raise ImportError("yeto_patch.wire.codecs requires a little-endian host")
@@ -35,7 +37,6 @@ __all__ = ["CODECS", "DEFAULT_BLOCK", "encoded_nbytes", "encode", "decode", "dec
 CODECS = ("f32", "bf16", "int8", "int4", "int4-log")
 DEFAULT_BLOCK = 256
 MAX_BLOCK = 1 << 24
-_PIECE = 1 << 18  # elements per piece (1 MiB of float32): amortizes the per-call overhead, stays in L2/L3
 _F32 = np.dtype("<f4")
 #: Largest |x| the block codecs accept (so that q * scale can never round to inf on decode).
 LIMIT = float(np.float32(3e38))
@@ -61,10 +62,6 @@ def check_codec(codec: str, block: int = DEFAULT_BLOCK) -> None:
         raise CodecError(f"codec {codec} needs an even block size, got {block}")
 
 
-def _nblocks(numel: int, block: int) -> int:
-    return -(-numel // block)
-
-
 def encoded_nbytes(codec: str, numel: int, block: int = DEFAULT_BLOCK) -> int:
     """Exact size in bytes of ``encode(codec, x)`` for ``x`` of ``numel`` values."""
     check_codec(codec, block)
@@ -78,78 +75,6 @@ def encoded_nbytes(codec: str, numel: int, block: int = DEFAULT_BLOCK) -> int:
     if codec == "int8":
         return 4 * nb + numel
     return 4 * nb + (numel + 1) // 2
-
-
-_threads = max(1, min(4, os.cpu_count() or 1))
-_pool: Optional[ThreadPoolExecutor] = None
-_pool_lock = threading.Lock()
-_tls = threading.local()
-
-
-def set_threads(n: int) -> None:
-    """Number of threads the codecs use (default ``min(4, cpu_count)``); results do not depend on it."""
-    global _threads, _pool
-    if n < 1:
-        raise ValueError("threads must be >= 1")
-    with _pool_lock:
-        _threads = int(n)
-        if _pool is not None:
-            _pool.shutdown(wait=False)
-            _pool = None
-
-
-def _get_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(_threads, thread_name_prefix="yeto-codec")
-        return _pool
-
-
-def _scratch(name: str, n: int, dtype) -> np.ndarray:
-    """A per-thread reusable buffer of at least ``n`` items (avoids mmap/page faults per piece)."""
-    key = (name, np.dtype(dtype).str)
-    d = getattr(_tls, "bufs", None)
-    if d is None:
-        d = _tls.bufs = {}
-    a = d.get(key)
-    if a is None or a.size < n:
-        a = d[key] = np.empty(max(n, _PIECE), dtype)
-    return a[:n]
-
-
-def _piece_len(block: int) -> int:
-    """Elements per piece: whole blocks, even, about _PIECE elements."""
-    return max(1, _PIECE // block) * block if block <= _PIECE else block
-
-
-def _run(numel: int, block: int, work: Callable[[int, int], None], threads: Optional[int] = None) -> None:
-    """Call ``work(start, stop)`` over disjoint block-aligned pieces covering [0, numel)."""
-    piece = _piece_len(block)
-    npieces = _nblocks(numel, piece)
-    nthr = min(threads or _threads, npieces)
-    if nthr <= 1:
-        for p in range(npieces):
-            work(p * piece, min(numel, (p + 1) * piece))
-        return
-
-    # contiguous runs of pieces per task; a few tasks per thread balance uneven progress
-    ntasks = min(npieces, nthr * 4)
-    bounds = [npieces * i // ntasks for i in range(ntasks + 1)]
-
-    def task(i: int) -> None:
-        for p in range(bounds[i], bounds[i + 1]):
-            work(p * piece, min(numel, (p + 1) * piece))
-
-    futs = [_get_pool().submit(task, i) for i in range(ntasks)]
-    err = None
-    for f in futs:  # wait for all, so no thread still writes into buffers after we return
-        try:
-            f.result()
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            err = err or e
-    if err is not None:
-        raise err
 
 
 def _as_input(x, name: str) -> np.ndarray:
