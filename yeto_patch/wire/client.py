@@ -73,13 +73,14 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 from . import auth, codecs
-from .frames import CodecError, MsgType, PeerError, ProtocolError, WireTimeout
+from .frames import MsgType, PeerError, ProtocolError, WireTimeout
 from .handshake import _RESUME, _RESUME_LOCK, UNVERIFIED_MAX, _handshake, probe  # noqa: F401 - re-exported
+from .inbox import read_base, session_limits
 from .message import encode_meta
 from .text import check_island_id
 from .transport import Connection, connect
-from .values import (DELTA_CODECS, Base, PushReply, SyncerRefusal, SyncerStatus, Welcome,  # noqa: F401 - re-exported
-                     merge_info, recoverable, shard_fields, syncer_status)
+from .values import (Base, PushReply, SyncerRefusal, SyncerStatus, Welcome,  # noqa: F401 - re-exported
+                     recoverable, shard_fields, syncer_status)
 
 __all__ = ["SyncerClient", "SyncerRefusal", "Welcome", "Base", "PushReply", "probe", "recoverable"]
 
@@ -92,17 +93,6 @@ def _aligned(meta: dict, align: int = 64) -> dict:
     n = 4 + len(encode_meta(m))
     m["_pad"] = " " * ((-n) % align)
     return m
-
-
-def _session_limits(w: Welcome) -> tuple:
-    """(per-type maxima, reassembly budget) of what the syncer may send after its WELCOME: a base is at most the
-    largest fragment in float32 plus room for its meta, everything else 1 MiB."""
-    numels = [int(n) for n in w.numels]
-    if not numels or min(numels) < 0:
-        raise ProtocolError("malformed WELCOME: no fragment sizes")
-    bulk = 4 * max(numels) + (1 << 20)
-    limits = {**{t: 1 << 20 for t in MsgType if t != MsgType.CHUNK}, MsgType.BASE: bulk, MsgType.FINAL_BASE: bulk}
-    return limits, bulk + (2 << 20)
 
 
 def _norm_manifest(manifest) -> list:
@@ -190,7 +180,7 @@ class SyncerClient:
                         islands=meta.get("islands", 1), quorum=meta.get("quorum", 1),
                         total_rounds=meta.get("total_rounds"), final=bool(meta.get("final")),
                         run_id=meta.get("run_id"), **shard_fields(meta))
-            conn.set_limits(*_session_limits(w))
+            conn.set_limits(*session_limits(w))
         except BaseException:
             conn.close()
             raise
@@ -267,45 +257,15 @@ class SyncerClient:
 
     def _dispatch(self, t: MsgType, meta: dict, body) -> None:
         if t in (MsgType.BASE, MsgType.FINAL_BASE):
-            frag, version, dtype, numel = int(meta["fragment"]), int(meta["version"]), meta["dtype"], int(meta["numel"])
-            if self.welcome is not None and not (0 <= frag < self.welcome.fragments
-                                                 and numel == self.welcome.numels[frag]):
-                raise ProtocolError(f"base for fragment {frag} of {numel} values does not match the layout")
-            if meta.get("delta_from") is not None:
-                self._base_update(t, meta, body, frag, version, dtype, numel)
-                return
-            if dtype == "held":   # the base is what this island declared it holds (digests in its MANIFEST)
-                if self.held is None or t != MsgType.BASE or meta.get("final") or len(memoryview(body)) \
-                        or frag in self._held:
-                    raise ProtocolError(f"unexpected 'held' base for fragment {frag} (this island declared no "
-                                        f"digests, or it is not the first base of the fragment, or it has a body)")
-                b = Base(frag, version, "held", None, False, (), version, numel, held=True, merge=merge_info(meta))
-                with self._cv:
-                    self._bases.pop(frag, None)
-                    self._bases[frag] = b
-                    self._held[frag] = version
-                    self._notify()
-                return
-            if dtype == "f32":
-                mv = memoryview(body).cast("B")
-                if mv.nbytes != 4 * numel:
-                    raise ProtocolError(f"f32 base of fragment {frag}: {mv.nbytes} bytes for {numel} values")
-                values = np.frombuffer(mv, np.float32)
-                if values.ctypes.data % 4 or not values.flags.writeable:
-                    values = values.copy()
-                for a in range(0, numel, 1 << 18):  # chunked: no full-size temporary
-                    if not np.isfinite(values[a:a + (1 << 18)]).all():
-                        raise ProtocolError(f"base of fragment {frag} has non-finite values")
-            else:
-                values = codecs.decode(dtype, body, numel)
-            b = Base(frag, version, dtype, values, final=(t == MsgType.FINAL_BASE) or bool(meta.get("final")),
-                     merge=merge_info(meta))
+            # (the reader thread is the only writer of _held: read without the lock)
+            b = read_base(t, meta, body, self.welcome, self.held is not None, self._held)
+            update = b.values is None and bool(b.deltas)   # a base update composes with a base not yet polled
             with self._cv:
                 if b.final:
-                    self._final[frag] = b
-                self._bases.pop(frag, None)
-                self._bases[frag] = b
-                self._held[frag] = version
+                    self._final[b.fragment] = b
+                cur = self._bases.pop(b.fragment, None)
+                self._bases[b.fragment] = cur.then(b) if update and cur is not None else b
+                self._held[b.fragment] = b.version
                 self._notify()
         elif t == MsgType.PUSH_REPLY:
             r = PushReply(meta.get("fragment"), meta.get("base_version"), meta.get("status", "?"),
@@ -333,32 +293,6 @@ class SyncerClient:
                     self._error = ProtocolError(f"the syncer closed the session: {meta.get('reason', 'goodbye')}")
                 self._notify()
         # anything else: the reader saw the syncer alive; nothing to do
-
-    def _base_update(self, t, meta, body, frag, version, dtype, numel) -> None:
-        """A BASE that carries the change from the previous base (``--base-wire int8/int4``): validated, then
-        composed with a base not yet polled (or kept as an update the island applies to its anchors)."""
-        start = meta["delta_from"]
-        block = meta.get("block", codecs.DEFAULT_BLOCK)
-        if t != MsgType.BASE or meta.get("final"):
-            raise ProtocolError("a final base must be a full float32 base, not an update")
-        if dtype not in DELTA_CODECS or isinstance(start, bool) or not isinstance(start, int) \
-                or isinstance(block, bool) or not isinstance(block, int):
-            raise ProtocolError(f"base update of fragment {frag}: bad dtype/delta_from/block "
-                                f"{dtype!r}/{start!r}/{block!r}")
-        if start != version - 1 or self._held.get(frag) != start:
-            raise ProtocolError(f"base update of fragment {frag} from v{start} to v{version}, but the last base "
-                                f"received for it is v{self._held.get(frag)}")
-        try:
-            codecs.check_encoded(dtype, body, numel, block)
-        except CodecError as e:
-            raise ProtocolError(f"base update of fragment {frag} to v{version}: {e}") from None
-        b = Base(frag, version, dtype, None, False, ((dtype, block, np.frombuffer(body, np.uint8)),), start, numel,
-                 merge=merge_info(meta))
-        with self._cv:
-            cur = self._bases.pop(frag, None)
-            self._bases[frag] = b if cur is None else cur.then(b)
-            self._held[frag] = version
-            self._notify()
 
     def _heartbeat(self) -> None:
         period = self.welcome.heartbeat_s if self.welcome else 5.0
