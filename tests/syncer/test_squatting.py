@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from yeto_patch.syncer import server as server_mod
+from yeto_patch.syncer import admission as admission_mod
 from yeto_patch.wire.frames import ProtocolError
 
 from .helpers import client, make_server, running
@@ -50,7 +50,7 @@ def _closed(s):
 @pytest.mark.parametrize("sources", [[f"127.0.0.{i}" for i in range(2, 10)],    # 8 addresses, 16 slots each
                                      [f"127.0.{i}.{j}" for i in range(2, 4) for j in range(2, 42)]])  # 80, 1 each
 def test_honest_islands_join_while_squatters_hold_every_handshake_slot(sources, monkeypatch):
-    monkeypatch.setattr(server_mod, "EVICT_AFTER_S", 2.0)   # (5 s by default; a handshake here takes ms)
+    monkeypatch.setattr(admission_mod, "EVICT_AFTER_S", 2.0)   # (5 s by default; a handshake here takes ms)
     server, addr = make_server(islands=1, fragments=1, handshake_timeout_s=60.0, max_handshakes=32)
     with running(server):
         stop, held = threading.Event(), []
@@ -91,7 +91,7 @@ def test_a_handshake_whose_hello_verified_never_gives_way_to_a_newcomer(monkeypa
     from yeto_patch.wire.frames import MsgType
 
     from .helpers import MANIFEST, manifest_meta, raw_hello
-    monkeypatch.setattr(server_mod, "EVICT_AFTER_S", 0.5)
+    monkeypatch.setattr(admission_mod, "EVICT_AFTER_S", 0.5)
     server, addr = make_server(islands=1, fragments=1, handshake_timeout_s=30.0, max_handshakes=4)
     host, port = addr.rsplit(":", 1)
     with running(server):

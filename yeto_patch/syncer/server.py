@@ -10,7 +10,6 @@ that is slower than the merges receives the newest version only.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -22,6 +21,7 @@ import numpy as np
 from ..wire import auth, codecs
 from ..wire.frames import MAX_PAYLOAD, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
 from ..wire.transport import Connection, listen
+from .admission import HandshakeSlots
 from .checkpoint import CheckpointError, CheckpointWriter
 from .config import BASE_WIRE, ServerConfig
 from .final_cut import await_acks, goodbye
@@ -44,7 +44,6 @@ __all__ = ["ServerConfig", "SyncerServer", "aligned_meta"]
 
 log = logging.getLogger("yeto.syncer")
 MAX_PUSHES_IN_FLIGHT = 2  # per connection, handed to the fold pool and not yet accepted/refused
-EVICT_AFTER_S = 5.0   # a handshake still unauthenticated this long may give way to a new one when all slots are taken
 #: What an unauthenticated peer may send: one HELLO (or PROBE) of at most 64 KiB; anything larger is refused from
 #: its header, so a hostile length or chunk total cannot make the syncer read or reserve more before the MAC is
 #: checked. The MANIFEST limit is raised to its protocol maximum once the HELLO passed (syncer/handshake.py).
@@ -84,6 +83,7 @@ class SyncerServer:
         self.coord.roster.heartbeat_s = self.heartbeat_s   # (a lost link counts as up for one heartbeat period)
         self.sessions: dict[str, _Session] = {}
         self.all_sessions: set = set()
+        self.slots = HandshakeSlots(cfg.max_handshakes, cfg.max_handshakes_per_host)
         self.init = Initializing(InitChoice(cfg.initializer, cfg.islands, cfg.init_wait_s),
                                  InitWatch(cfg.init_timeout_s if cfg.init_timeout_s is not None
                                            else cfg.rounds.lease_s + cfg.io_timeout_s))
@@ -99,7 +99,6 @@ class SyncerServer:
         self._checkpoint_on_stop = False
         self._deferred: dict[int, float] = {}  # fragment -> since when its due merge waits for a base stream
         self._shut = False
-        self._next_flood_log = 0.0
         self._shutdown_lock = threading.Lock()
         self.run_id = open_checkpoint(self.coord, cfg)   # --run-id, the resumed checkpoint's, or a new one
 
@@ -175,7 +174,7 @@ class SyncerServer:
             except OSError:
                 return
             host = _host_of(sock)
-            if not self._handshake_slot(host):
+            if not self.slots.admit(host, self.all_sessions):
                 sock.close()
                 continue
             sock.settimeout(None)
@@ -187,48 +186,6 @@ class SyncerServer:
             s.reader = threading.Thread(target=self._session_main, args=(s,), daemon=True,
                                         name=f"yeto-conn-{conn.peer}")
             s.reader.start()
-
-    def _handshake_slot(self, host: str) -> bool:
-        """Whether a new connection from ``host`` may start its handshake. At most --max-handshakes-per-host
-        connections in their handshake per address (a squatter only hurts itself there) and --max-handshakes in
-        all; when all are taken, the oldest unauthenticated handshake of the address holding the most gives way if
-        that address holds more than the newcomer's would, else the oldest handshake still unauthenticated after
-        EVICT_AFTER_S (an honest handshake is two round trips and a manifest), so squatters from many addresses
-        cannot keep honest islands out. A handshake whose HELLO verified (a key holder sending its manifest, which
-        may take longer than EVICT_AFTER_S on a slow link) never gives way (docs/protocol.md, Limits)."""
-        waiting = [x for x in list(self.all_sessions) if not x.joined and not x.closed]
-        mine = sum(1 for x in waiting if x.host == host)
-        if mine >= self.cfg.max_handshakes_per_host:
-            self._log_full(len(waiting), host, mine, evicted=None)
-            return False
-        if len(waiting) < self.cfg.max_handshakes:
-            return True
-        strangers = [x for x in waiting if not x.authenticated]
-        per_host = collections.Counter(x.host for x in strangers)
-        victim = None
-        if per_host:
-            top, most = per_host.most_common(1)[0]
-            if most > mine + 1:
-                victim = min((x for x in strangers if x.host == top), key=lambda x: x.since)
-            else:
-                oldest = min(strangers, key=lambda x: x.since)
-                victim = oldest if time.monotonic() - oldest.since >= EVICT_AFTER_S else None
-        if victim is None:
-            self._log_full(len(waiting), host, mine, evicted=None)
-            return False
-        victim.close()
-        self._log_full(len(waiting), host, mine, evicted=victim.host)
-        return True
-
-    def _log_full(self, pending: int, host: str, mine: int, evicted) -> None:
-        """Say (at most every 10 s) that the handshake slots are full, and what gave way."""
-        now = time.monotonic()
-        if now >= self._next_flood_log:
-            self._next_flood_log = now + 10.0
-            log.warning("%d connections (from %s: %d) are still in their handshake (--max-handshakes); %s",
-                        pending, printable(host), mine, "closing new ones until they finish" if evicted is None
-                        else f"the oldest from {printable(evicted)} gives way")
-        return False
 
     def _refuse(self, s: _Session, code: str, message: str) -> None:
         log.warning("refusing %s (%s): %s", s.island or s.conn.peer, code, message)
