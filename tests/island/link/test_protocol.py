@@ -28,7 +28,7 @@ def mismatches(cls) -> list:
 
 
 def test_both_links_implement_every_member_with_the_contracts_signature():
-    assert {"send_push", "poll", "final_model", "final_cut"} <= set(members())
+    assert {"send_push", "poll", "final_model", "final_cut", "run_ids"} <= set(members())
     assert "resilient" in SyncerLinkLike.__annotations__
     assert mismatches(SyncerLink) == [] and mismatches(ShardedLink) == []
 

@@ -57,6 +57,10 @@ class SyncerLinkLike(Protocol):
     def catch_up(self, frag, h: int) -> int:
         """Steps to bring fragment `frag`'s next boundary forward by (a round merged without its push)."""
 
+    @property
+    def run_ids(self) -> list:
+        """The syncer's run id (each shard's, in shard order), kept in the island's sync state."""
+
     def close(self, graceful: bool = True) -> None:
         """BYE (after the queued pushes when `graceful`); idempotent."""
 

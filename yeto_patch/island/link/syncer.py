@@ -456,6 +456,11 @@ class SyncerLink:
             return None
 
     # ---------------------------------------------------------------------------------------------- closing
+    @property
+    def run_ids(self) -> list:
+        """[the syncer's run id] (one syncer: one shard), as ``ShardedLink.run_ids``."""
+        return [self.run_id]
+
     def close(self, graceful: bool = True) -> None:
         """BYE (after the queued pushes when `graceful`); idempotent."""
         self._closed = True
