@@ -427,7 +427,7 @@ def run_size(pool, layers, hidden, a, workdir, idx):
     cfg = ServerConfig(listen="127.0.0.1:0", islands=2, fragments=a.fragments, key=None, insecure=True,
                        rounds=RoundSettings(islands=2, quorum=2, grace_s=0.2, timeout_s=a.timeout,
                                             lease_s=a.timeout),
-                       merge_threads=1)
+                       merge_threads=1, initializer=ISLAND_ID)   # (the scripted island joins after the real one started)
     server = SyncerServer(cfg)
     host, port = server.start()
     addr = f"{host}:{port}"

@@ -185,7 +185,7 @@ def _one_transfer(P: int, threads: int, values: np.ndarray) -> tuple:
     key = b"b" * 32
     manifest = [("w", (P,), "float32")]
     cfg = ServerConfig(listen="127.0.0.1:0", islands=2, fragments=1, key=key, merge_threads=threads,
-                       rounds=RoundSettings(islands=2))
+                       rounds=RoundSettings(islands=2), initializer="a")   # (b joins after a's INIT)
     server = SyncerServer(cfg)
     host, port = server.start()
     addr = f"{host}:{port}"
