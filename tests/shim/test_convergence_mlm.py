@@ -1,9 +1,10 @@
 """benchmarks/convergence_mlm.py in its CI setting (issue 24): Megatron-LM's pretrain() on indexed byte-level text,
-two islands (TP2 seed 11 on shard 0, PP2 seed 22 on shard 1) at the defaults with 4 fragments, once with each
-island initializing (the syncer's default policy takes the lowest id), and the lone island from each of those
-starts, and textbook DiLoCo (benchmarks/diloco_reference_mlm.py) from each. Each DiLoCo run ends with one final
-model (both islands' evaluations agree) that is no worse than the lone island from the same start and within 3% of
-the reference, and the lone runs start bit for bit from the INIT their DiLoCo run took."""
+two islands (TP2 seed 11 on shard 0, PP2 seed 22 on shard 1) at the defaults with 4 fragments, island a
+initializing (the syncer's default policy takes the lowest id; the start the issue found worse), the lone island
+from that start, and textbook DiLoCo (benchmarks/diloco_reference_mlm.py) from it. The DiLoCo run ends with one
+final model (both islands' evaluations agree) that is no worse than the lone island from the same start and within
+3% of the reference, and the lone run starts bit for bit from the INIT the DiLoCo run took. (INIT from island b:
+the benchmark's grid, docs/convergence.md; kept out of CI for time.)"""
 import importlib.util
 import json
 import subprocess
@@ -21,16 +22,15 @@ SLACK = 1.0
 
 
 @pytest.mark.timeout(900)
-def test_two_islands_f4_each_initializing_are_no_worse_than_the_lone_island(tmp_path):
+def test_two_islands_f4_are_no_worse_than_the_lone_island_from_the_same_start(tmp_path):
     out = tmp_path / "res.json"
     cmd = [sys.executable, "benchmarks/convergence_mlm.py", "--ci", "--jobs", "4", "--out", str(tmp_path),
-           "--json", str(out), "--timeout", "700"]
+           "--json", str(out), "--timeout", "700", "--init", "a"]
     r = subprocess.run(cmd, cwd=P.ROOT, env=P.base_env(), capture_output=True, text=True, timeout=840)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     res = {(c["kind"], c["init"]): c for c in json.loads(out.read_text())}
-    assert sorted(res) == [("diloco", "a"), ("diloco", "b"), ("lone", "a"), ("lone", "b"), ("ref", "a"),
-                           ("ref", "b")], r.stdout[-3000:]
-    for init in "ab":
+    assert sorted(res) == [("diloco", "a"), ("lone", "a"), ("ref", "a")], r.stdout[-3000:]
+    for init in "a":
         d, lone = res[("diloco", init)], res[("lone", init)]
         assert d["fragments"] == 4 and d["setting"] == "defaults"
         assert abs(d["islands"][0] - d["islands"][1]) < 2e-3, d           # one final model

@@ -45,7 +45,8 @@ def wait_for(proc, text, timeout):
 def test_an_island_down_longer_than_the_timeout_stops_nobody_and_rejoins_from_its_checkpoint(tmp_path):
     port = P.free_port()
     key = P.key_file(tmp_path)
-    syncer = P.start_syncer(tmp_path, port, islands=2, fragments=2, key=key, elastic=True, extra=["--lease", "8"])
+    syncer = P.start_syncer(tmp_path, port, islands=2, fragments=2, key=key, elastic=True,
+                            extra=["--lease", "8", "--initializer", "a"])   # (a starts alone: it initializes)
     crashed, rejoined = tmp_path / "b-crashed", tmp_path / "b-rejoined"
     a = torchrun(tmp_path, "a", args(1, str(tmp_path / "ca"), ["--sleep-per-iteration", "0.8", "--hold-at-iteration",
                                                                str(GO), str(crashed), "--hold-at-iteration",
