@@ -137,7 +137,7 @@ def run(a, label: str, data: dict, root: pathlib.Path) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated: " + "; ".join(RUNS))
+    ap.add_argument("--runs", default=";".join(RUNS), help="semicolon-separated: " + "; ".join(RUNS))
     ap.add_argument("--speeds", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 0.7, 0.5])
     ap.add_argument("--step-s", type=float, default=0.3, help="the iteration time the speeds scale (s)")
     ap.add_argument("--iters", type=int, default=200)
@@ -157,6 +157,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "bench-out", "chaos_quality"))
     a = ap.parse_args(argv)
     a.kill_at = a.kill_at or max(2, int(0.45 * a.iters))
+    labels = [r.strip() for r in a.runs.split(";") if r.strip()]   # (the labels themselves hold commas)
+    if set(labels) - set(RUNS):
+        ap.error(f"--runs: unknown {sorted(set(labels) - set(RUNS))}; known: {'; '.join(RUNS)}")
     if a.kill_at <= a.save_interval:
         ap.error("--kill-at must come after the first checkpoint (--save-interval)")
     random.seed(a.seed)
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
           f"YETO_DILOCO_SYNC_EVERY={a.sync_every}; island i1 killed at iteration {a.kill_at}, down {a.down:.0f}s, "
           f"checkpoints every {a.save_interval}; output {root}", flush=True)
     res = {}
-    for label in [r.strip() for r in a.runs.split(",") if r.strip()]:
+    for label in labels:
         res[label] = run(a, label, data, root)
         r = res[label]
         print(f"  {label:22s} held-out loss {r['loss']:.4f} (islands {', '.join(f'{x:.4f}' for x in r['islands'])})"
