@@ -14,12 +14,13 @@ for env in $envs; do
   echo "=== tests on $env ($("$venv/bin/python" -c 'import sys,torch,megatron.core as m; print("Python", sys.version.split()[0], "torch", torch.__version__, "megatron-core", m.__version__)' 2>/dev/null))"
   # What each environment tests. py312 runs everything (tests/launchers skip themselves there: no launchers).
   # py311 is the older megatron-core (0.16.1): it runs what touches megatron-core's objects (hooks, masters,
-  # names, the harness, two end-to-end runs) and imports every module on Python 3.11; the wire, syncer and demo
-  # tests are the same pure-Python code and run once, on py312. py312-launchers adds ms-swift and Megatron-Bridge
+  # names, the harness, two end-to-end runs) and imports every module on Python 3.11; the wire, syncer, demo
+  # and island boundary/link tests (fakes and sockets, no megatron-core object) are the same pure-Python code
+  # and run once, on py312. py312-launchers adds ms-swift and Megatron-Bridge
   # to py312's packages and runs only the tests of those launchers.
   case "$env" in
     py312-launchers) paths=(tests/launchers) ;;
-    py311) paths=(tests/test_modules.py tests/hooks tests/mcore tests/island tests/shim/test_end_to_end.py
+    py311) paths=(tests/test_modules.py tests/hooks tests/mcore tests/island/masters tests/shim/test_end_to_end.py
                   tests/shim/test_optimizer_boundary.py) ;;
     *) paths=(tests) ;;
   esac

@@ -1,10 +1,13 @@
-"""Any island with any other: an ms-swift `megatron sft` island (TP2, the tiny Qwen2) and a Megatron-LM
-`pretrain_gpt.py` island (DP2, the same architecture: SwiGLU, RMSNorm, rope, QKV bias, grouped-query attention,
-untied embeddings, vocabulary 512) join one syncer with PYTHONPATH and YETO_* only and end with one model: both
-launchers' checkpoints hold the syncer's final model, the loss fell in both, and the fine-tune's pretrained start
-is the run's (ms-swift's island initializes it: the syncer's --init-lowest-id). Both launchers write TensorBoard
-on their last rank (Megatron-LM: --tensorboard-dir; ms-swift: its default --report_to tensorboard); the islands'
-boundary figures (yeto/*) are read back from the real event files, beside each launcher's own loss."""
+"""Any island with any other: two ms-swift `megatron sft` islands of different layouts (a: TP2, c: DP2, the tiny
+Qwen2) and a Megatron-LM `pretrain_gpt.py` island (b: DP2, the same architecture: SwiGLU, RMSNorm, rope, QKV bias,
+grouped-query attention, untied embeddings, vocabulary 512) join one syncer with PYTHONPATH and YETO_* only (nothing
+about yeto-patch on ms-swift's command line) and end with one model after a final cut before the launchers' last
+iteration: every island's checkpoint, saved there and numbered by the steps it holds, holds the syncer's final
+model, the loss fell on every island, and the fine-tune's pretrained start is the run's (ms-swift's island a
+initializes it: the syncer's --init-lowest-id). The launchers write TensorBoard on their last rank (Megatron-LM:
+--tensorboard-dir; ms-swift: its default --report_to tensorboard); the islands' boundary figures (yeto/*) are read
+back from the real event files, beside each launcher's own loss. (One run of three islands: each launcher start-up
+costs about a minute on the CI machine.)"""
 import glob
 import json
 import os
@@ -23,6 +26,7 @@ from tests.shim import procs as P
 pytestmark = need("swift", "mcore_bridge", "tensorboard")
 
 ITERS, CUT = 6, 4
+SWIFT = {"a-swift": 2, "c-swift": 1}     # ms-swift islands: their TP size (2 ranks each)
 MLM_SCRIPT = os.path.join(P.ROOT, "tests", "shim", "scripts", "pretrain_gpt_cpu.py")
 FIGURES = ("yeto/push_bytes", "yeto/delta_norm", "yeto/base_version", "yeto/pull_lag_steps", "yeto/wait_ms",
            "yeto/staleness", "yeto/merge_weight", "yeto/outer_lr", "yeto/outer_grad_norm")
@@ -70,48 +74,68 @@ def test_an_ms_swift_island_and_a_megatron_lm_island_end_with_one_model_and_thei
     t0 = time.time()
     tiny = L.tiny_qwen2(tmp_path / "tiny")
     port, key = P.free_port(), P.key_file(tmp_path)
-    syncer = P.start_syncer(tmp_path, port, islands=2, fragments=2, key=key, extra=("--init-lowest-id",))
+    syncer = P.start_syncer(tmp_path, port, islands=3, fragments=2, key=key, extra=("--init-lowest-id",))
     yeto = dict(YETO_DILOCO_SYNC_EVERY=2, YETO_DILOCO_TOTAL_STEPS=CUT)
-    swift = L.start_swift(tmp_path, "a-swift", L.swift_sft_args(tiny, tmp_path / "a-swift", tp=2, iters=ITERS),
-                          yeto=L.yeto_env(port, key, "a-swift", tmp_path, **yeto))
+    cmds = {name: L.swift_sft_args(tiny, tmp_path / name, tp=tp, iters=ITERS) for name, tp in SWIFT.items()}
+    swifts = [L.start_swift(tmp_path, name, cmd, yeto=L.yeto_env(port, key, name, tmp_path, **yeto))
+              for name, cmd in cmds.items()]
     mlm_cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
                "--master-addr", "127.0.0.1", "--master-port", str(P.free_port()), MLM_SCRIPT,
                *qwen2_as_megatron_lm(tiny, tmp_path / "b-mlm" / "tb", tmp_path / "b-mlm" / "ckpt")]
     mlm = P.Proc("b-mlm", mlm_cmd, L.launcher_env(L.yeto_env(port, key, "b-mlm", tmp_path, **yeto),
                                                   swift_site=False), str(tmp_path / "b-mlm.log"), cwd=str(tmp_path))
-    procs = [swift, mlm, syncer]
+    procs = [*swifts, mlm, syncer]
     rcs = P.wait_all(procs, timeout=1700)
-    assert rcs == [0, 0, 0], P.logs(procs)
-    print(f"ms-swift TP2 + Megatron-LM DP2 islands + syncer: {time.time() - t0:.0f}s")
-    check(tmp_path, swift.text(), mlm.text(), syncer.text())
+    assert rcs == [0] * len(procs), P.logs(procs)
+    print(f"ms-swift TP2 and DP2 + Megatron-LM DP2 islands + syncer: {time.time() - t0:.0f}s")
+    # nothing about yeto-patch on ms-swift's command line (no --external_plugins): PYTHONPATH and YETO_* only
+    # (cmd[0] is the venv's `megatron` script; the project's code is reached only through PYTHONPATH)
+    for cmd in cmds.values():
+        assert "--external_plugins" not in cmd and not any(
+            "yeto" in a.lower() or a.startswith(P.ROOT) for a in cmd[1:]), cmd
+    check(tmp_path, {p.name: p.text() for p in swifts}, mlm.text(), syncer.text())
 
 
 def _model(ckpt_dir) -> dict:
     return {k: v for k, v in L.dist_checkpoint(L.only_iter_dir(ckpt_dir)).items() if "optimizer" not in k}
 
 
-def check(tmp_path, swift_log: str, mlm_log: str, syncer_log: str) -> None:
+def check(tmp_path, swift_logs: dict, mlm_log: str, syncer_log: str) -> None:
     """What the run must have left (separate from the run, to check a kept run's directory again)."""
     # the fine-tune's start is the pretrained Qwen2 (ms-swift's island initialized the run)
     assert "run initialized from island a-swift's INIT" in syncer_log, syncer_log[-3000:]
-    # one model after the final cut: both launchers' checkpoints hold the syncer's final model, exactly
+    # one model after the final cut: every launcher's checkpoint holds the syncer's final model, exactly
     final, versions = P.syncer_model(str(tmp_path / "syncer.ckpt"))
-    assert versions == {0: 3, 1: 2}, versions
-    sw = per_layer(_model(checkpoint(tmp_path / "a-swift", CUT)))
-    ml = per_layer(_model(tmp_path / "b-mlm" / "ckpt"))
-    assert sorted(sw) == sorted(ml) == sorted(final), (sorted(set(sw) ^ set(final)), sorted(set(ml) ^ set(final)))
-    for k, v in final.items():
-        assert np.array_equal(sw[k], v) and np.array_equal(ml[k], v), (k, float(np.abs(sw[k] - ml[k]).max()))
+    assert versions == {0: 3, 1: 2}, versions     # H=2: fragment 0 merged at steps 1, 3, 4; fragment 1 at 2, 4
+    models = {"b-mlm": per_layer(_model(tmp_path / "b-mlm" / "ckpt"))}
+    for name, log in swift_logs.items():
+        assert "installed the syncer's final model" in log, (name, log[-3000:])
+        assert f"'iteration': '{CUT}/{CUT}'" in log, (name, log[-3000:])   # ms-swift's loop ended at the cut
+        ck = checkpoint(tmp_path / name, CUT)                                 # saved there, numbered by its steps
+        with open(os.path.join(ck, "latest_checkpointed_iteration.txt")) as f:
+            assert f.read().strip() == str(CUT)
+        assert not glob.glob(os.path.join(str(tmp_path / name), "v*", f"checkpoint-{ITERS}"))
+        models[name] = per_layer(_model(ck))
+    for name, m in models.items():
+        assert sorted(m) == sorted(final), (name, sorted(set(m) ^ set(final)))
+        for k, v in final.items():
+            assert np.array_equal(m[k], v), (name, k, float(np.abs(m[k] - v).max()))
     with open(tmp_path / "b-mlm" / "ckpt" / "latest_checkpointed_iteration.txt") as f:
         assert f.read().strip() == str(CUT)
-    # the loss fell in both
-    ls = losses(swift_log)
-    assert len(ls) == CUT and ls[-1] < ls[0], ls
+    with open(tmp_path / "tape.jsonl") as f:
+        tape = [json.loads(line) for line in f if line.strip()]
+    assert tape and all(sorted(r["island"] for r in t["responders"]) == ["a-swift", "b-mlm", "c-swift"]
+                        for t in tape), tape
+    # the loss fell on every island
+    for name, log in swift_logs.items():
+        ls = losses(log)
+        assert len(ls) == CUT and ls[-1] < ls[0], (name, ls)
     lm = [float(m) for m in re.findall(r"lm loss: ([0-9.]+E[+-][0-9]+)", mlm_log)]
     assert len(lm) == CUT and lm[-1] < lm[0], lm
 
     # the islands' figures in each launcher's own TensorBoard run, beside its loss, at training iterations
     for name, run_dir, loss_tag in (("a-swift", tmp_path / "a-swift", "train/loss"),      # (<output_dir>/runs)
+                                    ("c-swift", tmp_path / "c-swift", "train/loss"),
                                     ("b-mlm", tmp_path / "b-mlm" / "tb", "lm loss")):
         got = scalars(run_dir)
         assert loss_tag in got, (name, sorted(got))

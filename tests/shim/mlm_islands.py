@@ -1,9 +1,9 @@
-"""Test helpers: two islands on Megatron-LM's own loop (tests/shim/scripts/pretrain_gpt_cpu.py, 2 ranks each:
-TP2, PP2 or DP2) and one syncer with a fixed roster of two; the second island starts once the syncer saw the
+"""Test helpers: two (or more) islands on Megatron-LM's own loop (tests/shim/scripts/pretrain_gpt_cpu.py, 2 ranks
+each: TP2, PP2, DP2 or EP2) and one syncer with a fixed roster of them; the others start once the syncer saw the
 first one join, so the connection order is forced; tau = 0 (synchronous, reproducible bits) unless a test sets
 it. Every rank dumps its FP32 masters and weights at the first forward step (after the island's start, tied
 output-layer copy included: ``<island>/start.rank*.npz``) and at the end (``<island>/final.rank*.npz``). Used by
-tests/shim/test_megatron_lm_islands.py and benchmarks/init_compare.py."""
+tests/shim/test_megatron_lm_islands.py, tests/shim/test_moe_islands.py and benchmarks/init_compare.py."""
 from __future__ import annotations
 
 import os
@@ -52,28 +52,35 @@ def island(tmp, name, layout, port, key, args, env_extra=None):
 
 
 def run_pair(tmp, first, second, vocab=100, iters=2, extra=None, env=None, timeout=1200):
-    """first/second: (island id, layout); both start at once, but `second`'s first train_step (where the island
-    connects) waits until the syncer logged that `first` joined. extra/env: {island id: extra Megatron arguments
-    / YETO_* variables}. Returns (rcs, (first, second, syncer))."""
+    """first/second: (island id, layout); see run_islands. Returns (rcs, (first, second, syncer))."""
+    return run_islands(tmp, [first, second], vocab, iters, extra, env, timeout)
+
+
+def run_islands(tmp, islands, vocab=100, iters=2, extra=None, env=None, timeout=1200):
+    """islands: [(island id, layout), ...] with a fixed roster of all of them; they start at once, but every one
+    after the first waits at its first train_step (where an island connects) until the syncer logged that the
+    first joined. extra/env: {island id: extra Megatron arguments / YETO_* variables}. Returns (rcs, (*islands,
+    syncer))."""
     extra, env = extra or {}, env or {}
     tmp = str(tmp)
     port = P.free_port()
     key = P.key_file(pathlib.Path(tmp))
-    go = os.path.join(tmp, "second-may-connect")
-    syncer = P.start_syncer(pathlib.Path(tmp), port, islands=2, fragments=2, key=key,
-                             extra=("--init-lowest-id",))
-    (ida, la), (idb, lb) = first, second
-    a = island(tmp, ida, la, port, key, mlm_args(vocab, iters, extra.get(ida, ())), env.get(ida))
-    b = island(tmp, idb, lb, port, key, [*mlm_args(vocab, iters, extra.get(idb, ())), "--wait-for-file", go],
-               env.get(idb))
+    go = os.path.join(tmp, "others-may-connect")
+    syncer = P.start_syncer(pathlib.Path(tmp), port, islands=len(islands), fragments=2, key=key,
+                            extra=("--init-lowest-id",))
+    procs = [island(tmp, name, layout, port, key,
+                    [*mlm_args(vocab, iters, extra.get(name, ())), *(["--wait-for-file", go] if k else [])],
+                    env.get(name))
+             for k, (name, layout) in enumerate(islands)]
+    first = islands[0][0]
     deadline = time.time() + timeout
-    while f"island {ida} joined" not in syncer.text():
-        if any(p.poll() is not None for p in (a, b, syncer)) or time.time() > deadline:
+    while f"island {first} joined" not in syncer.text():
+        if any(p.poll() is not None for p in (*procs, syncer)) or time.time() > deadline:
             break
         time.sleep(0.3)
     open(go, "w").close()
-    rcs = P.wait_all([a, b, syncer], timeout=max(60.0, deadline - time.time()))
-    return rcs, (a, b, syncer)
+    rcs = P.wait_all([*procs, syncer], timeout=max(60.0, deadline - time.time()))
+    return rcs, (*procs, syncer)
 
 
 def dump(tmp, name, when="start", kind="master") -> dict:
