@@ -23,7 +23,7 @@ import numpy as np
 import xxhash
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from yeto_patch.wire import codecs, pieces  # noqa: E402
+from yeto_patch.wire import codec_kernels, codecs, pieces  # noqa: E402
 
 TARGETS = {"int8", "int4", "int4-log"}
 
@@ -40,7 +40,7 @@ def naive_encode(codec, x, block):
     pad = (-x.size) % block
     xb = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(-1, block)
     amax = np.abs(xb).max(axis=1, keepdims=True)
-    inv = np.float32(k) / np.maximum(amax, codecs._TINY[k])
+    inv = np.float32(k) / np.maximum(amax, codec_kernels.TINY[k])
     if codec == "int8":
         q = np.rint(xb * inv).astype(np.int8).ravel()[: x.size]
         return (amax / np.float32(127)).tobytes() + q.tobytes()

@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from yeto_patch.wire import codecs
+from yeto_patch.wire import codecs, pieces
 from yeto_patch.wire.frames import CodecError
 
 BLOCK_CODECS = ("int8", "int4", "int4-log")
@@ -159,7 +159,7 @@ def test_bf16_matches_torch_rounding():
 
 def test_bit_identical_across_thread_counts():
     rng = np.random.default_rng(2)
-    n = 3 * codecs._PIECE * 2 + 777  # several pieces and an odd partial block
+    n = 3 * pieces.PIECE * 2 + 777  # several pieces and an odd partial block
     x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 3)).astype(np.float32)
     results = {}
     try:

@@ -8,10 +8,18 @@ import time
 
 from ..wire.text import printable
 
-__all__ = ["HandshakeSlots", "EVICT_AFTER_S"]
+__all__ = ["HandshakeSlots", "EVICT_AFTER_S", "host_of"]
 
 log = logging.getLogger("yeto.syncer")
 EVICT_AFTER_S = 5.0   # a handshake still unauthenticated this long may give way to a new one when all slots are taken
+
+
+def host_of(sock) -> str:
+    """The address a connection comes from (what the per-host slots count; "?" when the socket cannot say)."""
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:
+        return "?"
 
 
 class HandshakeSlots:

@@ -18,8 +18,11 @@ import os
 import time
 from typing import Callable, Optional
 
+from ..wire import codecs
+from ..wire.frames import MsgType
 
-__all__ = ["default_max_model_bytes", "model_size_error", "island_buffer_bytes", "stateless_members", "InitWatch"]
+__all__ = ["default_max_model_bytes", "model_size_error", "island_max", "island_buffer_bytes", "stateless_members",
+           "InitWatch"]
 
 SMALL_MESSAGES = 2 << 20   # room for small chunked messages next to the largest push
 
@@ -39,6 +42,13 @@ def model_size_error(numel: int, limit: int) -> Optional[str]:
         return None
     return (f"the manifest has {numel} parameters ({4 * numel / 2**30:.1f} GiB as float32), above this syncer's "
             f"limit of {limit / 2**30:.1f} GiB (--max-model-bytes; the syncer holds about four float32 copies)")
+
+
+def island_max(largest_fragment: int) -> dict:
+    """Per-type maxima for an authenticated island: INIT and PUSH bodies are one fragment (``largest_fragment``
+    values; int8 with block 1 is the largest encoding), plus room for the meta; the other messages are small."""
+    bulk = codecs.encoded_nbytes("int8", largest_fragment, 1) + (1 << 20)
+    return {**{t: 1 << 20 for t in MsgType if t != MsgType.CHUNK}, MsgType.INIT: bulk, MsgType.PUSH: bulk}
 
 
 def island_buffer_bytes(largest_push: int, configured: int = 0) -> int:

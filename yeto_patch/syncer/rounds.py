@@ -38,18 +38,17 @@ from .layout import fragment_numels, partition
 from .members import Member
 from .merge import ChunkRunner
 from .outer import NonFiniteMerge, outer_lr_inputs
+from .push_checks import check_counters, push_standing, push_target
 from .records import MergeRecord
 from .roster import Roster
 from .round_state import AccumulatorPool, _Contrib, _Round, _refusal_code, fold_held, validate_encoded
 from .shards import ShardSpec, assign
-from .settings import (INT64_MAX, MAX_PATIENCE_S, MAX_PUSH_STEPS, MAX_PUSH_TOKENS, WEIGHTINGS, MergeSettings,
-                       Push, PushRefused, RoundSettings, bounded_int, shown)
+from .settings import WEIGHTINGS, MergeSettings, Push, PushRefused, RoundSettings, bounded_int, shown
 from .weights import WeightBook
 
 __all__ = ["Coordinator"]
 
 log = logging.getLogger("yeto.syncer")
-_Fragment = Fragment  # (the name this module used before fragments got their own owner)
 MAX_RATE = 1e6            # steps/s an island's heartbeat may say (larger: ignored)
 
 
@@ -63,7 +62,6 @@ class Coordinator:
         if not 0.0 <= merge.late_factor <= 1.0:
             raise ValueError("late_factor must be in [0, 1]")
         self.ms = merge
-        self.roster = None
         self.rs = rounds
         self.roster = Roster(rounds, clock)
         self.arrivals = ArrivalBook()        # arrival offsets and round periods (the adaptive grace window)
@@ -75,7 +73,7 @@ class Coordinator:
         self.cond = threading.Condition(self.lock)
         self.manifest: Optional[list] = None
         self.layout: Optional[list] = None
-        self.frags: list[_Fragment] = []   # every fragment of the layout (state only in those this shard owns)
+        self.frags: list[Fragment] = []   # every fragment of the layout (state only in those this shard owns)
         self.shard = shard
         self.owned: list[int] = []        # this shard's fragments (shards.assign), ascending
         self._owners: list[list[int]] = []   # every shard's fragments (for refusals naming the owner)
@@ -108,7 +106,7 @@ class Coordinator:
             self.frags = [Fragment(i, n, _Round(0)) for i, n in enumerate(numels)]
             self.owned = self._owners[self.shard.index]
 
-    def mine(self) -> list[_Fragment]:
+    def mine(self) -> list[Fragment]:
         """The fragments this shard owns (all of them unless sharded)."""
         return [self.frags[i] for i in self.owned]
 
@@ -248,54 +246,18 @@ class Coordinator:
                     f.closed = True
 
     # ------------------------------------------------------------------------------------------ pushes
-    def _weight(self, p: Push) -> tuple[float, float, bool]:
-        """(weight, claimed weight, held until the merge) after checking the push's counters (float64, exact:
-        the counters are bounded; syncer/weights.py)."""
-        for name, hi in (("local_step", INT64_MAX), ("steps", MAX_PUSH_STEPS), ("tokens", MAX_PUSH_TOKENS)):
-            v = getattr(p, name)
-            if not bounded_int(v, hi):
-                raise PushRefused("bad-push", f"push reports {name} = {shown(v)}; need an integer in [0, {hi}]")
-        pt = p.patience
-        if not (isinstance(pt, (int, float)) and not isinstance(pt, bool) and 0 <= pt <= MAX_PATIENCE_S):
-            p.patience = None
-        return self.book.weight(p)
-
-    def _checked(self, p: Push) -> tuple[_Fragment, tuple]:
-        """(lock held) The push's fragment and weights, after the checks of its fields; raises PushRefused."""
-        if not self.initialized:
-            raise PushRefused("not-initialized", "the run has no base yet (waiting for INIT); push refused")
-        if not bounded_int(p.fragment, len(self.frags) - 1):
-            raise PushRefused("bad-fragment", f"push for fragment {shown(p.fragment)}; the layout has "
-                                              f"{len(self.frags)} fragments")
-        wrong = self.owner_refusal(p.fragment, "push")
-        if wrong is not None:
-            raise wrong
-        f = self.frags[p.fragment]
-        if not bounded_int(p.base_version, f.version):
-            raise PushRefused("bad-base", f"push of fragment {f.index} relative to base v{shown(p.base_version)}, "
-                                          f"but the syncer's newest is v{f.version}")
-        try:
-            codecs.check_codec(p.codec, p.block)
-        except CodecError as e:
-            raise PushRefused("bad-codec", str(e)) from None
-        w = self._weight(p)
+    def _checked(self, p: Push) -> tuple[Fragment, tuple]:
+        """(lock held) The push's fragment and (weight, claimed weight, held until the merge), after the checks of
+        its fields (syncer/push_checks.py, syncer/weights.py); raises PushRefused."""
+        f = push_target(p, self.initialized, self.frags, self.owner_refusal)
+        check_counters(p)
+        w = self.book.weight(p)
         p.nbytes = memoryview(p.body).nbytes
         return f, w
 
-    def _admit(self, p: Push, f: _Fragment) -> tuple[Optional[str], int]:
-        """(lock held) The checks of a push against the fragment's state now: ("closed", 0) when the fragment
-        takes no more pushes, else (None, lag); raises PushRefused for a stale or duplicate push."""
-        if f.closed:
-            return "closed", 0
-        lag = f.version - p.base_version + (1 if f.round.closed else 0)
-        if lag > self.ms.max_base_lag:
-            raise PushRefused("stale", f"push of fragment {f.index} is relative to base v{p.base_version} but the "
-                                       f"syncer is at v{f.version} (lag {lag} > max-base-lag "
-                                       f"{self.ms.max_base_lag}); pull the current base and push again")
-        if (p.island, f.index, p.base_version) in self.seen:
-            raise PushRefused("duplicate", f"island {p.island!r} already pushed fragment {f.index} relative to "
-                                           f"base v{p.base_version}; duplicate refused")
-        return None, lag
+    def _admit(self, p: Push, f: Fragment) -> tuple[Optional[str], int]:
+        """(lock held) The checks of a push against the fragment's state now (push_checks.push_standing)."""
+        return push_standing(p, f, self.seen, self.ms.max_base_lag)
 
     def accept(self, p: Push) -> tuple[str, int]:
         """Accept a push (fold it if it answers the open round). Returns (status, lag); raises PushRefused.
@@ -337,7 +299,7 @@ class Coordinator:
             validated = True
         return self._fold(p, f, r, c, w, key)
 
-    def _register(self, p: Push, f: _Fragment, r: _Round, c: _Contrib, key) -> Optional[_Contrib]:
+    def _register(self, p: Push, f: Fragment, r: _Round, c: _Contrib, key) -> Optional[_Contrib]:
         """(lock held) Record an accepted push; returns the contribution when it still has to be folded."""
         self.seen.add(key)
         if c.lag != 0:
@@ -354,7 +316,7 @@ class Coordinator:
         r.inflight += 1
         return c
 
-    def _answer(self, r: _Round, p: Push, f: _Fragment, c: _Contrib) -> None:
+    def _answer(self, r: _Round, p: Push, f: Fragment, c: _Contrib) -> None:
         """(lock held) A push became an answer of round ``r``: round timing and the island's bookkeeping."""
         now = self.clock()
         if r.t_first is None:
@@ -364,7 +326,7 @@ class Coordinator:
             r.t_quorum = now
         self._credit(p, f, c)
 
-    def _credit(self, p: Push, f: _Fragment, c: _Contrib) -> None:
+    def _credit(self, p: Push, f: Fragment, c: _Contrib) -> None:
         """(lock held) The island's bookkeeping for an accepted push (its arrival time, its checked weight, its
         final flag); a push refused while it is being folded leaves none (its final flag would drop the island
         from the fragment's expected set)."""
@@ -377,7 +339,7 @@ class Coordinator:
                 m.final_fragments.add(f.index)
             m.last_step = max(m.last_step, int(p.local_step or 0))
 
-    def _fold(self, p: Push, f: _Fragment, r: _Round, c: _Contrib, w: float, key) -> tuple[str, int]:
+    def _fold(self, p: Push, f: Fragment, r: _Round, c: _Contrib, w: float, key) -> tuple[str, int]:
         """Streaming fold of an accepted push into its round's accumulator, outside the central lock."""
         err = None
         try:
@@ -404,7 +366,7 @@ class Coordinator:
         return "accepted", 0
 
     # --------------------------------------------------------------------------------------- scheduling
-    def expected(self, f: _Fragment, now: float) -> set:
+    def expected(self, f: Fragment, now: float) -> set:
         return self.roster.expected(f.index, now)
 
     def due(self) -> list[int]:
@@ -444,7 +406,7 @@ class Coordinator:
         with f.writing(wait_streams) as held:
             return self._merge_locked(f, index, force) if held else None
 
-    def _merge_locked(self, f: _Fragment, index: int, force: bool) -> Optional[MergeRecord]:
+    def _merge_locked(self, f: Fragment, index: int, force: bool) -> Optional[MergeRecord]:
         with self.lock:
             r = f.round
             if r.closed or (f.closed and not force):
@@ -508,7 +470,7 @@ class Coordinator:
                            if ok else 0.0, bytes=nbytes, quorum_s=max(0.0, t0 - t_first), merge_s=t1 - t0,
                            grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall, outer_lr=outer_lr)
 
-    def _merge_fold(self, f: _Fragment, r: _Round, fresh: list, carried: list, version: int, index: int) -> tuple:
+    def _merge_fold(self, f: Fragment, r: _Round, fresh: list, carried: list, version: int, index: int) -> tuple:
         """(accumulator, total weight, responders) of a merge (round_state.fold_held)."""
         acc = r.acc
         if acc is None:
@@ -517,7 +479,7 @@ class Coordinator:
                                       self.runner.threads, index)
         return acc, total, responders
 
-    def _base_update(self, f: _Fragment, scratch: np.ndarray, version: int) -> None:
+    def _base_update(self, f: Fragment, scratch: np.ndarray, version: int) -> None:
         """shadow += decode(encode(base - shadow)) (the merge holds the fragment's write lock; ``scratch`` is the
         spent accumulator)."""
         f.encode_update(self.down_codec, self.down_block, scratch, version, self.runner.threads)

@@ -18,17 +18,18 @@ from typing import Optional
 
 import numpy as np
 
-from ..wire import auth, codecs
+from ..wire import auth
 from ..wire.frames import MAX_PAYLOAD, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
 from ..wire.transport import Connection, listen
-from .admission import HandshakeSlots
+from .admission import HandshakeSlots, host_of
 from .checkpoint import CheckpointError, CheckpointWriter
 from .config import BASE_WIRE, ServerConfig
 from .final_cut import await_acks, goodbye
-from .guard import NormGuard, too_large
+from .guard import NormGuard
 from ..wire.text import printable
 from .initializer import InitChoice, Initializing
-from .limits import InitWatch, island_buffer_bytes
+from .inits import take_init
+from .limits import InitWatch, island_buffer_bytes, island_max
 from .merge import ChunkRunner
 from .handshake import accept_handshake
 from .metrics import Metrics, Tape
@@ -48,13 +49,6 @@ MAX_PUSHES_IN_FLIGHT = 2  # per connection, handed to the fold pool and not yet 
 #: its header, so a hostile length or chunk total cannot make the syncer read or reserve more before the MAC is
 #: checked. The MANIFEST limit is raised to its protocol maximum once the HELLO passed (syncer/handshake.py).
 HANDSHAKE_MAX = {t: 64 << 10 for t in MsgType if t != MsgType.CHUNK}
-
-
-def _host_of(sock) -> str:
-    try:
-        return str(sock.getpeername()[0])
-    except OSError:
-        return "?"
 
 
 class SyncerServer:
@@ -173,7 +167,7 @@ class SyncerServer:
                 continue
             except OSError:
                 return
-            host = _host_of(sock)
+            host = host_of(sock)
             if not self.slots.admit(host, self.all_sessions):
                 sock.close()
                 continue
@@ -197,8 +191,8 @@ class SyncerServer:
     def _session_main(self, s: _Session) -> None:
         try:
             if self._handshake(s):
-                s.conn.set_limits(self._island_max(), island_buffer_bytes(
-                    self._island_max()[MsgType.PUSH], self.cfg.island_buffer_bytes))
+                most = island_max(max(f.numel for f in self.coord.frags))
+                s.conn.set_limits(most, island_buffer_bytes(most[MsgType.PUSH], self.cfg.island_buffer_bytes))
                 s.writer = threading.Thread(target=s.writer_loop, daemon=True, name=f"yeto-send-{s.island}")
                 s.writer.start()
                 self._read_loop(s)
@@ -249,12 +243,6 @@ class SyncerServer:
         """(coord.lock held) The fragments `joining` must INIT, if the initializer policy chose it now (see
         syncer/initializer.py)."""
         return self.init.pick(self.sessions, self.coord, joining)
-
-    def _island_max(self) -> dict:
-        """Per-type maxima for an authenticated island: INIT and PUSH bodies are one fragment (int8 with block 1
-        is the largest encoding), plus room for the meta; the other messages are small."""
-        bulk = codecs.encoded_nbytes("int8", max(f.numel for f in self.coord.frags), 1) + (1 << 20)
-        return {**{t: 1 << 20 for t in MsgType if t != MsgType.CHUNK}, MsgType.INIT: bulk, MsgType.PUSH: bulk}
 
     def status(self) -> dict:
         c = self.coord
@@ -318,32 +306,13 @@ class SyncerServer:
 
     def _on_init_locked(self, s: _Session, meta: dict, body) -> None:
         coord = self.coord
-        if coord.initialized:   # (docs/protocol.md: a second INIT is an ERROR init)
-            self._refuse(s, "init", "INIT after the run was initialized; refused")
-            s.close()
-            return
-        if not self.init.expects(s):
-            self._refuse(s, "init", "INIT not expected from this island (another island initializes the run)")
-            s.close()
-            return
         try:
-            idx = meta["fragment"]
-            mv = memoryview(body).cast("B")
-            if meta.get("dtype", "f32") != "f32" or mv.nbytes % 4:
-                raise PushRefused("bad-init", "INIT bodies are float32")
-            arr = np.frombuffer(mv, np.float32)
-            if arr.ctypes.data % 4 or not arr.flags.writeable:
-                arr = arr.copy()
-            why = too_large(f"INIT of fragment {idx}", arr)
-            if why:
-                raise PushRefused("bad-init", why + " (a base must stay usable)")
-            done = coord.init_fragment(idx, arr)
-        except (PushRefused, KeyError, ValueError, TypeError) as e:
-            msg = e.message if isinstance(e, PushRefused) else f"malformed INIT: {e}"
-            self._refuse(s, "init", msg)
+            done, nbytes = take_init(coord, self.init, s, meta, body)   # syncer/inits.py
+        except PushRefused as e:
+            self._refuse(s, "init", e.message)
             s.close()
             return
-        self.metrics.bytes_in.labels("init").inc(mv.nbytes)
+        self.metrics.bytes_in.labels("init").inc(nbytes)
         self.init.watch.progress()
         if done:
             log.info("run initialized from island %s's INIT (%d fragments)", s.island, len(coord.frags))

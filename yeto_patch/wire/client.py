@@ -60,7 +60,7 @@ syncer's ERROR message: auth, manifest, too-many-islands, protocol; the connecti
 :class:`~.frames.AuthError`, :class:`~.frames.WireTimeout`, :class:`~.transport.ConnectError`.
 
 The value types live in :mod:`.values` and the handshake (with ``probe``) in :mod:`.handshake`; both are
-re-exported here.
+re-exported here. What the client sends is built in :mod:`.outbox`, what it receives read in :mod:`.inbox`.
 """
 from __future__ import annotations
 
@@ -75,33 +75,14 @@ import numpy as np
 from . import auth, codecs
 from .frames import MsgType, PeerError, ProtocolError, WireTimeout
 from .handshake import _RESUME, _RESUME_LOCK, UNVERIFIED_MAX, _handshake, probe  # noqa: F401 - re-exported
-from .inbox import read_base, session_limits
-from .message import encode_meta
+from .inbox import read_base, read_reply, read_welcome, session_limits
+from .outbox import aligned, heartbeat_meta, init_pieces, manifest_entries, push_meta, push_size
 from .text import check_island_id
 from .transport import Connection, connect
 from .values import (Base, PushReply, SyncerRefusal, SyncerStatus, Welcome,  # noqa: F401 - re-exported
-                     recoverable, shard_fields, syncer_status)
+                     recoverable, syncer_status)
 
 __all__ = ["SyncerClient", "SyncerRefusal", "Welcome", "Base", "PushReply", "probe", "recoverable"]
-
-_SEND_PIECE = 4 << 20
-
-
-def _aligned(meta: dict, align: int = 64) -> dict:
-    m = dict(meta)
-    m["_pad"] = ""
-    n = 4 + len(encode_meta(m))
-    m["_pad"] = " " * ((-n) % align)
-    return m
-
-
-def _norm_manifest(manifest) -> list:
-    out = []
-    for e in manifest:
-        name, shape, dtype = e
-        out.append((str(name), tuple(int(d) for d in shape), str(dtype)))
-    return out
-
 
 class SyncerClient:
     def __init__(self, address: str, key: Optional[bytes], island_id: str, manifest, *,
@@ -115,7 +96,7 @@ class SyncerClient:
         self.address = address
         self.key = key
         self.island_id = check_island_id(str(island_id))
-        self.manifest = _norm_manifest(manifest)
+        self.manifest = manifest_entries(manifest)
         self.digest = auth.manifest_digest(self.manifest)
         self.incarnation = random.getrandbits(63) if incarnation is None else int(incarnation)
         self.timeout = float(timeout)
@@ -173,13 +154,7 @@ class SyncerClient:
                                             **({"initializer": True} if self.initializer else {})},
                               self.timeout, resume_slot=(self.address, self.island_id),
                               first_timeout=self.connect_timeout, run_id=self.run_id)
-            w = Welcome(island_id=meta["island_id"], layout=meta["layout"], numels=meta["numels"],
-                        fragments=meta["fragments"], versions=meta.get("versions"),
-                        needs_init=list(meta.get("needs_init") or []), base_wire=meta.get("base_wire", "f32"),
-                        heartbeat_s=float(meta.get("heartbeat_s", 5.0)), lease_s=float(meta.get("lease_s", 60.0)),
-                        islands=meta.get("islands", 1), quorum=meta.get("quorum", 1),
-                        total_rounds=meta.get("total_rounds"), final=bool(meta.get("final")),
-                        run_id=meta.get("run_id"), **shard_fields(meta))
+            w = read_welcome(meta)
             conn.set_limits(*session_limits(w))
         except BaseException:
             conn.close()
@@ -268,8 +243,7 @@ class SyncerClient:
                 self._held[b.fragment] = b.version
                 self._notify()
         elif t == MsgType.PUSH_REPLY:
-            r = PushReply(meta.get("fragment"), meta.get("base_version"), meta.get("status", "?"),
-                          int(meta.get("lag", 0) or 0), meta.get("version"), meta.get("message", ""))
+            r = read_reply(meta)
             key = (r.fragment, r.base_version)
             with self._cv:
                 if key in self._waiting:
@@ -302,10 +276,7 @@ class SyncerClient:
                 if self._closed or self._error is not None:
                     return
             try:
-                beat = {"step": int(self.local_step)}
-                if self.rate > 0:
-                    beat["rate"] = round(float(self.rate), 6)
-                self.conn.send(MsgType.HEARTBEAT, beat)
+                self.conn.send(MsgType.HEARTBEAT, heartbeat_meta(self.local_step, self.rate))
             except (ProtocolError, OSError) as e:
                 if not self._closed:
                     self._fail(e)
@@ -319,18 +290,8 @@ class SyncerClient:
         with self._cv:  # no longer requested once it is being sent (a poller must not send it twice)
             if fragment in self._init_requests:
                 self._init_requests.remove(fragment)
-
-        def pieces():
-            for a in arrays:
-                if not isinstance(a, np.ndarray) or a.dtype != np.float32:
-                    raise ProtocolError(f"INIT of fragment {fragment}: arrays must be float32 numpy arrays")
-                a = np.ascontiguousarray(a).reshape(-1)
-                mv = memoryview(a).cast("B")
-                for o in range(0, mv.nbytes, _SEND_PIECE):
-                    yield mv[o:o + _SEND_PIECE]
-
-        conn.send(MsgType.INIT, _aligned({"fragment": fragment, "numel": numel, "dtype": "f32"}),
-                  body_len=4 * numel, body_iter=pieces())
+        conn.send(MsgType.INIT, aligned({"fragment": fragment, "numel": numel, "dtype": "f32"}),
+                  body_len=4 * numel, body_iter=init_pieces(fragment, arrays))
         with self._cv:
             self._init_sent.add(fragment)
 
@@ -381,23 +342,10 @@ class SyncerClient:
         """Send a fragment's encoded delta. See the module docstring. ``patience``: seconds until the island
         blocks for this push's answer (the syncer's adaptive grace window never holds a round longer)."""
         conn = self._need()
-        if isinstance(fragment, bool) or not (isinstance(fragment, int) and 0 <= fragment < self.welcome.fragments):
-            raise ProtocolError(f"push of fragment {fragment!r}: the syncer's layout has fragments "
-                                f"0..{self.welcome.fragments - 1}")
-        numel = self.welcome.numels[fragment]
-        want = codecs.encoded_nbytes(codec, numel, block)
-        if body_iter is None:
-            if body is None:
-                raise ProtocolError("push needs body or body_iter")
-            body_len = memoryview(body).nbytes
-        if body_len != want:
-            raise ProtocolError(f"push of fragment {fragment}: {codec} (block {block}) of {numel} values is {want} "
-                                f"bytes, got {body_len}")
+        numel, body_len = push_size(self.welcome, fragment, codec, block, body, body_len, body_iter)
         self.local_step = max(self.local_step, int(local_step))
-        meta = _aligned({"fragment": fragment, "base_version": int(base_version), "local_step": int(local_step),
-                         "steps": int(steps), "tokens": int(tokens), "codec": codec, "block": int(block),
-                         "numel": numel, "final": bool(final), "blend": bool(blend),
-                         **({} if patience is None else {"patience": round(max(0.0, float(patience)), 3)})})
+        meta = push_meta(fragment, numel, base_version=base_version, local_step=local_step, steps=steps,
+                         tokens=tokens, codec=codec, block=block, final=final, blend=blend, patience=patience)
         key = (fragment, int(base_version))
         if wait:
             with self._cv:

@@ -1,6 +1,7 @@
-"""What the syncer sends an island, read and checked before the client keeps it: the limits of a session after
-its WELCOME, and every BASE / FINAL_BASE (a full float32 base, a coded one, the weights the island declared it
-holds, or an update of the previous base). Nothing here keeps state: ``SyncerClient`` owns what it received."""
+"""What the syncer sends an island, read and checked before the client keeps it: its WELCOME and the limits of a
+session after it, every PUSH_REPLY, and every BASE / FINAL_BASE (a full float32 base, a coded one, the weights the
+island declared it holds, or an update of the previous base). Nothing here keeps state: ``SyncerClient`` owns what
+it received; what it sends is built in outbox.py."""
 from __future__ import annotations
 
 from typing import Mapping
@@ -9,9 +10,27 @@ import numpy as np
 
 from . import codecs
 from .frames import CodecError, MsgType, ProtocolError
-from .values import DELTA_CODECS, Base, Welcome, merge_info
+from .values import DELTA_CODECS, Base, PushReply, Welcome, merge_info, shard_fields
 
-__all__ = ["session_limits", "read_base"]
+__all__ = ["read_welcome", "session_limits", "read_base", "read_reply"]
+
+
+def read_welcome(meta: dict) -> Welcome:
+    """The WELCOME's meta as a Welcome (defaults for the fields an older syncer does not send; shard fields
+    checked)."""
+    return Welcome(island_id=meta["island_id"], layout=meta["layout"], numels=meta["numels"],
+                   fragments=meta["fragments"], versions=meta.get("versions"),
+                   needs_init=list(meta.get("needs_init") or []), base_wire=meta.get("base_wire", "f32"),
+                   heartbeat_s=float(meta.get("heartbeat_s", 5.0)), lease_s=float(meta.get("lease_s", 60.0)),
+                   islands=meta.get("islands", 1), quorum=meta.get("quorum", 1),
+                   total_rounds=meta.get("total_rounds"), final=bool(meta.get("final")),
+                   run_id=meta.get("run_id"), **shard_fields(meta))
+
+
+def read_reply(meta: dict) -> PushReply:
+    """A PUSH_REPLY's meta as a PushReply."""
+    return PushReply(meta.get("fragment"), meta.get("base_version"), meta.get("status", "?"),
+                     int(meta.get("lag", 0) or 0), meta.get("version"), meta.get("message", ""))
 
 
 def session_limits(w: Welcome) -> tuple:
