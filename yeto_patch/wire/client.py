@@ -65,7 +65,7 @@ re-exported here. What the client sends is built in :mod:`.outbox`, what it rece
 from __future__ import annotations
 
 import collections
-import random
+import secrets
 import threading
 import time
 from typing import Callable, Iterable, Optional
@@ -98,7 +98,9 @@ class SyncerClient:
         self.island_id = check_island_id(str(island_id))
         self.manifest = manifest_entries(manifest)
         self.digest = auth.manifest_digest(self.manifest)
-        self.incarnation = random.getrandbits(63) if incarnation is None else int(incarnation)
+        # from the OS, not the `random` module: Megatron seeds that with --seed, so every island of a run (and an
+        # island relaunched before its first checkpoint) would draw the same incarnation
+        self.incarnation = secrets.randbits(63) if incarnation is None else int(incarnation)
         self.timeout = float(timeout)
         self.connect_timeout = self.timeout if connect_timeout is None else min(float(connect_timeout), self.timeout)
         self.insecure = insecure

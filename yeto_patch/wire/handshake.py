@@ -17,7 +17,7 @@ another run than the one the island joined is refused (:class:`~.frames.RunMisma
 """
 from __future__ import annotations
 
-import random
+import secrets
 import threading
 from typing import Optional
 
@@ -188,7 +188,7 @@ def probe(address: str, key: Optional[bytes], *, timeout: float = 10.0, insecure
     conn = connect(address, timeout=timeout, retries=0, max_payload=UNVERIFIED_MAX,
                    max_reassembly_bytes=UNVERIFIED_MAX[MsgType.HELLO_OK])
     try:
-        return _handshake(conn, key, insecure, MsgType.PROBE, island_id, random.getrandbits(63), bytes(32), None,
+        return _handshake(conn, key, insecure, MsgType.PROBE, island_id, secrets.randbits(63), bytes(32), None,
                           timeout)
     finally:
         conn.close()

@@ -31,6 +31,10 @@ from .frames import (HEADER_SIZE, MAX_PAYLOAD, DigestError, FrameAuthError, Fram
 from .message import pack_meta, unpack
 from .secure import FLAG_AUTH, FLAG_ENC, TAG_SIZE, InvalidTag, Opener, Sealer
 
+# Back-off jitter from a generator of our own, seeded by the OS: Megatron seeds the `random` module with --seed, so
+# every island of a run would draw the same jitter and redial a restarted syncer in step.
+_JITTER = random.Random()
+
 __all__ = ["Connection", "ConnectError", "connect", "listen", "parse_address", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 60.0
@@ -475,7 +479,7 @@ def connect(address: str, timeout: float = 10.0, retries: int = 5, backoff: floa
         except OSError as e:
             last = e
             if attempt < retries:
-                time.sleep(min(max_backoff, backoff * (2 ** attempt)) * random.uniform(0.8, 1.2))
+                time.sleep(min(max_backoff, backoff * (2 ** attempt)) * _JITTER.uniform(0.8, 1.2))
             continue
         conn_kwargs.setdefault("timeout", timeout)
         return Connection(sock, **conn_kwargs)
