@@ -94,6 +94,23 @@ def test_restore_keeps_progress_where_the_anchor_is_current_and_skips_where_merg
     assert other[1].push == fs[1].push and other[1].rank0 is None
 
 
+@pytest.mark.parametrize("merged,skip", [(1, 0), (2, 1), (3, 2)])
+def test_the_merge_that_answered_the_saved_push_is_not_skipped(tmp_path, merged, skip):
+    """tau >= 1: fragment 1's push of step 12 (base v5) was unanswered when the checkpoint was saved. The syncer
+    merged it (v6) while the island was down: that round's boundary came before the checkpoint and is not trained
+    again, so only the merges after it (the island's pushes after the checkpoint) are skipped. (Found by the Bridge
+    test: a TP2 island resumed at iteration 2 with tau = 1 did not push fragment 1 at the final cut.)"""
+    old = island()
+    sync_state.save(str(tmp_path), 40, settings(), 40, "d1", old)
+    arrays = {}
+    state = sync_state.load(sync_state.state_path(str(tmp_path), 40), 40, arrays, settings(), manifest_digest="d1",
+                            layout=old.layout)
+    fs = Fragments(old.layout, old.numels, [4, 3, 3])
+    resend = sync_state.restore(state, arrays, fs, {0: 3, 1: 5 + merged}, keep={0}, rank=0, error_feedback=True)
+    assert resend == [] and fs[1].push is None      # answered: nothing to send again, nothing awaited
+    assert fs[1].skip == skip and fs[0].skip == 0
+
+
 def test_elastic_rounds_merged_without_the_island_are_not_skipped(tmp_path):
     """Without a fixed roster the rounds merged while the island was down did not hold its pushes: it skips none."""
     old = island()

@@ -183,15 +183,20 @@ def restore(state: dict, arrays: Dict[str, np.ndarray], fragments, versions: Dic
     anchor is still the syncer's base), the error-feedback residuals (rank 0). With a fixed roster (every round
     holds one push of every island) a fragment the syncer merged past the saved anchor (with this island's pushes
     made before it died, whose steps it now trains again) skips that many of its next boundaries, so the island's
-    rounds line up with the other islands' again. Elastic rounds merged without it while it was down: it skips
-    none (it trains again on the steps since its checkpoint from the current base; their tokens are used twice).
+    rounds line up with the other islands' again; the first of those merges answered the push saved unanswered
+    with the state (made before the checkpoint, tau >= 1): its boundary is not trained again, so it is not
+    skipped. Elastic rounds merged without it while it was down: it skips none (it trains again on the steps since
+    its checkpoint from the current base; their tokens are used twice).
     The saved pushes are every rank's (the meta is broadcast); only rank 0 holds their bodies. Returns (rank 0)
     the fragments whose saved push must be sent again."""
     from yeto_patch.island.boundary.fragment import Push, PushWire
     for frag in fragments:
-        ahead = int(versions[frag.index]) - int(state["anchor_version"][frag.index])
-        if frag.index not in keep and ahead > 0 and fixed_roster:
-            frag.skip = ahead
+        anchor = int(state["anchor_version"][frag.index])
+        saved = state["pending"].get(str(frag.index))
+        answered = 1 if saved is not None and int(saved["base_version"]) == anchor else 0
+        trained_again = int(versions[frag.index]) - anchor - answered
+        if frag.index not in keep and trained_again > 0 and fixed_roster:
+            frag.skip = trained_again
     resend = []
     for f in sorted(keep):
         frag = fragments[f]
