@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 
+from tests.shim.procs import free_port
 from yeto_patch.wire import transport
 from yeto_patch.wire.client import SyncerClient
 
@@ -23,19 +24,10 @@ def test_incarnations_differ_under_the_same_seed():
     assert all(0 <= x < 2 ** 63 for x in drawn)
 
 
-def _closed_port() -> int:
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def test_back_off_jitter_differs_under_the_same_seed(monkeypatch):
     slept = []
     monkeypatch.setattr(transport.time, "sleep", slept.append)
-    port = _closed_port()
+    port = free_port()                  # (nothing listens there)
     waits = []
     for _ in range(2):                  # two islands, each seeded with --seed 1234, redialling a syncer that is down
         random.seed(1234)

@@ -30,6 +30,16 @@ def island(anchors=(3, 5)):
     return fs
 
 
+def saved_and_loaded(tmp_path):
+    """(the island saved at iteration 40, the state read back, its arrays)."""
+    old = island()
+    sync_state.save(str(tmp_path), 40, settings(), 40, "d1", old)
+    arrays = {}
+    state = sync_state.load(sync_state.state_path(str(tmp_path), 40), 40, arrays, settings(), manifest_digest="d1",
+                            layout=old.layout)
+    return old, state, arrays
+
+
 def test_save_then_load_round_trips_the_state(tmp_path):
     fs = island()
     assert sync_state.save(str(tmp_path), 40, settings(), 40, "d1", fs)
@@ -74,11 +84,7 @@ def test_another_push_codec_drops_the_saved_pushes(tmp_path):
 
 
 def test_restore_keeps_progress_where_the_anchor_is_current_and_skips_where_merged_past(tmp_path):
-    old = island()
-    sync_state.save(str(tmp_path), 40, settings(), 40, "d1", old)
-    arrays = {}
-    state = sync_state.load(sync_state.state_path(str(tmp_path), 40), 40, arrays, settings(), manifest_digest="d1",
-                            layout=old.layout)
+    old, state, arrays = saved_and_loaded(tmp_path)
     fs = Fragments(old.layout, old.numels, [4, 3, 3])
     versions = {0: 5, 1: 5}   # fragment 0 was merged twice past its saved anchor v3; fragment 1 is current
     resend = sync_state.restore(state, arrays, fs, versions, keep={1}, rank=0, error_feedback=True)
@@ -100,11 +106,7 @@ def test_the_merge_that_answered_the_saved_push_is_not_skipped(tmp_path, merged,
     merged it (v6) while the island was down: that round's boundary came before the checkpoint and is not trained
     again, so only the merges after it (the island's pushes after the checkpoint) are skipped. (Found by the Bridge
     test: a TP2 island resumed at iteration 2 with tau = 1 did not push fragment 1 at the final cut.)"""
-    old = island()
-    sync_state.save(str(tmp_path), 40, settings(), 40, "d1", old)
-    arrays = {}
-    state = sync_state.load(sync_state.state_path(str(tmp_path), 40), 40, arrays, settings(), manifest_digest="d1",
-                            layout=old.layout)
+    old, state, arrays = saved_and_loaded(tmp_path)
     fs = Fragments(old.layout, old.numels, [4, 3, 3])
     resend = sync_state.restore(state, arrays, fs, {0: 3, 1: 5 + merged}, keep={0}, rank=0, error_feedback=True)
     assert resend == [] and fs[1].push is None      # answered: nothing to send again, nothing awaited
@@ -113,11 +115,7 @@ def test_the_merge_that_answered_the_saved_push_is_not_skipped(tmp_path, merged,
 
 def test_elastic_rounds_merged_without_the_island_are_not_skipped(tmp_path):
     """Without a fixed roster the rounds merged while the island was down did not hold its pushes: it skips none."""
-    old = island()
-    sync_state.save(str(tmp_path), 40, settings(), 40, "d1", old)
-    arrays = {}
-    state = sync_state.load(sync_state.state_path(str(tmp_path), 40), 40, arrays, settings(), manifest_digest="d1",
-                            layout=old.layout)
+    old, state, arrays = saved_and_loaded(tmp_path)
     fs = Fragments(old.layout, old.numels, [4, 3, 3])
     sync_state.restore(state, arrays, fs, {0: 5, 1: 5}, keep={1}, rank=0, error_feedback=True, fixed_roster=False)
     assert fs[0].skip == 0 and fs[1].push.base_version == 5
