@@ -150,6 +150,46 @@ def _tp(is_expert: bool) -> Tuple[int, int]:
     return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
 
 
+def _global_numbering(modules: dict, layer_types, moe_types) -> Tuple[dict, dict]:
+    """(module path -> global layer number, 0-based; experts container path -> the global indices of its local
+    experts, None when neither it nor its MoE layer says) of one model chunk."""
+    layer_of, experts_of = {}, {}
+    for path, mod in modules.items():
+        if isinstance(mod, layer_types) and getattr(mod, "layer_number", None) is not None \
+                and not getattr(mod, "is_mtp_layer", False):
+            layer_of[path] = int(mod.layer_number) - 1
+        if moe_types and isinstance(mod, moe_types) and hasattr(mod, "experts"):
+            idx = getattr(mod.experts, "local_expert_indices", None)
+            if idx is None:
+                idx = getattr(mod, "local_expert_indices", None)
+            epath = f"{path}.experts" if path else "experts"
+            experts_of[epath] = None if idx is None else [int(i) for i in idx]
+    return layer_of, experts_of
+
+
+def _global_name(pname: str, layer_of: dict, experts_of: dict) -> Tuple[str, bool, bool]:
+    """(the name of local parameter `pname` with global layer and expert numbers, is it an expert's, is it a
+    grouped experts tensor)."""
+    gname = pname
+    for lpath in _prefixes(pname):
+        if lpath in layer_of:
+            head = lpath.rpartition(".")[0]
+            gname = f"{head}.{layer_of[lpath]}" + pname[len(lpath):]
+            break
+    for epath, idx in experts_of.items():
+        if pname.startswith(epath + "."):
+            if idx is None:
+                raise ManifestError(f"expert parameter '{pname}' has no global expert index: neither its experts "
+                                    f"container nor its MoE layer carries local_expert_indices")
+            j, rest, grouped = _expert_rest(pname[len(epath) + 1:], len(idx))
+            if j >= len(idx):
+                raise ManifestError(f"expert parameter '{pname}': local expert {j} >= {len(idx)} local experts")
+            # rebuild the name from the globally numbered prefix
+            gprefix = gname[: len(gname) - len(pname) + len(epath)] if gname != pname else epath
+            return f"{gprefix}.{idx[j]}.{rest}", True, grouped
+    return gname, False, False
+
+
 def local_params(model_chunks, real_vocab_size: Optional[int] = None, vocab_rows: Optional[dict] = None,
                  merge_padding: bool = False) -> List[Tuple[str, LocalParam]]:
     """This rank's trainable parameters with their global names (no communication). `entry` is left -1.
@@ -162,47 +202,11 @@ def local_params(model_chunks, real_vocab_size: Optional[int] = None, vocab_rows
         model = unwrap(chunk)
         tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
         modules = dict(model.named_modules())
-        # module path -> global layer number (0-based); experts containers -> (global indices)
-        layer_of = {}
-        experts_of = {}
-        for path, mod in modules.items():
-            if isinstance(mod, layer_types) and getattr(mod, "layer_number", None) is not None \
-                    and not getattr(mod, "is_mtp_layer", False):
-                layer_of[path] = int(mod.layer_number) - 1
-            if moe_types and isinstance(mod, moe_types) and hasattr(mod, "experts"):
-                exp = mod.experts
-                idx = getattr(exp, "local_expert_indices", None)
-                if idx is None:
-                    idx = getattr(mod, "local_expert_indices", None)
-                epath = f"{path}.experts" if path else "experts"
-                experts_of[epath] = None if idx is None else [int(i) for i in idx]
+        layer_of, experts_of = _global_numbering(modules, layer_types, moe_types)
         for pname, p in model.named_parameters():
             if not p.requires_grad:
                 continue
-            grouped = False
-            # global layer number
-            gname = pname
-            for lpath in _prefixes(pname):
-                if lpath in layer_of:
-                    head, _, tail_idx = lpath.rpartition(".")
-                    gname = f"{head}.{layer_of[lpath]}" + pname[len(lpath):]
-                    break
-            is_expert = False
-            for epath, idx in experts_of.items():
-                if pname.startswith(epath + "."):
-                    rel = pname[len(epath) + 1:]
-                    if idx is None:
-                        raise ManifestError(
-                            f"expert parameter '{pname}' has no global expert index: neither its experts "
-                            f"container nor its MoE layer carries local_expert_indices")
-                    j, rest, grouped = _expert_rest(rel, len(idx))
-                    if j >= len(idx):
-                        raise ManifestError(f"expert parameter '{pname}': local expert {j} >= {len(idx)} local experts")
-                    # rebuild the name from the globally numbered prefix
-                    gprefix = gname[: len(gname) - len(pname) + len(epath)] if gname != pname else epath
-                    gname = f"{gprefix}.{idx[j]}.{rest}"
-                    is_expert = True
-                    break
+            gname, is_expert, grouped = _global_name(pname, layer_of, experts_of)
             gname, mapped_from = builds.canonical(gname)
             tied_copy = False
             if pname == "output_layer.weight" and tied:
