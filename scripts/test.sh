@@ -9,14 +9,15 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
 envs="${YETO_TEST_ENVS:-py312 py311 py312-launchers}"
-# Two pytest workers (pytest-xdist), each taking whole test files (--dist loadfile: a file's module-scoped worker
-# pools and shared runs stay in one process). Many end-to-end tests spend much of their time waiting (a syncer's
-# round timeout, an island that is down on purpose, a link's back-off), which leaves a 2-core machine about a
-# third idle when the files run one after another; two workers fill that time (py312's tests: 32 -> 24 minutes).
+# Two pytest workers (pytest-xdist), each taking whole test files (--dist loadfile: a file's module-scoped
+# worker pools and shared runs stay in one process; --no-loadscope-reorder keeps the order tests/conftest.py
+# sets, long files first). Many end-to-end tests spend much of their time waiting (a syncer's round timeout, an
+# island that is down on purpose, a link's back-off), which leaves a 2-core machine about a third idle when the
+# files run one after another; two workers fill that time (py312's tests: 32 -> 24 minutes).
 workers="${YETO_TEST_WORKERS:-2}"
 case "$workers" in ''|*[!0-9]*) echo "YETO_TEST_WORKERS must be a whole number, not '$workers'" >&2; exit 2 ;; esac
 parallel=()
-if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile); fi
+if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 status=0
 for env in $envs; do
   venv="$(bash scripts/venv.sh "$env")"
