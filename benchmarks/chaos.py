@@ -50,6 +50,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ISLAND = os.path.join(ROOT, "benchmarks", "chaos_island.py")
+sys.path.insert(0, ROOT)
+# the syncer is restarted on its port: one below the ephemeral range, which islands redialling it cannot take
+from tests.ports import free_port  # noqa: E402
 SPEEDS = (1.0, 1.0, 1.0, 0.7, 0.5, 0.35)
 LEVELS = {"high": dict(kills=8, outages=16, pauses=19), "low": dict(kills=3, outages=6, pauses=6),
           "none": dict(kills=0, outages=0, pauses=0)}   # events per 180 s
@@ -147,7 +150,7 @@ class Fleet:
         self.a, self.name, self.out = a, name, out
         self.n = len(a.speeds)
         os.makedirs(out, exist_ok=True)
-        self.port = _free_port()
+        self.port = free_port()
         flags = [f.replace("{n}", str(self.n)) for f in flags]
         self.syncer = subprocess.Popen(
             [sys.executable, "-m", "yeto_patch.syncer", "--listen", f"127.0.0.1:{self.port}", "--islands",
@@ -272,14 +275,6 @@ def _env(**extra) -> dict:
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update({k: str(v) for k, v in extra.items()})
     return env
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 # ------------------------------------------------------------------------------------------------ figures

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import sys
 import time
 import traceback
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, List, Optional
+
+from tests.ports import free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,13 +50,6 @@ class RankError:
     message: str
     traceback: str
 
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _resolve(spec: str):

@@ -6,23 +6,16 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 
+from tests.ports import free_port  # noqa: F401  (the islands', syncers' and benchmarks' ports)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ISLAND_SCRIPT = os.path.join(ROOT, "tests", "shim", "scripts", "island_train.py")
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
 
 
 def key_file(tmp_path, name="yeto.key", value="0123456789abcdef0123456789abcdef"):

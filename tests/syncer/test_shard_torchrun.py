@@ -9,33 +9,11 @@ import numpy as np
 import pytest
 
 from tests.island.link.test_sharded_link import FRAGMENTS, joined, push, until
-from tests.island.link.test_syncer_link import free_port
+from tests.ports import free_port, free_ports
 from tests.shim import procs as P
 from yeto_patch.syncer.checkpoint import read_checkpoint
 from yeto_patch.syncer.cli import build_parser, config_from_args, resolve_shard
 from yeto_patch.syncer.shard_launch import with_port_offset
-
-
-def _ports(n):
-    """n consecutive free ports (the shards listen on base + LOCAL_RANK)."""
-    for _ in range(50):
-        base = free_port()
-        if base + n > 65535:
-            continue
-        import socket
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no consecutive free ports")
 
 
 @pytest.mark.timeout(300)
@@ -44,7 +22,7 @@ def test_two_shards_of_one_torchrun_job_serve_an_island_that_knows_only_shard_0(
     key = tmp_path / "key"
     key.write_bytes(KEY)
     key.chmod(0o600)
-    base = _ports(2)
+    base = free_ports(2)   # the shards listen on base + LOCAL_RANK
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--rdzv-id", "job-7", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "yeto_patch.syncer", "--shard", "torchrun", "--listen", f"127.0.0.1:{base}", "--islands", "1",

@@ -290,10 +290,8 @@ def test_connect_retries_with_bounded_backoff():
 
 
 def test_connect_succeeds_once_listener_appears():
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
+    from tests.ports import free_port
+    port = free_port()   # nothing listens there yet
     box = {}
 
     def late():

@@ -80,10 +80,11 @@ def test_await_ready_times_out_naming_what_and_where():
 def test_broadcast_json_over_gloo_small_and_large():
     pytest.importorskip("torch")
     code = textwrap.dedent("""
-        import socket, types
+        import types
         import torch.distributed as dist
         from yeto_patch.island.boundary.channel import IslandChannel
-        s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+        from tests.ports import free_port
+        port = free_port()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         ch = IslandChannel(types.SimpleNamespace(rank=0, group=None, timeout_s=30))
         small = {"push": [1, 2], "s": "x"}

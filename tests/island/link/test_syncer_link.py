@@ -10,6 +10,7 @@ import types
 import numpy as np
 import pytest
 
+from tests.ports import free_port
 from tests.syncer.helpers import KEY, MANIFEST, init_values
 from yeto_patch.island.errors import EngineError
 from yeto_patch.island.boundary.fragment import Fragments, PushWire
@@ -20,11 +21,6 @@ from yeto_patch.wire import codecs
 from yeto_patch.wire.frames import AuthError, PeerError
 from yeto_patch.wire.transport import ConnectError
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def syncer(port, fragments=2, key=KEY):
