@@ -68,10 +68,8 @@ def test_counts_both_directions_and_gates():
 
 
 def test_unreachable_syncer_is_reported():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    dead_port = s.getsockname()[1]
-    s.close()
+    from tests.ports import free_port
+    dead_port = free_port()   # nothing listens there
     link = MeteredLink("127.0.0.1", dead_port, gate=0, timeout=2)
     try:
         c = socket.create_connection(("127.0.0.1", link.port), timeout=5)

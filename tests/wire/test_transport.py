@@ -278,10 +278,8 @@ def test_concurrent_senders_do_not_interleave_bytes(pair):
 
 
 def test_connect_retries_with_bounded_backoff():
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()  # nothing listens there now
+    from tests.ports import free_port
+    port = free_port()  # nothing listens there
     t0 = time.monotonic()
     with pytest.raises(transport.ConnectError, match="after 4 attempts"):
         transport.connect(f"127.0.0.1:{port}", timeout=1, retries=3, backoff=0.05, max_backoff=0.1)
