@@ -55,7 +55,9 @@ def test_counts_both_directions_and_gates():
         t1.join(10)
         assert results[1] == b"a" * 600_000 and results[2] == b"b" * 2000
         deadline = time.time() + 5
-        while link.counters()["down"] < 602_000 and time.time() < deadline:
+        # each pump counts a chunk after relaying it: the echo's answer can come back down before the up pump
+        # has counted what it relayed, so wait for both counts
+        while (link.counters()["up"] < 301_000 or link.counters()["down"] < 602_000) and time.time() < deadline:
             time.sleep(0.05)
         c = link.counters()
         assert c["gate_open"] and c["connections"] == 2
