@@ -51,7 +51,6 @@ class RankError:
     traceback: str
 
 
-
 def _resolve(spec: str):
     import importlib
     mod, _, fn = spec.partition(":")

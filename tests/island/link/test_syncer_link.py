@@ -22,7 +22,6 @@ from yeto_patch.wire.frames import AuthError, PeerError
 from yeto_patch.wire.transport import ConnectError
 
 
-
 def syncer(port, fragments=2, key=KEY):
     cfg = ServerConfig(listen=f"127.0.0.1:{port}", islands=1, fragments=fragments, key=key, insecure=key is None,
                        merge=MergeSettings(outer="avg"), rounds=RoundSettings(islands=1, grace_s=0.2, timeout_s=30.0,
