@@ -19,7 +19,7 @@ Call apply() in every worker process BEFORE building models/optimizers (before o
 torch.distributed.init_process_group; megatron.core must be importable).
 Set MCORE_CPU_TRACE=1 to print (once per call-site) every place in megatron that hit a patch.
 Set MCORE_CPU_SKIP=name1,name2 to leave out named patches (ablation); names:
-  rng, cuda_api, moe_te_gemm, moe_split_numpy, torch_norm_sp, mode, hdo_cpu, gloo_uneven
+  jit_fuser, rng, cuda_api, moe_te_gemm, moe_split_numpy, torch_norm_sp, mode, hdo_cpu, gloo_uneven
 """
 import contextlib
 import os
@@ -258,12 +258,42 @@ def _patch_gloo_uneven_collectives():
     dist.all_gather, dist.reduce_scatter = all_gather, reduce_scatter
 
 
+def _disable_jit_fuser():
+    """Megatron's JIT fuser off from megatron.core's first import on (a speed patch, not a CPU fix).
+
+    megatron/core/jit.py sets jit_fuser = torch.compile when megatron.core is first imported, and 41
+    functions (fusions, activations, the torch RMSNorm, the MoE router) are decorated with it at import. On this
+    CPU machine that costs about 4 of the 9-10 CPU-seconds of importing megatron.core per process (torch._dynamo
+    and inductor come in, one compile wrapper per function) and, at a decorated function's first call, an inductor
+    C++ build. The test suite starts several hundred Megatron processes on two cores, so it spends minutes there.
+    Megatron-LM's own switch (--disable-jit-fuser: megatron/training/global_vars.py:156 calls
+    megatron.core.jit.disable_jit_fuser()) comes after those imports, too late to save either, so here
+    torch.compile is an identity decorator while megatron.core is first imported, then restored; the decorated
+    functions run eagerly, as --disable-jit-fuser would run them. yeto-patch calls none of them. A process that
+    imported megatron.core before apply() keeps the fuser it got."""
+    if "megatron.core" in sys.modules:
+        return
+    real = torch.compile
+
+    def identity(model=None, **_options):
+        return model if model is not None else (lambda fn: fn)
+    torch.compile = identity
+    try:
+        import megatron.core.jit as jit
+    finally:
+        torch.compile = real
+    jit.disable_jit_fuser()
+
+
 def apply(sequence_parallel_norm=True):
     """Install every patch once per process (idempotent)."""
     global _APPLIED
     if _APPLIED:
         return
     _APPLIED = True
+    # --- (0) jit_fuser: Megatron's own --disable-jit-fuser, in effect from the first import ---
+    if "jit_fuser" not in _SKIP:
+        _disable_jit_fuser()
     # --- (1) rng: CUDA RNG -> CPU RNG (megatron/core/tensor_parallel/random.py CudaRNGStatesTracker,
     #          0.19.2 random.py:303-345, model_parallel_cuda_manual_seed random.py:490) ---
     if "rng" not in _SKIP:
