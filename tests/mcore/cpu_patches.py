@@ -263,7 +263,7 @@ def _disable_jit_fuser():
 
     megatron/core/jit.py sets jit_fuser = torch.compile when megatron.core is first imported, and 41
     functions (fusions, activations, the torch RMSNorm, the MoE router) are decorated with it at import. On this
-    CPU machine that costs about 4 of the 9-10 CPU-seconds of importing megatron.core per process (torch._dynamo
+    CPU machine that costs about 5 of the 11 CPU-seconds of importing megatron.core per process (torch._dynamo
     and inductor come in, one compile wrapper per function) and, at a decorated function's first call, an inductor
     C++ build. The test suite starts several hundred Megatron processes on two cores, so it spends minutes there.
     Megatron-LM's own switch (--disable-jit-fuser: megatron/training/global_vars.py:156 calls
