@@ -233,15 +233,15 @@ def chunk_frame(inner, total, data, msg_id=1):
 def manual_join(addr, recorded):
     """Island b's handshake by hand, up to its MANIFEST; returns (connection, SealedFrames for its next raw frames,
     which follow the MANIFEST in its sequence)."""
-    from yeto_patch.wire import client as client_mod
+    from yeto_patch.wire import handshake
     from yeto_patch.wire.handshake import IslandHello
     conn = connect(addr, timeout=5, retries=0)
     _, ch, _ = conn.recv(timeout=5)
     # island b is connected: only its own session may take the id over (the proof its process would send)
-    hello = IslandHello(ch, KEY, "b", recorded["incarnation"], DIGEST, resume=client_mod._RESUME[(addr, "b")])
+    hello = IslandHello(ch, KEY, "b", recorded["incarnation"], DIGEST, resume=handshake._RESUME[(addr, "b")])
     conn.send(MsgType.HELLO, hello.meta)
     sess = hello.session()
-    client_mod._RESUME[(addr, "b")] = sess.resumption
+    handshake._RESUME[(addr, "b")] = sess.resumption
     conn.protect(sess.c2s, sess.s2c, sess.encrypt)
     assert conn.recv(timeout=5)[0] == MsgType.HELLO_OK
     frames = SealedFrames(sess.c2s, sess.encrypt)

@@ -159,7 +159,7 @@ def test_a_key_holder_that_recorded_a_handshake_can_neither_resume_it_nor_read_i
 
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    from yeto_patch.wire import client as client_mod
+    from yeto_patch.wire import handshake
     from yeto_patch.wire.message import unpack
 
     from .relay import FrameRelay
@@ -184,8 +184,8 @@ def test_a_key_holder_that_recorded_a_handshake_can_neither_resume_it_nor_read_i
 
         # 1. resume as L1 with each secret the recording gives a key holder (as a client of another process)
         for guess in _key_holder_guesses(challenge, hello, lambda v: b"yeto-patch resume v%d\0" % v, 32):
-            with client_mod._RESUME_LOCK:
-                client_mod._RESUME[(_other_process(addr), "L1")] = guess
+            with handshake._RESUME_LOCK:
+                handshake._RESUME[(_other_process(addr), "L1")] = guess
             x = client(_other_process(addr), "L1", incarnation=l1.incarnation, connect_retries=0)
             with pytest.raises(PeerError) as e:
                 x.connect()

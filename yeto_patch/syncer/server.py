@@ -36,7 +36,7 @@ from .metrics import Metrics, Tape
 from .pushes import accept_push, parse_push, refusal
 from .records import MergeRecord
 from .rounds import Coordinator
-from .session import BASE_UPDATES, SEND_CHUNK, aligned_meta  # noqa: F401  (SEND_CHUNK: re-exported)
+from .session import BASE_UPDATES, aligned_meta
 from .session import Session as _Session
 from .settings import Push, PushRefused, bounded_int, shown
 from .snapshot import capture, open_checkpoint

@@ -74,7 +74,7 @@ import numpy as np
 
 from . import auth, codecs
 from .frames import MsgType, PeerError, ProtocolError, WireTimeout
-from .handshake import _RESUME, _RESUME_LOCK, UNVERIFIED_MAX, _handshake, probe  # noqa: F401 - re-exported
+from .handshake import UNVERIFIED_MAX, _handshake, probe
 from .inbox import read_base, read_reply, read_welcome, session_limits
 from .outbox import aligned, heartbeat_meta, init_pieces, manifest_entries, push_meta, push_size
 from .text import check_island_id
