@@ -10,36 +10,38 @@ for _k in [k for k in os.environ if k.startswith("YETO_")]:
     del os.environ[_k]
 
 
-# The longest test files, longest first (seconds of their longest tests in the suite's two-worker runs on the
-# 2-core machine, 2026-12; the launchers' serially). With two pytest-xdist workers taking whole files
-# (scripts/test.sh), the files handed out last decide how long one worker sits idle while the other finishes:
-# handing out the long files first leaves the short ones for the end. A stale list only costs time; files not
-# named here follow in their usual order.
+# The longest test files, longest first (each file's seconds, setup included, in the suite's two-worker runs on
+# the 2-core machine: `bash scripts/test.sh --durations=0` at 9eba5c5, 2026-12-04; the launchers' serially). With
+# two pytest-xdist workers taking whole files (scripts/test.sh), the files handed out last decide how long one
+# worker sits idle while the other finishes: handing out the long files first leaves the short ones for the end.
+# A stale list only costs time; files not named here follow in their usual order.
 LONG_FILES_FIRST = (
-    "launchers/test_mixed_islands.py",          # 209
-    "launchers/test_swift_sft.py",              # 154
-    "launchers/test_bridge_pretrain.py",        # 102
-    "shim/test_island_restart.py",              # 303
-    "shim/test_elastic.py",                     # 184
-    "shim/test_refusals.py",                    # 182
-    "shim/test_megatron_lm_islands.py",         # 182
-    "shim/test_megatron_lm_loop.py",            # 180
-    "shim/test_background_push.py",             # 159
-    "mcore/test_harness.py",                    # 118 (py311: 50)
-    "shim/test_start_order.py",                 # 115
-    "shim/test_faults.py",                      # 111
-    "shim/test_convergence_mlm.py",             # 105
-    "shim/test_end_to_end.py",                  # 47 (py311: 100)
-    "demo/test_demo.py",                        # 90
-    "demo/test_warmup.py",                      # 86
-    "shim/test_sharded_syncer.py",              # 82
-    "shim/test_moe_islands.py",                 # 77
-    "island/masters/test_names_mcore.py",       # 26 (py311: 73)
-    "shim/test_optimizer_boundary.py",          # 55
-    "syncer/test_soak.py",                      # 45
-    "syncer/test_chaos.py",                     # 43
-    "syncer/test_fuzz.py",                      # 37
-    "shim/test_boundary_scaling_smoke.py",      # 34
+    "launchers/test_mixed_islands.py",          # 97
+    "launchers/test_bridge_pretrain.py",        # 60
+    "launchers/test_swift_sft.py",              # 53
+    "shim/test_island_restart.py",              # 162
+    "shim/test_refusals.py",                    # 140
+    "shim/test_faults.py",                      # 131
+    "island/masters/test_view_mcore.py",        # 129 (py311: 74)
+    "shim/test_elastic.py",                     # 119
+    "shim/test_start_order.py",                 # 73
+    "shim/test_megatron_lm_islands.py",         # 72
+    "island/masters/test_names_mcore.py",       # 66 (py311: 55)
+    "shim/test_sharded_syncer.py",              # 58
+    "demo/test_demo.py",                        # 55
+    "shim/test_megatron_lm_loop.py",            # 55
+    "syncer/test_soak.py",                      # 54
+    "shim/test_background_push.py",             # 52
+    "island/link/test_syncer_link.py",          # 50
+    "syncer/test_chaos.py",                     # 42
+    "shim/test_moe_islands.py",                 # 41
+    "syncer/test_fuzz.py",                      # 36
+    "demo/test_warmup.py",                      # 34
+    "shim/test_convergence_mlm.py",             # 34
+    "mcore/test_harness.py",                    # 25 (py311: 39)
+    "island/masters/test_build_names.py",       # 23
+    "shim/test_optimizer_boundary.py",          # 23
+    "hooks/test_bootstrap.py",                  # 16 (py311: 24)
 )
 
 
