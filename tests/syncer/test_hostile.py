@@ -234,11 +234,10 @@ def manual_join(addr, recorded):
     """Island b's handshake by hand, up to its MANIFEST; returns (connection, SealedFrames for its next raw frames,
     which follow the MANIFEST in its sequence)."""
     from yeto_patch.wire import handshake
-    from yeto_patch.wire.handshake import IslandHello
     conn = connect(addr, timeout=5, retries=0)
     _, ch, _ = conn.recv(timeout=5)
     # island b is connected: only its own session may take the id over (the proof its process would send)
-    hello = IslandHello(ch, KEY, "b", recorded["incarnation"], DIGEST, resume=handshake._RESUME[(addr, "b")])
+    hello = handshake.IslandHello(ch, KEY, "b", recorded["incarnation"], DIGEST, resume=handshake._RESUME[(addr, "b")])
     conn.send(MsgType.HELLO, hello.meta)
     sess = hello.session()
     handshake._RESUME[(addr, "b")] = sess.resumption
