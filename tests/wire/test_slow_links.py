@@ -7,7 +7,7 @@ import time
 import pytest
 
 from yeto_patch.wire import transport
-from yeto_patch.wire.frames import MsgType, WireTimeout
+from yeto_patch.wire.frames import BrokenHere, MsgType, WireTimeout
 
 pytestmark = pytest.mark.timeout(60)
 BODY = 32 << 20
@@ -86,5 +86,33 @@ def test_a_peer_that_reads_nothing_for_longer_than_the_timeout_is_dropped_truthf
     assert conn.broken
     stop.set()
     rd.join(5)
+    raw.close()
+    conn.close()
+
+
+def test_a_read_woken_by_the_sends_stall_reports_the_stall_not_the_peer():
+    """The syncer's reader waits for the island's next message while its writer streams a base. When the send
+    times out it shuts the socket down, and the read wakes to an empty socket: that read must name the stall
+    (BrokenHere), not claim the peer closed the connection (the syncer then logged the wrong cause, or none)."""
+    raw, conn = _pair(timeout=1.0)
+    box = {}
+
+    def read_once():
+        try:
+            conn.recv(timeout=30)
+        except Exception as e:  # noqa: BLE001 - the test looks at what was raised
+            box["error"] = e
+            box["at"] = time.monotonic()
+
+    rd = threading.Thread(target=read_once, daemon=True)
+    rd.start()
+    time.sleep(0.2)   # the read is now waiting in poll
+    with pytest.raises(WireTimeout) as sent:
+        conn.send(MsgType.BASE, {"x": 1}, b"\0" * BODY)
+    broke_at = time.monotonic()
+    rd.join(5)
+    assert isinstance(box.get("error"), BrokenHere), box
+    assert str(box["error"]) == str(sent.value) and "stalled for more than 1.0s" in str(box["error"])
+    assert box["at"] - broke_at < 2   # woken by the break, not by its own 30 s wait
     raw.close()
     conn.close()

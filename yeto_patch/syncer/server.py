@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 
 from ..wire import auth
-from ..wire.frames import MAX_PAYLOAD, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
+from ..wire.frames import MAX_PAYLOAD, BrokenHere, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
 from ..wire.transport import Connection, listen
 from .admission import HandshakeSlots, host_of
 from .checkpoint import CheckpointError, CheckpointWriter
@@ -198,6 +198,8 @@ class SyncerServer:
                 self._read_loop(s)
         except PeerError as e:
             log.warning("island %s sent an error: %s", s.island, e)
+        except BrokenHere as e:   # the writer's send failed and shut the socket down under this read
+            s.send_failed(e)
         except (ProtocolError, OSError) as e:
             if not s.closed and not self.stopping.is_set():
                 log.warning("island %s: connection lost: %s", s.island or s.conn.peer, e)

@@ -50,6 +50,7 @@ class Session:
         self.outbox: collections.deque = collections.deque()
         self.bases: "collections.OrderedDict[int, tuple[str, bool]]" = collections.OrderedDict()
         self.closed = False
+        self._send_failure_told = False
         self.bye = False
         self.joined = False
         self.authenticated = False   # the HELLO's MAC verified (a key holder's handshake: never evicted)
@@ -128,9 +129,17 @@ class Session:
                     self.inflight = False
                     self.cv.notify_all()
         except (ProtocolError, OSError) as e:
-            if not self.closed and not self._quiet():
-                log.warning("island %s: send failed (%s); closing its connection", self.island, e)
-            self.close()
+            self.send_failed(e)
+
+    def send_failed(self, cause: Exception) -> None:
+        """Log why a send on this connection failed, once, and close it. Called by the writer, and by the reader
+        when the writer's failure shut the socket down under it (whichever thread gets here first)."""
+        with self.cv:
+            first = not self.closed and not self._send_failure_told
+            self._send_failure_told = True
+        if first and not self._quiet():
+            log.warning("island %s: send failed (%s); closing its connection", self.island, cause)
+        self.close()
 
     # ------------------------------------------------------------------------------------------ bases
     def stream_base(self, f: Fragment, declared_ok: Callable[[list], bool], sizes: list, down_block: int,

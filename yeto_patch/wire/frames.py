@@ -24,7 +24,7 @@ HEADER_SIZE = HEADER.size  # 28
 __all__ = [
     "MAGIC", "VERSION", "HEADER", "HEADER_SIZE", "MsgType", "MAX_PAYLOAD", "Header",
     "ProtocolError", "FrameError", "DigestError", "FrameAuthError", "AuthError", "CodecError", "PeerError",
-    "WireTimeout", "UnverifiedHandshake", "UnverifiedRefusal", "RunMismatch",
+    "WireTimeout", "BrokenHere", "UnverifiedHandshake", "UnverifiedRefusal", "RunMismatch",
     "encode_header", "decode_header", "digest", "type_name",
 ]
 
@@ -104,6 +104,11 @@ class RunMismatch(ProtocolError):
 
 class WireTimeout(ProtocolError, TimeoutError):
     """A socket operation did not complete in time."""
+
+
+class BrokenHere(ProtocolError):
+    """A receive found the connection broken by another thread of this side (a send that stalled or failed
+    shut the socket down); the message is that thread's cause, not something the peer did."""
 
 
 class MsgType(enum.IntEnum):

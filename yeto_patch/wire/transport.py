@@ -26,8 +26,8 @@ import xxhash
 
 from . import chunks as _chunks
 from .chunks import DEFAULT_CHUNK, ENVELOPE, ENVELOPE_SIZE, MAX_CHUNK, Reassembler, parse_envelope
-from .frames import (HEADER_SIZE, MAX_PAYLOAD, DigestError, FrameAuthError, FrameError, MsgType, PeerError,
-                     ProtocolError, WireTimeout, decode_header, encode_header)
+from .frames import (HEADER_SIZE, MAX_PAYLOAD, BrokenHere, DigestError, FrameAuthError, FrameError, MsgType,
+                     PeerError, ProtocolError, WireTimeout, decode_header, encode_header)
 from .message import pack_meta, unpack
 from .secure import FLAG_AUTH, FLAG_ENC, TAG_SIZE, InvalidTag, Opener, Sealer
 
@@ -62,15 +62,13 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def _tune(sock: socket.socket) -> None:
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
-        except OSError:
-            pass
+    options = [(socket.SOL_SOCKET, opt, SOCK_BUF) for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF)]
     if sock.family in (socket.AF_INET, socket.AF_INET6):
+        options.append((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1))
+    for level, opt, value in options:
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
+            sock.setsockopt(level, opt, value)
+        except OSError:   # (best effort: the defaults still work)
             pass
 
 
@@ -196,9 +194,10 @@ class Connection:
             except (BlockingIOError, InterruptedError):
                 t0 = time.monotonic()
                 if not self._wait_io(select.POLLOUT, self.timeout):
-                    self._break("send timed out")
-                    raise WireTimeout(f"send to {self.peer} stalled for more than {self.timeout}s (the peer "
-                                      f"read nothing for {time.monotonic() - t0:.1f}s)") from None
+                    why = (f"send to {self.peer} stalled for more than {self.timeout}s (the peer read nothing "
+                           f"for {time.monotonic() - t0:.1f}s)")
+                    self._break(why)
+                    raise WireTimeout(why) from None
                 continue
             except OSError as e:
                 self._break(f"send failed: {e}")
@@ -339,9 +338,13 @@ class Connection:
                 raise WireTimeout(f"receive from {self.peer} stalled for more than {self.timeout}s "
                                   f"({got} of {n} bytes)") from None
             except OSError as e:
+                if self._broken:   # (a send on another thread broke it: report that, not the peer)
+                    raise BrokenHere(self._broken) from e
                 self._break(f"receive failed: {e}")
                 raise ProtocolError(f"receive from {self.peer} failed: {e}") from e
             if r == 0:
+                if self._broken:
+                    raise BrokenHere(self._broken)
                 self._break("peer closed the connection")
                 what = "closed the connection" if first else \
                     f"closed the connection mid-frame ({got} of {n} bytes)"
