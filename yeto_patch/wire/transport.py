@@ -200,8 +200,9 @@ class Connection:
                     raise WireTimeout(why) from None
                 continue
             except OSError as e:
-                self._break(f"send failed: {e}")
-                raise ProtocolError(f"send to {self.peer} failed: {e}") from e
+                why = f"send to {self.peer} failed: {e}"
+                self._break(why)
+                raise ProtocolError(why) from e
             while n:
                 if n >= len(views[0]):
                     n -= len(views[0])
@@ -420,13 +421,12 @@ class Connection:
                     self._reasm.drop(env.msg_id)
                     raise
             else:
-                d = xxhash.xxh3_64()
-                d.update(envb)
+                d = xxhash.xxh3_64(envb)
                 d.update(dst)
-            if not sealed and d.intdigest() != h.digest:
-                self._reasm.drop(env.msg_id)
-                raise DigestError(f"digest mismatch in chunk of {_chunks._label(env)} from {self.peer} "
-                                  f"(offset {env.offset})")
+                if d.intdigest() != h.digest:
+                    self._reasm.drop(env.msg_id)
+                    raise DigestError(f"digest mismatch in chunk of {_chunks._label(env)} from {self.peer} "
+                                      f"(offset {env.offset})")
             done = self._reasm.commit(env, n)
             if done is not None:   # (with protection on every chunk was sealed: only a lone ERROR may be clear)
                 return done[0], memoryview(done[1]), sealed
@@ -484,8 +484,7 @@ def connect(address: str, timeout: float = 10.0, retries: int = 5, backoff: floa
             if attempt < retries:
                 time.sleep(min(max_backoff, backoff * (2 ** attempt)) * _JITTER.uniform(0.8, 1.2))
             continue
-        conn_kwargs.setdefault("timeout", timeout)
-        return Connection(sock, **conn_kwargs)
+        return Connection(sock, **{"timeout": timeout, **conn_kwargs})
     raise ConnectError(f"could not connect to {address} after {retries + 1} attempts: {last}")
 
 
