@@ -143,7 +143,7 @@ def _own_shard_bytes(ctx, comm, fragments):
     """Per fragment: bytes of FP32 masters in this rank's optimizer shard; and the manifest and layout used."""
     from yeto_patch.island import build_manifest
     from yeto_patch.island.masters.refs import find_masters
-    from yeto_patch.syncer.layout import partition
+    from yeto_patch.syncer.model.layout import partition
     man = build_manifest(ctx["model"], comm=comm)
     wire = man.wire_manifest()
     layout = partition(wire, fragments)
@@ -414,8 +414,8 @@ def _print_size(label, a, fragments):
 
 def run_size(pool, layers, hidden, a, workdir, idx):
     from yeto_patch.island.boundary.schedule import due_fragments
-    from yeto_patch.syncer.settings import RoundSettings
-    from yeto_patch.syncer.server import ServerConfig, SyncerServer
+    from yeto_patch.syncer.rounds.settings import RoundSettings
+    from yeto_patch.syncer.net.server import ServerConfig, SyncerServer
     total = a.rounds * a.sync_every + 3
     pushes = {f: 1 for f in range(a.fragments)}            # + the final push
     for s in range(1, total):

@@ -49,7 +49,7 @@ for _p in (ROOT, EXAMPLES):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 from yeto_patch.island.boundary.schedule import due_fragments  # noqa: E402
-from yeto_patch.syncer.layout import partition  # noqa: E402
+from yeto_patch.syncer.model.layout import partition  # noqa: E402
 
 RUNS = ("diloco", "lone", "dp")
 NOT_MODELLED = "bf16 compute, int4/int8 pushes and bases, error feedback, install timing under tau, --sync-warmup"

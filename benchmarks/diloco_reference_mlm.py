@@ -155,7 +155,7 @@ def heldout_loss(model, valid, n):
 
 def fragments_of(model, n, vocab_rows):
     """The syncer's partition of the islands' manifest (global names; vocabulary tensors of `vocab_rows` rows)."""
-    from yeto_patch.syncer.layout import partition
+    from yeto_patch.syncer.model.layout import partition
     manifest = []
     for name, p in model.named_parameters():
         shape = tuple(p.shape)
@@ -195,7 +195,7 @@ def main(argv=None):
     o.dropout_seed = o.seeds[0] if o.dropout_seed is None else o.dropout_seed
     o.cache = o.cache or os.path.join(o.data, "ref-cache")
     from yeto_patch.config import AUTO_TAU_MAX
-    from yeto_patch.syncer.outer import lr_for_steps
+    from yeto_patch.syncer.model.outer import lr_for_steps
     tau = min(AUTO_TAU_MAX, o.sync_every // 2) if o.tau is None else o.tau
     outer_lr = lr_for_steps(o.sync_every, blended=tau > 0) if o.outer_lr is None else o.outer_lr
     S = init_megatron(o)

@@ -56,7 +56,7 @@ import xxhash
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from yeto_patch.syncer.checkpoint import read_checkpoint  # noqa: E402
+from yeto_patch.syncer.model.checkpoint import read_checkpoint  # noqa: E402
 from yeto_patch.wire import auth, codecs, secure  # noqa: E402
 from yeto_patch.wire.client import SyncerClient  # noqa: E402
 from yeto_patch.wire.frames import HEADER, HEADER_SIZE, MAGIC, MAX_PAYLOAD, MsgType, ProtocolError  # noqa: E402
@@ -85,9 +85,9 @@ PRE_AUTH = ("header", "oversize", "truncated", "digest", "chunk", "meta", "hello
 # ------------------------------------------------------------------------------------------ the syncer side
 def serve(cfg: dict) -> None:
     """Child mode: run the syncer; answer "state" on stdin with a JSON line (hashes of the committed state)."""
-    from yeto_patch.syncer.settings import MergeSettings, RoundSettings
-    from yeto_patch.syncer.snapshot import capture
-    from yeto_patch.syncer.server import ServerConfig, SyncerServer
+    from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
+    from yeto_patch.syncer.model.snapshot import capture
+    from yeto_patch.syncer.net.server import ServerConfig, SyncerServer
 
     logging.basicConfig(level=cfg["log_level"], stream=sys.stderr,
                         format="%(asctime)s %(threadName)s %(levelname)s %(message)s")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The syncer's round rules in virtual time: the real coordinator (yeto_patch.syncer.rounds.Coordinator, with its
+"""The syncer's round rules in virtual time: the real coordinator (yeto_patch.syncer.rounds.coordinator.Coordinator, with its
 roster, adaptive grace window and weights) fed by simulated islands, to compare settings of the rules without the
 machine's load in the figures (benchmarks/chaos.py runs the real processes and link code).
 
@@ -30,10 +30,10 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from yeto_patch.island.boundary.schedule import Cadence, catch_up, suggest  # noqa: E402
-from yeto_patch.syncer import settings as syncer_settings  # noqa: E402
-from yeto_patch.syncer.merge import ChunkRunner  # noqa: E402
-from yeto_patch.syncer.rounds import Coordinator  # noqa: E402
-from yeto_patch.syncer.settings import MergeSettings, Push, PushRefused, RoundSettings  # noqa: E402
+from yeto_patch.syncer.rounds import settings as syncer_settings  # noqa: E402
+from yeto_patch.syncer.model.runner import ChunkRunner  # noqa: E402
+from yeto_patch.syncer.rounds.coordinator import Coordinator  # noqa: E402
+from yeto_patch.syncer.rounds.settings import MergeSettings, Push, PushRefused, RoundSettings  # noqa: E402
 from yeto_patch.wire import codecs  # noqa: E402
 
 P, TOKENS, LATENCY, LEASE = 4, 4096, 0.02, 2.0

@@ -35,8 +35,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from yeto_patch.syncer.settings import MergeSettings, RoundSettings  # noqa: E402
-from yeto_patch.syncer.server import ServerConfig, SyncerServer  # noqa: E402
+from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings  # noqa: E402
+from yeto_patch.syncer.net.server import ServerConfig, SyncerServer  # noqa: E402
 from yeto_patch.wire import codecs  # noqa: E402
 from yeto_patch.wire.client import SyncerClient, SyncerRefusal  # noqa: E402
 from yeto_patch.wire.frames import ProtocolError  # noqa: E402

@@ -28,9 +28,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from yeto_patch.syncer.merge import ChunkRunner  # noqa: E402
-from yeto_patch.syncer.rounds import Coordinator  # noqa: E402
-from yeto_patch.syncer.settings import MergeSettings, Push, RoundSettings  # noqa: E402
+from yeto_patch.syncer.model.runner import ChunkRunner  # noqa: E402
+from yeto_patch.syncer.rounds.coordinator import Coordinator  # noqa: E402
+from yeto_patch.syncer.rounds.settings import MergeSettings, Push, RoundSettings  # noqa: E402
 from yeto_patch.wire import codecs  # noqa: E402
 
 
@@ -179,7 +179,7 @@ def raw_rate(nbytes: int, fresh: bool = True) -> float:
 
 
 def _one_transfer(P: int, threads: int, values: np.ndarray) -> tuple:
-    from yeto_patch.syncer.server import ServerConfig, SyncerServer
+    from yeto_patch.syncer.net.server import ServerConfig, SyncerServer
     from yeto_patch.wire.client import SyncerClient
 
     key = b"b" * 32

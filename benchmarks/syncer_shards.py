@@ -32,11 +32,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from yeto_patch.syncer.layout import fragment_numels, partition  # noqa: E402
-from yeto_patch.syncer.merge import ChunkRunner  # noqa: E402
-from yeto_patch.syncer.rounds import Coordinator  # noqa: E402
-from yeto_patch.syncer.settings import MergeSettings, Push, RoundSettings  # noqa: E402
-from yeto_patch.syncer.shards import ShardSpec, assign  # noqa: E402
+from yeto_patch.syncer.model.layout import fragment_numels, partition  # noqa: E402
+from yeto_patch.syncer.model.runner import ChunkRunner  # noqa: E402
+from yeto_patch.syncer.rounds.coordinator import Coordinator  # noqa: E402
+from yeto_patch.syncer.rounds.settings import MergeSettings, Push, RoundSettings  # noqa: E402
+from yeto_patch.syncer.shards.spec import ShardSpec, assign  # noqa: E402
 from yeto_patch.wire import codecs  # noqa: E402
 
 

@@ -108,7 +108,7 @@ def framed(nbytes: int, mode: str, msg_type: MsgType) -> float:
 def handshakes(n: int) -> tuple:
     """(median seconds of both sides' key exchange and derivations, median seconds of a whole handshake with an
     in-process syncer over loopback)."""
-    from yeto_patch.syncer.server import ServerConfig, SyncerServer
+    from yeto_patch.syncer.net.server import ServerConfig, SyncerServer
     crypto = []
     for _ in range(max(n, 1) * 5):
         t0 = time.perf_counter()

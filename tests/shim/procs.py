@@ -187,7 +187,7 @@ def metrics(out_dir) -> list:
 def syncer_model(ckpt_path) -> tuple:
     """({name: float32 array of its full shape}, {fragment: version}) from the syncer's final checkpoint, or from
     every shard's (a list of paths: the model assembled from the fragments each holds)."""
-    from yeto_patch.syncer.checkpoint import read_checkpoint
+    from yeto_patch.syncer.model.checkpoint import read_checkpoint
     out, versions = {}, {}
     for path in ([ckpt_path] if isinstance(ckpt_path, str) else ckpt_path):
         meta, arrays = read_checkpoint(path)

@@ -87,7 +87,7 @@ def reference(tmp_path_factory):
 def test_three_shards_end_with_the_model_of_one_syncer_bit_for_bit(reference, tmp_path):
     model, _ = run(tmp_path, SHARDS)
     assert same(model, reference)
-    from yeto_patch.syncer.checkpoint import read_checkpoint
+    from yeto_patch.syncer.model.checkpoint import read_checkpoint
     held = [[fm["index"] for fm in read_checkpoint(str(tmp_path / f"shard{i}.ckpt"))[0]["fragments"]]
             for i in range(SHARDS)]
     assert sorted(f for h in held for f in h) == list(range(FRAGMENTS)) and all(held), held   # each its own

@@ -5,8 +5,8 @@ import threading
 
 import numpy as np
 
-from yeto_patch.syncer.settings import MergeSettings, RoundSettings
-from yeto_patch.syncer.server import ServerConfig, SyncerServer
+from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
+from yeto_patch.syncer.net.server import ServerConfig, SyncerServer
 from yeto_patch.wire.client import SyncerClient
 
 KEY = b"k" * 32
@@ -113,7 +113,7 @@ def state_of(server):
     ledger, and what is pending (open rounds, carried pushes, accepted keys, islands' final fragments)."""
     import hashlib
 
-    from yeto_patch.syncer.snapshot import capture
+    from yeto_patch.syncer.model.snapshot import capture
 
     snap = capture(server.coord)
     h = hashlib.sha256()

@@ -3,7 +3,7 @@ exactly; the quantization error stays in base - shadow and is carried into the n
 import numpy as np
 import pytest
 
-from yeto_patch.syncer.checkpoint import read_checkpoint
+from yeto_patch.syncer.model.checkpoint import read_checkpoint
 from yeto_patch.wire import codecs
 from yeto_patch.wire.client import Base
 from yeto_patch.wire.frames import MsgType, ProtocolError

@@ -8,11 +8,11 @@ import time
 import numpy as np
 import pytest
 
-from yeto_patch.syncer.checkpoint import Snapshot, read_checkpoint, write_checkpoint
-from yeto_patch.syncer.merge import ChunkRunner
-from yeto_patch.syncer.rounds import Coordinator
-from yeto_patch.syncer.settings import MergeSettings, Push, PushRefused, RoundSettings
-from yeto_patch.syncer.settings import INT64_MAX, MAX_PUSH_STEPS, MAX_PUSH_TOKENS
+from yeto_patch.syncer.model.checkpoint import Snapshot, read_checkpoint, write_checkpoint
+from yeto_patch.syncer.model.runner import ChunkRunner
+from yeto_patch.syncer.rounds.coordinator import Coordinator
+from yeto_patch.syncer.rounds.settings import MergeSettings, Push, PushRefused, RoundSettings
+from yeto_patch.syncer.rounds.settings import INT64_MAX, MAX_PUSH_STEPS, MAX_PUSH_TOKENS
 from yeto_patch.wire import codecs
 from yeto_patch.wire.client import SyncerRefusal
 from yeto_patch.wire.frames import MsgType

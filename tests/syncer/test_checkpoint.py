@@ -6,8 +6,8 @@ import threading
 import numpy as np
 import pytest
 
-from yeto_patch.syncer import checkpoint as ck
-from yeto_patch.syncer.checkpoint import CheckpointError, CheckpointWriter, Snapshot, read_checkpoint, write_checkpoint
+from yeto_patch.syncer.model import checkpoint as ck
+from yeto_patch.syncer.model.checkpoint import CheckpointError, CheckpointWriter, Snapshot, read_checkpoint, write_checkpoint
 from yeto_patch.wire import codecs
 
 from .helpers import client, init_values, make_server, running

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from yeto_patch.syncer.checkpoint import Snapshot, read_checkpoint, write_checkpoint
+from yeto_patch.syncer.model.checkpoint import Snapshot, read_checkpoint, write_checkpoint
 from yeto_patch.wire import codecs
 from yeto_patch.wire.client import SyncerClient
 from yeto_patch.wire.frames import ProtocolError
@@ -25,7 +25,7 @@ N = 1 << 19  # float32 values per array: 2 MiB, 8 MiB per checkpoint (about 10 m
 WRITER = r"""
 import sys
 import numpy as np
-from yeto_patch.syncer.checkpoint import Snapshot, write_checkpoint
+from yeto_patch.syncer.model.checkpoint import Snapshot, write_checkpoint
 path, v, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ramp = np.arange(n, dtype=np.float32)
 print("ready", flush=True)

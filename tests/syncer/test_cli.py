@@ -113,7 +113,7 @@ def test_cli_process_runs_a_small_run_with_metrics_tape_and_checkpoint(tmp_path)
 def test_sigterm_checkpoints_committed_state_and_resume_refuses_to_overwrite(tmp_path):
     import signal
 
-    from yeto_patch.syncer.checkpoint import read_checkpoint
+    from yeto_patch.syncer.model.checkpoint import read_checkpoint
     ckpt = tmp_path / "s.bin"
     cmd = [sys.executable, "-m", "yeto_patch.syncer", "--listen", "127.0.0.1:0", "--insecure", "--islands", "1",
            "--fragments", "2", "--checkpoint", str(ckpt), "--merge-threads", "1"]

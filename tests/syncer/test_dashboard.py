@@ -8,8 +8,8 @@ import os
 import pytest
 
 from benchmarks import promql
-from yeto_patch.syncer.metrics import Metrics
-from yeto_patch.syncer.records import MergeRecord
+from yeto_patch.syncer.observe.metrics import Metrics
+from yeto_patch.syncer.rounds.records import MergeRecord
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DASHBOARD = os.path.join(ROOT, "docs", "grafana", "yeto-syncer.json")

@@ -7,11 +7,11 @@ import logging
 import numpy as np
 import pytest
 
-from yeto_patch.syncer import grace
-from yeto_patch.syncer.merge import ChunkRunner
-from yeto_patch.syncer.rounds import Coordinator
-from yeto_patch.syncer.settings import MergeSettings, Push, RoundSettings
-from yeto_patch.syncer.weights import MAX_RATIO
+from yeto_patch.syncer.rounds import window as grace
+from yeto_patch.syncer.model.runner import ChunkRunner
+from yeto_patch.syncer.rounds.coordinator import Coordinator
+from yeto_patch.syncer.rounds.settings import MergeSettings, Push, RoundSettings
+from yeto_patch.syncer.rounds.weights import MAX_RATIO
 from yeto_patch.wire import codecs
 
 from .test_rounds import MAN, Clock

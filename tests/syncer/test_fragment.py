@@ -1,4 +1,4 @@
-"""The fragment owner's public interface (syncer/fragment.py): INIT, streams and the write lock, base updates,
+"""The fragment owner's public interface (syncer/model/fragment.py): INIT, streams and the write lock, base updates,
 digests, checkpoint arrays."""
 import threading
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from yeto_patch.syncer.fragment import Fragment
-from yeto_patch.syncer.outer import OuterOptimizer
+from yeto_patch.syncer.model.fragment import Fragment
+from yeto_patch.syncer.model.outer import OuterOptimizer
 from yeto_patch.wire import codecs
 
 pytestmark = pytest.mark.timeout(30)

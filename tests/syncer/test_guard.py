@@ -4,13 +4,13 @@
 import numpy as np
 import pytest
 
-from yeto_patch.syncer.checkpoint import CheckpointError, CheckpointWriter
-from yeto_patch.syncer.guard import NormGuard, PushStats
-from yeto_patch.syncer.outer import USABLE_MAX
-from yeto_patch.syncer.rounds import Coordinator
-from yeto_patch.syncer.settings import MergeSettings, RoundSettings
-from yeto_patch.syncer.snapshot import capture
-from yeto_patch.syncer.server import ServerConfig, SyncerServer
+from yeto_patch.syncer.model.checkpoint import CheckpointError, CheckpointWriter
+from yeto_patch.syncer.model.guard import NormGuard, PushStats
+from yeto_patch.syncer.model.outer import USABLE_MAX
+from yeto_patch.syncer.rounds.coordinator import Coordinator
+from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
+from yeto_patch.syncer.model.snapshot import capture
+from yeto_patch.syncer.net.server import ServerConfig, SyncerServer
 from yeto_patch.wire import codecs
 from yeto_patch.wire.client import SyncerRefusal
 
@@ -160,8 +160,8 @@ def test_a_lone_island_cannot_walk_the_base_up_unless_it_is_the_runs_only_island
 
 @pytest.mark.parametrize("codec", ["f32", "bf16", "int8", "int4", "int4-log"])
 def test_push_stats_match_the_decoded_values(codec):
-    from yeto_patch.syncer.guard import push_stats
-    from yeto_patch.syncer.merge import ChunkRunner
+    from yeto_patch.syncer.model.guard import push_stats
+    from yeto_patch.syncer.model.runner import ChunkRunner
     x = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
     x[300:310] *= 50   # one dense block
     body = codecs.encode(codec, x, 64)

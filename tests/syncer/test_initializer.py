@@ -1,4 +1,4 @@
-"""Which island's INIT becomes the run's initial base (syncer/initializer.py): by default the lowest island id once
+"""Which island's INIT becomes the run's initial base (syncer/model/initializer.py): by default the lowest island id once
 every island of the roster joined, whatever the order they connect in (or --init-wait after the first join);
 `first` takes the first to join; an island id names it; an island declaring YETO_DILOCO_INITIALIZER=1 is taken as
 soon as it joins, and a declaration the syncer cannot honour is refused at the join, never lost silently."""
@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from yeto_patch.syncer.initializer import InitChoice, policy_arg
+from yeto_patch.syncer.model.initializer import InitChoice, policy_arg
 from yeto_patch.wire.frames import PeerError
 
 from .helpers import MANIFEST, client, fragment_flat, init_values, join_all, make_server, running

@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from yeto_patch.syncer.layout import first_difference, fragment_numels, normalize_manifest, partition
+from yeto_patch.syncer.model.layout import first_difference, fragment_numels, normalize_manifest, partition
 
 pytestmark = pytest.mark.timeout(60)
 

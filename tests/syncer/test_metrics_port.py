@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from yeto_patch.syncer import cli
-from yeto_patch.syncer.metrics import Metrics
+from yeto_patch.syncer.observe.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(60)
 

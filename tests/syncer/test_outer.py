@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from yeto_patch.syncer.merge import ChunkRunner
-from yeto_patch.syncer.outer import FragmentTensors, NonFiniteMerge, OuterOptimizer
+from yeto_patch.syncer.model.runner import ChunkRunner
+from yeto_patch.syncer.model.outer import FragmentTensors, NonFiniteMerge, OuterOptimizer
 
 from .reference import RefFragment
 
@@ -110,7 +110,7 @@ def test_bad_settings():
 def test_auto_lr_follows_the_inner_steps():
     """The syncer's default outer lr: 0.4 up to 10 inner steps, 0.7 from 50, linear between; each merge's
     step is bit for bit the step with that number; avg keeps 1.0; the config records "auto"."""
-    from yeto_patch.syncer.outer import lr_for_steps
+    from yeto_patch.syncer.model.outer import lr_for_steps
     assert [lr_for_steps(s) for s in (1, 10, 30, 50, 500)] == [0.4, 0.4, 0.55, 0.7, 0.7]
     rng = np.random.default_rng(3)
     b = rng.standard_normal(700).astype(np.float32)
@@ -129,7 +129,7 @@ def test_auto_lr_follows_the_inner_steps():
 
 def test_auto_lr_for_islands_that_blend():
     """Islands that blend bases in (tau > 0) damp every outer step already: 0.7 at any H."""
-    from yeto_patch.syncer.outer import lr_for_steps
+    from yeto_patch.syncer.model.outer import lr_for_steps
     assert [lr_for_steps(s, blended=True) for s in (1, 10, 50, 500)] == [0.7] * 4
     assert OuterOptimizer("nesterov", "auto").lr_at(10, blended=True) == 0.7
     assert OuterOptimizer("nesterov", 0.3).lr_at(10, blended=True) == 0.3   # an explicit lr is kept

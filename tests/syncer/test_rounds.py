@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from yeto_patch.syncer.merge import ChunkRunner
-from yeto_patch.syncer.rounds import Coordinator
-from yeto_patch.syncer.settings import MergeSettings, Push, PushRefused, RoundSettings
+from yeto_patch.syncer.model.runner import ChunkRunner
+from yeto_patch.syncer.rounds.coordinator import Coordinator
+from yeto_patch.syncer.rounds.settings import MergeSettings, Push, PushRefused, RoundSettings
 from yeto_patch.wire import codecs
 
 from .reference import RefFragment
@@ -58,7 +58,7 @@ def test_many_rounds_match_reference(exact):
             rec = c.merge(fi)
             assert rec.ok and rec.version == rnd + 1
             # (the run's first round had no merged weight to cap its pushes against: they were held and folded at
-            # merge time, in island order, as with --exact; syncer/weights.py)
+            # merge time, in island order, as with --exact; syncer/rounds/weights.py)
             fold = [ds[k] for k in (sorted(ds) if exact or rnd == fi == 0 else order)]
             refs[fi].merge(fold)
             assert np.array_equal(f.t.base, refs[fi].base)
@@ -249,7 +249,7 @@ def test_a_push_being_folded_is_no_answer_yet_and_a_refused_one_leaves_no_trace(
     import dataclasses
     import threading
 
-    from yeto_patch.syncer import rounds as rounds_mod
+    from yeto_patch.syncer.rounds import coordinator as rounds_mod
     c = make(islands=2)
     c.rs = dataclasses.replace(c.rs, quorum=1, grace_s=0.0)
     started, release = threading.Event(), threading.Event()

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from yeto_patch.syncer.checkpoint import read_checkpoint
+from yeto_patch.syncer.model.checkpoint import read_checkpoint
 from yeto_patch.wire import codecs
 from yeto_patch.wire.client import SyncerRefusal, probe
 from yeto_patch.wire.frames import MsgType, PeerError

@@ -1,11 +1,11 @@
-"""syncer/session.py on its own: what a connection's writer and reader report when a send fails."""
+"""syncer/net/session.py on its own: what a connection's writer and reader report when a send fails."""
 import logging
 import socket
 import threading
 
 import pytest
 
-from yeto_patch.syncer.session import Session
+from yeto_patch.syncer.net.session import Session
 from yeto_patch.wire import transport
 from yeto_patch.wire.frames import WireTimeout
 

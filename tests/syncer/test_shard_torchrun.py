@@ -11,9 +11,9 @@ import pytest
 from tests.island.link.test_sharded_link import FRAGMENTS, joined, push, until
 from tests.ports import free_port, free_ports
 from tests.shim import procs as P
-from yeto_patch.syncer.checkpoint import read_checkpoint
+from yeto_patch.syncer.model.checkpoint import read_checkpoint
 from yeto_patch.syncer.cli import build_parser, config_from_args, resolve_shard
-from yeto_patch.syncer.shard_launch import with_port_offset
+from yeto_patch.syncer.shards.launch import with_port_offset
 
 
 @pytest.mark.timeout(300)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from yeto_patch.syncer import handshake as handshake_mod
+from yeto_patch.syncer.net import handshake as handshake_mod
 from yeto_patch.wire import auth
 from yeto_patch.wire import transport as transport_mod
 from yeto_patch.wire.frames import HEADER, MAGIC, MAX_PAYLOAD, VERSION, MsgType, PeerError, ProtocolError

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from yeto_patch.syncer import admission as admission_mod
+from yeto_patch.syncer.net import admission as admission_mod
 from yeto_patch.wire.frames import ProtocolError
 
 from .helpers import client, make_server, running

@@ -18,9 +18,9 @@ from typing import Optional
 
 from ..wire import auth
 from ..wire.frames import AuthError
-from .checkpoint import CheckpointError
-from .outer import AUTO_LR, OUTER_KINDS
-from .settings import WEIGHTINGS, MergeSettings, RoundSettings
+from .model.checkpoint import CheckpointError
+from .model.outer import AUTO_LR, OUTER_KINDS
+from .rounds.settings import WEIGHTINGS, MergeSettings, RoundSettings
 
 __all__ = ["build_parser", "main", "config_from_args"]
 
@@ -58,7 +58,7 @@ def _growth(s: str) -> float:
 
 
 def _initializer(s: str) -> str:
-    from .initializer import policy_arg
+    from .model.initializer import policy_arg
     try:
         return policy_arg(s)
     except ValueError as e:
@@ -81,8 +81,8 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _shard_spec(s: str):
-    from .shard_launch import TORCHRUN
-    from .shards import parse_shard
+    from .shards.launch import TORCHRUN
+    from .shards.spec import parse_shard
     if s.strip() == TORCHRUN:
         return TORCHRUN
     try:
@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(a: argparse.Namespace):
-    from .server import ServerConfig
+    from .net.server import ServerConfig
 
     if not hasattr(a, "torchrun"):
         resolve_shard(a)
@@ -306,7 +306,7 @@ def config_from_args(a: argparse.Namespace):
 
 
 def _checked_shard(a):
-    from .shards import ShardSpec
+    from .shards.spec import ShardSpec
     shard = a.shard or ShardSpec()
     if a.advertise_host and not getattr(a, "torchrun", False):
         raise ValueError("--advertise-host is for --shard torchrun (plain shards: --shard-addresses)")
@@ -340,8 +340,8 @@ def _setup_logging(level: str, path: Optional[str]) -> None:
 
 def resolve_shard(a: argparse.Namespace) -> None:
     """In place: --shard torchrun -> this process's I/N, listen and metrics ports offset by LOCAL_RANK; {shard}
-    in the file flags replaced by I (syncer/shard_launch.py)."""
-    from . import shard_launch as SL
+    in the file flags replaced by I (syncer/shards/launch.py)."""
+    from .shards import launch as SL
     a.torchrun, local = a.shard == SL.TORCHRUN, 0
     if a.torchrun:
         a.shard, local = SL.torchrun_shard()
@@ -355,7 +355,7 @@ def resolve_shard(a: argparse.Namespace) -> None:
 
 def exchange_shard_addresses(a: argparse.Namespace) -> None:
     """--shard torchrun: every shard's address from torchrun's store (shard order); the run id is torchrun's."""
-    from . import shard_launch as SL
+    from .shards import launch as SL
     if not a.torchrun or a.shard_addresses:
         return
     port = a.listen.rpartition(":")[2]
@@ -375,7 +375,7 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     _setup_logging(a.log_level, a.log)
     log = logging.getLogger("yeto.syncer")
-    from .server import SyncerServer
+    from .net.server import SyncerServer
 
     try:
         cfg = config_from_args(a)

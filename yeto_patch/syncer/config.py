@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .settings import MergeSettings, RoundSettings
-from .shards import ShardSpec
+from .rounds.settings import MergeSettings, RoundSettings
+from .shards.spec import ShardSpec
 
 __all__ = ["ServerConfig", "BASE_WIRE"]
 
@@ -41,7 +41,7 @@ class ServerConfig:
     max_model_bytes: int = 0   # float32 size of the largest model a first manifest may fix (0: limits.py default)
     island_buffer_bytes: int = 0   # unfinished chunked messages one island may hold (0: one push + 2 MiB)
     init_timeout_s: Optional[float] = None   # INIT progress bound of the initializing island (None: lease + io)
-    initializer: str = "lowest-id"   # --initializer: lowest-id, first or an island id (syncer/initializer.py)
+    initializer: str = "lowest-id"   # --initializer: lowest-id, first or an island id (syncer/model/initializer.py)
     init_wait_s: float = 300.0   # --init-wait: lowest-id waits this long after the first join for the roster
     max_push_norm_ratio: float = 10.0   # refuse pushes above this x the other islands' recent pushes (0: off)
     first_push_growth: float = 2.0   # before any other island pushed: applied alone, at most this x the base norm

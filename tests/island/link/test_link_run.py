@@ -14,8 +14,8 @@ from tests.syncer.relay import Relay
 from yeto_patch.island.boundary import sync_state
 from yeto_patch.island.errors import EngineError
 from yeto_patch.island.link.sharded import ShardedLink
-from yeto_patch.syncer.server import ServerConfig, SyncerServer
-from yeto_patch.syncer.settings import MergeSettings, RoundSettings
+from yeto_patch.syncer.net.server import ServerConfig, SyncerServer
+from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
 from yeto_patch.wire.client import SyncerClient
 from yeto_patch.wire.transport import ConnectError
 

@@ -14,11 +14,11 @@ from tests.syncer.helpers import KEY, MANIFEST, init_values
 from yeto_patch.island.errors import EngineError
 from yeto_patch.island.boundary.fragment import Fragments, PushWire
 from yeto_patch.island.link.sharded import ShardedLink
-from yeto_patch.syncer.checkpoint import CheckpointError
-from yeto_patch.syncer.layout import fragment_numels, partition
-from yeto_patch.syncer.settings import MergeSettings, RoundSettings
-from yeto_patch.syncer.server import ServerConfig, SyncerServer
-from yeto_patch.syncer.shards import ShardSpec, assign, parse_shard
+from yeto_patch.syncer.model.checkpoint import CheckpointError
+from yeto_patch.syncer.model.layout import fragment_numels, partition
+from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
+from yeto_patch.syncer.net.server import ServerConfig, SyncerServer
+from yeto_patch.syncer.shards.spec import ShardSpec, assign, parse_shard
 from yeto_patch.wire import codecs
 from yeto_patch.wire.client import SyncerRefusal
 

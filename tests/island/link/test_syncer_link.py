@@ -15,8 +15,8 @@ from tests.syncer.helpers import KEY, MANIFEST, init_values
 from yeto_patch.island.errors import EngineError
 from yeto_patch.island.boundary.fragment import Fragments, PushWire
 from yeto_patch.island.link.syncer import Backoff, SyncerLink, dial
-from yeto_patch.syncer.settings import MergeSettings, RoundSettings
-from yeto_patch.syncer.server import ServerConfig, SyncerServer
+from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
+from yeto_patch.syncer.net.server import ServerConfig, SyncerServer
 from yeto_patch.wire import codecs
 from yeto_patch.wire.frames import AuthError, PeerError
 from yeto_patch.wire.transport import ConnectError

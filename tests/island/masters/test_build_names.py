@@ -6,7 +6,7 @@ import pytest
 
 from yeto_patch.island.masters import builds
 from yeto_patch.island.masters.names import ManifestError, _expert_rest
-from yeto_patch.syncer.layout import first_difference
+from yeto_patch.syncer.model.layout import first_difference
 
 BW = "tests.island.masters.test_build_names"
 W = "tests.island.masters.test_names_mcore"

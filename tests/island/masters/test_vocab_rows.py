@@ -3,7 +3,7 @@ are virtual items (no shard parts: read as zeros, never installed); a syncer's m
 in a vocabulary entry's row count is recognised; the start-up message says which rows stay local."""
 from yeto_patch.island.masters.layout import EntryLayout, ShardLayout, build_items
 from yeto_patch.island.masters.names import Entry, Manifest, run_vocab_rows, vocab_rows_message
-from yeto_patch.syncer.layout import first_difference
+from yeto_patch.syncer.model.layout import first_difference
 
 EMB = "embedding.word_embeddings.weight"
 

@@ -12,11 +12,11 @@ import threading
 import time
 from typing import Callable, Optional
 
-from ..wire import codecs
-from ..wire.frames import MsgType, ProtocolError
-from ..wire.message import encode_meta
-from ..wire.transport import Connection
-from .fragment import Fragment
+from ...wire import codecs
+from ...wire.frames import MsgType, ProtocolError
+from ...wire.message import encode_meta
+from ...wire.transport import Connection
+from ..model.fragment import Fragment
 
 __all__ = ["Session", "aligned_meta", "SEND_CHUNK", "BASE_UPDATES"]
 

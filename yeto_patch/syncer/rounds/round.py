@@ -9,8 +9,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..wire import codecs
-from ..wire.frames import CodecError
+from ...wire import codecs
+from ...wire.frames import CodecError
 from .settings import Push
 
 log = logging.getLogger("yeto.syncer")
@@ -25,7 +25,7 @@ class _Contrib:
     folded: bool = False
     lag: int = 0
     held: bool = False  # body kept (exact mode / carried / weighed at merge time)
-    claimed: float = 0.0   # its weight from its checked fields, before the cap (syncer/weights.py)
+    claimed: float = 0.0   # its weight from its checked fields, before the cap (syncer/rounds/weights.py)
     unreferenced: bool = False   # nobody else was on record: its weight is capped against the round at merge time
 
     @property
@@ -99,7 +99,7 @@ def responder(c: _Contrib, lag: int, w: float, carried: bool) -> dict:
 def fold_held(book, acc: np.ndarray, fresh: list, carried: list, version: int, late_factor: float, numel: int,
               threads: int, index: int) -> tuple:
     """(total weight, responders) of a merge into ``acc``: fresh pushes were folded on arrival (here only those held:
-    with --exact, in island order, and those weighed against the round: syncer/weights.py), carried ones are folded
+    with --exact, in island order, and those weighed against the round: syncer/rounds/weights.py), carried ones are folded
     now with weight x late_factor^lag. ``book``: the coordinator's weights.WeightBook."""
     for c in fresh:
         if c.unreferenced:   # nobody else was on record when it came: weighed against this round's others

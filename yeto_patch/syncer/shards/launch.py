@@ -17,7 +17,7 @@ import socket
 from datetime import timedelta
 from typing import Mapping, Optional
 
-from .shards import MAX_SHARDS, ShardSpec
+from .spec import MAX_SHARDS, ShardSpec
 
 __all__ = ["TORCHRUN", "torchrun_shard", "with_port_offset", "shard_path", "advertised_host", "exchange_addresses"]
 

@@ -18,12 +18,12 @@ import threading
 import time
 import weakref
 
-from ..wire import auth, secure
-from ..wire.frames import MAX_PAYLOAD, AuthError, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
-from ..wire.text import EscapeArgs, check_island_id, printable
-from .layout import first_difference, normalize_manifest
-from .limits import default_max_model_bytes, model_size_error
-from .settings import PushRefused
+from ...wire import auth, secure
+from ...wire.frames import MAX_PAYLOAD, AuthError, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
+from ...wire.text import EscapeArgs, check_island_id, printable
+from ..model.layout import first_difference, normalize_manifest
+from ..model.limits import default_max_model_bytes, model_size_error
+from ..rounds.settings import PushRefused
 
 __all__ = ["accept_handshake"]
 

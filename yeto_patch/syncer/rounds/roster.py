@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from .limits import stateless_members
+from ..model.limits import stateless_members
 from .members import Member
 from .settings import PushRefused, RoundSettings
 

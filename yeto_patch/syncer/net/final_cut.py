@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ..wire.frames import MsgType
+from ...wire.frames import MsgType
 
 log = logging.getLogger("yeto.syncer")
 

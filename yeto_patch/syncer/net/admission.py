@@ -6,7 +6,7 @@ import collections
 import logging
 import time
 
-from ..wire.text import printable
+from ...wire.text import printable
 
 __all__ = ["HandshakeSlots", "EVICT_AFTER_S", "host_of"]
 

@@ -2,11 +2,11 @@
 
 A round with at least one answer merges (docs/protocol.md, "Rounds"):
 
-1. at once when every island the round expects (syncer/roster.py) answered, at least the floor did and enough
+1. at once when every island the round expects (syncer/rounds/roster.py) answered, at least the floor did and enough
    islands have joined the run;
 2. with at least the quorum answered (elastic rounds: the floor, the minimum quorum counting only islands that are
    up): at the end of the grace, which is ``--grace`` seconds after the quorum answered, or, without
-   ``--grace``, the adaptive window (syncer/grace.py), and at the latest ``--round-timeout`` after the first answer;
+   ``--grace``, the adaptive window (syncer/rounds/window.py), and at the latest ``--round-timeout`` after the first answer;
    an elastic run whose minimum quorum of islands has not joined yet waits for them until that timeout;
 3. otherwise it waits for more answers, and past ``--round-timeout`` (then every minute) the log names who is
    missing, saying which of them are down.
@@ -18,7 +18,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .grace import ArrivalBook
+from .window import ArrivalBook
 from .roster import Roster
 from .settings import RoundSettings
 

@@ -18,8 +18,8 @@ import os
 import time
 from typing import Callable, Optional
 
-from ..wire import codecs
-from ..wire.frames import MsgType
+from ...wire import codecs
+from ...wire.frames import MsgType
 
 __all__ = ["default_max_model_bytes", "model_size_error", "island_max", "island_buffer_bytes", "stateless_members",
            "InitWatch"]

@@ -31,8 +31,8 @@ import logging
 import time
 from typing import Callable, Iterable, Optional
 
-from ..wire.frames import MsgType
-from ..wire.text import printable
+from ...wire.frames import MsgType
+from ...wire.text import printable
 from .limits import InitWatch
 
 __all__ = ["POLICIES", "DEFAULT_INIT_WAIT_S", "InitChoice", "Initializing", "policy_arg"]
@@ -45,7 +45,7 @@ DEFAULT_INIT_WAIT_S = 300.0
 
 def policy_arg(value: str) -> str:
     """``--initializer``'s value: a policy or an island id (ValueError naming what is accepted)."""
-    from ..wire.text import check_island_id
+    from ...wire.text import check_island_id
     v = str(value)
     if v in POLICIES:
         return v

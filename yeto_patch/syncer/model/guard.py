@@ -43,10 +43,10 @@ from typing import Optional
 
 import numpy as np
 
-from ..wire import codecs
-from ..wire.frames import CodecError
-from ..wire.text import printable
-from .merge import ChunkRunner
+from ...wire import codecs
+from ...wire.frames import CodecError
+from ...wire.text import printable
+from .runner import ChunkRunner
 from .outer import USABLE_MAX
 
 __all__ = ["NormGuard", "PushStats", "unusable", "too_large", "USABLE_MAX", "WINDOW", "FIRST_GROWTH", "push_stats"]

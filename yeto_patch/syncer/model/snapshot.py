@@ -7,16 +7,16 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Optional
 
-from ..wire import auth
-from ..wire.text import printable
+from ...wire import auth
+from ...wire.text import printable
 from .checkpoint import FORMAT_VERSION, CheckpointError, Snapshot, read_checkpoint
 from .guard import unusable
 from .layout import manifest_to_json, normalize_manifest
-from .members import ledger_entry, member_from_ledger
-from .settings import INT64_MAX, bounded_int
+from ..rounds.members import ledger_entry, member_from_ledger
+from ..rounds.settings import INT64_MAX, bounded_int
 
 if TYPE_CHECKING:
-    from .rounds import Coordinator
+    from ..rounds.coordinator import Coordinator
 
 __all__ = ["capture", "restore", "open_checkpoint"]
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from ..wire import codecs
-from ..wire.frames import CodecError
-from .fragment import Fragment
+from ...wire import codecs
+from ...wire.frames import CodecError
+from ..model.fragment import Fragment
 from .settings import INT64_MAX, MAX_PATIENCE_S, MAX_PUSH_STEPS, MAX_PUSH_TOKENS, Push, PushRefused, bounded_int, shown
 
 __all__ = ["check_counters", "push_target", "push_standing"]
 
 
 def check_counters(p: Push) -> None:
-    """Refuse a push whose step and token counters are out of range (exact in float64: syncer/weights.py); a
+    """Refuse a push whose step and token counters are out of range (exact in float64: syncer/rounds/weights.py); a
     patience that is not a number in range becomes None (unknown)."""
     for name, hi in (("local_step", INT64_MAX), ("steps", MAX_PUSH_STEPS), ("tokens", MAX_PUSH_TOKENS)):
         v = getattr(p, name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from .outer import OuterOptimizer
+from ..model.outer import OuterOptimizer
 
 __all__ = ["MergeSettings", "RoundSettings", "PushRefused", "Push", "WEIGHTINGS", "INT64_MAX", "MAX_PUSH_STEPS",
            "MAX_PUSH_TOKENS", "MAX_PATIENCE_S", "bounded_int", "shown", "default_min_quorum"]
@@ -77,7 +77,7 @@ class RoundSettings:
     """``quorum`` None: elastic rounds (the default): a round merges with the islands that are up once the minimum
     quorum (``default_min_quorum``, or fewer when fewer are up) answered; ``quorum`` equal to ``islands``: the fixed
     roster (every island that joined and has not finished is waited for, down or not); between: at least that many
-    pushes. ``grace_s`` None: the adaptive grace window (syncer/grace.py); a number: that fixed grace."""
+    pushes. ``grace_s`` None: the adaptive grace window (syncer/rounds/window.py); a number: that fixed grace."""
     islands: int = 1
     quorum: Optional[int] = None
     grace_s: Optional[float] = None

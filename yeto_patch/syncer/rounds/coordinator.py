@@ -14,9 +14,9 @@ Semantics (see docs/protocol.md, "Syncer protocol"):
   carried, in its encoded wire form, into the next merge of that fragment, with its weight scaled by
   ``late_factor ** lag``.  A larger lag is refused (the island must pull).  A second push for the same
   (island, fragment, base) is refused.  A non-finite push is refused before it touches anything.
-* Who a round waits for: syncer/roster.py (fixed roster, explicit quorum, elastic); when it merges:
-  syncer/due.py, with the adaptive grace window of syncer/grace.py.
-* Weights: syncer/weights.py (checked steps, tokens per step fixed per island process, each push at most a few
+* Who a round waits for: syncer/rounds/roster.py (fixed roster, explicit quorum, elastic); when it merges:
+  syncer/rounds/due.py, with the adaptive grace window of syncer/rounds/window.py.
+* Weights: syncer/rounds/weights.py (checked steps, tokens per step fixed per island process, each push at most a few
   times the other islands' median).  The outer gradient is ``sum(w_i * delta_i) / sum(w_i)`` in float32 (a round
   whose weights sum to zero merges ``g = 0``).
 """
@@ -29,20 +29,20 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..wire import codecs
-from ..wire.frames import CodecError
+from ...wire import codecs
+from ...wire.frames import CodecError
 from .due import due_now, next_deadline, pace, round_status
-from .fragment import Fragment
-from .grace import ArrivalBook
-from .layout import fragment_numels, partition
+from ..model.fragment import Fragment
+from .window import ArrivalBook
+from ..model.layout import fragment_numels, partition
 from .members import Member
-from .merge import ChunkRunner
-from .outer import NonFiniteMerge, outer_lr_inputs
+from ..model.runner import ChunkRunner
+from ..model.outer import NonFiniteMerge, outer_lr_inputs
 from .push_checks import check_counters, push_standing, push_target
 from .records import MergeRecord
 from .roster import Roster
-from .round_state import AccumulatorPool, _Contrib, _Round, _refusal_code, fold_held, validate_encoded
-from .shards import ShardSpec, assign
+from .round import AccumulatorPool, _Contrib, _Round, _refusal_code, fold_held, validate_encoded
+from ..shards.spec import ShardSpec, assign
 from .settings import WEIGHTINGS, MergeSettings, Push, PushRefused, RoundSettings, bounded_int, shown
 from .weights import WeightBook
 
@@ -248,7 +248,7 @@ class Coordinator:
     # ------------------------------------------------------------------------------------------ pushes
     def _checked(self, p: Push) -> tuple[Fragment, tuple]:
         """(lock held) The push's fragment and (weight, claimed weight, held until the merge), after the checks of
-        its fields (syncer/push_checks.py, syncer/weights.py); raises PushRefused."""
+        its fields (syncer/rounds/push_checks.py, syncer/rounds/weights.py); raises PushRefused."""
         f = push_target(p, self.initialized, self.frags, self.owner_refusal)
         check_counters(p)
         w = self.book.weight(p)
@@ -380,12 +380,12 @@ class Coordinator:
             return next_deadline(self.rs, self.roster, self.arrivals, self.mine(), self.clock())
 
     def round_status(self, island: str) -> dict:
-        """What ``island`` may be waiting for (the HEARTBEAT the syncer sends it; syncer/due.py)."""
+        """What ``island`` may be waiting for (the HEARTBEAT the syncer sends it; syncer/rounds/due.py)."""
         with self.lock:
             return round_status(self.rs, self.roster, self.arrivals, self.mine(), island, self.clock())
 
     def pace(self) -> float:
-        """The fleet's pace in steps/s (syncer/due.py)."""
+        """The fleet's pace in steps/s (syncer/rounds/due.py)."""
         with self.lock:
             return pace(self.roster, self.clock())
 

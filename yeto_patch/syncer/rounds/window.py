@@ -15,7 +15,7 @@ island only if it **usually arrives within the window**:
 * the round waits until ``t_first + min(bound, predicted(i) * MARGIN + SLACK_S)`` for each missing island whose
   prediction is within the bound (a newcomer: until the bound); islands predicted beyond the bound ("always late") are not
   waited for: their pushes are carried into the next round (``--max-base-lag``, ``--late-factor``);
-* an island that is down is never in the expected set (syncer/roster.py), so it is never waited for; one that is
+* an island that is down is never in the expected set (syncer/rounds/roster.py), so it is never waited for; one that is
   up but had not pushed when its round merged gets an infinite offset (``missed``), so an island that stalls while
   staying connected stops being waited for after a few rounds.
 

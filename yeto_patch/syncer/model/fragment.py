@@ -19,8 +19,8 @@ from typing import Iterator, Optional
 import numpy as np
 import xxhash
 
-from ..wire import codecs
-from ..wire.frames import CodecError
+from ...wire import codecs
+from ...wire.frames import CodecError
 from .outer import FragmentTensors
 from .rwlock import RWLock
 

@@ -18,28 +18,28 @@ from typing import Optional
 
 import numpy as np
 
-from ..wire import auth
-from ..wire.frames import MAX_PAYLOAD, BrokenHere, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
-from ..wire.transport import Connection, listen
+from ...wire import auth
+from ...wire.frames import MAX_PAYLOAD, BrokenHere, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
+from ...wire.transport import Connection, listen
 from .admission import HandshakeSlots, host_of
-from .checkpoint import CheckpointError, CheckpointWriter
-from .config import BASE_WIRE, ServerConfig
+from ..model.checkpoint import CheckpointError, CheckpointWriter
+from ..config import BASE_WIRE, ServerConfig
 from .final_cut import await_acks, goodbye
-from .guard import NormGuard
-from ..wire.text import printable
-from .initializer import InitChoice, Initializing
-from .inits import take_init
-from .limits import InitWatch, island_buffer_bytes, island_max
-from .merge import ChunkRunner
+from ..model.guard import NormGuard
+from ...wire.text import printable
+from ..model.initializer import InitChoice, Initializing
+from ..model.inits import take_init
+from ..model.limits import InitWatch, island_buffer_bytes, island_max
+from ..model.runner import ChunkRunner
 from .handshake import accept_handshake
-from .metrics import Metrics, Tape
-from .pushes import accept_push, parse_push, refusal
-from .records import MergeRecord
-from .rounds import Coordinator
+from ..observe.metrics import Metrics, Tape
+from ..rounds.pushes import accept_push, parse_push, refusal
+from ..rounds.records import MergeRecord
+from ..rounds.coordinator import Coordinator
 from .session import BASE_UPDATES, aligned_meta
 from .session import Session as _Session
-from .settings import Push, PushRefused, bounded_int, shown
-from .snapshot import capture, open_checkpoint
+from ..rounds.settings import Push, PushRefused, bounded_int, shown
+from ..model.snapshot import capture, open_checkpoint
 
 __all__ = ["ServerConfig", "SyncerServer", "aligned_meta"]
 
@@ -47,7 +47,7 @@ log = logging.getLogger("yeto.syncer")
 MAX_PUSHES_IN_FLIGHT = 2  # per connection, handed to the fold pool and not yet accepted/refused
 #: What an unauthenticated peer may send: one HELLO (or PROBE) of at most 64 KiB; anything larger is refused from
 #: its header, so a hostile length or chunk total cannot make the syncer read or reserve more before the MAC is
-#: checked. The MANIFEST limit is raised to its protocol maximum once the HELLO passed (syncer/handshake.py).
+#: checked. The MANIFEST limit is raised to its protocol maximum once the HELLO passed (syncer/net/handshake.py).
 HANDSHAKE_MAX = {t: 64 << 10 for t in MsgType if t != MsgType.CHUNK}
 
 
@@ -217,7 +217,7 @@ class SyncerServer:
 
     # --------------------------------------------------------------------------------------- handshake
     def _handshake(self, s: _Session) -> bool:
-        return accept_handshake(self, s)   # syncer/handshake.py
+        return accept_handshake(self, s)   # syncer/net/handshake.py
 
     def close_lapsed(self, island: str) -> None:
         """(coordinator lock held) Before ``island`` joins: at most ``--islands`` joined connections stay open
@@ -243,7 +243,7 @@ class SyncerServer:
 
     def pick_initializer(self, joining: Optional[_Session]) -> list:
         """(coord.lock held) The fragments `joining` must INIT, if the initializer policy chose it now (see
-        syncer/initializer.py)."""
+        syncer/model/initializer.py)."""
         return self.init.pick(self.sessions, self.coord, joining)
 
     def status(self) -> dict:
@@ -309,7 +309,7 @@ class SyncerServer:
     def _on_init_locked(self, s: _Session, meta: dict, body) -> None:
         coord = self.coord
         try:
-            done, nbytes = take_init(coord, self.init, s, meta, body)   # syncer/inits.py
+            done, nbytes = take_init(coord, self.init, s, meta, body)   # syncer/model/inits.py
         except PushRefused as e:
             self._refuse(s, "init", e.message)
             s.close()

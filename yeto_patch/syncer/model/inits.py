@@ -8,8 +8,8 @@ import numpy as np
 
 from .guard import too_large
 from .initializer import Initializing
-from .rounds import Coordinator
-from .settings import PushRefused
+from ..rounds.coordinator import Coordinator
+from ..rounds.settings import PushRefused
 
 __all__ = ["init_values", "take_init"]
 

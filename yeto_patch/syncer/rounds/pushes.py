@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from ..wire import codecs
-from .rounds import Coordinator
+from ...wire import codecs
+from .coordinator import Coordinator
 from .settings import INT64_MAX, Push, PushRefused, bounded_int, shown
 
 __all__ = ["parse_push", "echo", "accept_push", "MAX_CODEC_NAME"]

@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from .merge import ChunkRunner
+from .runner import ChunkRunner
 
 __all__ = ["OUTER_KINDS", "OuterOptimizer", "NonFiniteMerge", "FragmentTensors", "AUTO_LR", "lr_for_steps",
            "outer_lr_inputs"]
