@@ -33,7 +33,8 @@ from yeto_patch.island.boundary.schedule import Cadence, catch_up, suggest  # no
 from yeto_patch.syncer.rounds import settings as syncer_settings  # noqa: E402
 from yeto_patch.syncer.model.runner import ChunkRunner  # noqa: E402
 from yeto_patch.syncer.rounds.coordinator import Coordinator  # noqa: E402
-from yeto_patch.syncer.rounds.settings import MergeSettings, Push, PushRefused, RoundSettings  # noqa: E402
+from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings  # noqa: E402
+from yeto_patch.syncer.rounds.pushes import Push, PushRefused
 from yeto_patch.wire import codecs  # noqa: E402
 
 P, TOKENS, LATENCY, LEASE = 4, 4096, 0.02, 2.0

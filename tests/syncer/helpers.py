@@ -123,7 +123,7 @@ def state_of(server):
             h.update(arrays[name].tobytes())
     c = server.coord
     with c.lock:
-        pending = [(sorted(f.round.contribs), len(f.carry), f.closed) for f in c.frags]
+        pending = [(sorted(c.rounds[f.index].answers), len(c.rounds[f.index].carried), f.closed) for f in c.frags]
         finals = {i: (sorted(m.final_fragments), m.finished) for i, m in c.members.items()}
         seen = sorted(c.seen)
     return {"arrays": h.hexdigest(), "versions": [f["version"] for f in snap.meta["fragments"]],

@@ -185,7 +185,7 @@ def test_a_first_push_cannot_multiply_the_base():
             push(b, 0, 0, -5.0 * base)
         assert e.value.code == "outlier" and "no other island has pushed yet" in e.value.message
         assert "applied alone it would leave the base with norm" in e.value.message
-        assert server.coord.frags[0].round.contribs == {}   # nothing folded
+        assert server.coord.rounds[0].answers == {}   # nothing folded
         n = ws[0].numels[0]
         assert push(a, 0, 0, small(n, 1)).status == "accepted" and push(b, 0, 0, small(n, 2)).status == "accepted"
         got = a.wait_base(0, 1, 20)

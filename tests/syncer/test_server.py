@@ -34,7 +34,9 @@ def test_diloco_matches_numpy_reference_over_many_rounds(tmp_path):
             for f in range(3):
                 assert c_bases[f].version == 0 and np.array_equal(c_bases[f].values, refs[f].base)
         rng = np.random.default_rng(1)
-        tps = (40, 60, 90)   # tokens per step of a, b, c: fixed by each island's first merged push
+        # tokens per step of a, b, c: fixed by each island's first merged push (each within MAX_RATIO of the
+        # others' low median: no weight is capped)
+        tps = (40, 60, 75)
         for rnd in range(5):
             for f in range(3):
                 n = refs[f].base.size
@@ -134,7 +136,7 @@ def test_refusals_stale_duplicate_nan_surface_as_exceptions_state_unchanged():
                    wait=True)
         assert e.value.code == "nonfinite"
         assert np.array_equal(frag.t.base, before[0]) and np.array_equal(frag.t.momentum, before[1])
-        assert frag.version == before[2] and not frag.round.contribs
+        assert frag.version == before[2] and not server.coord.rounds[frag.index].answers
         # an int4 push whose scales are broken is refused too
         enc = codecs.encode("int4", np.ones(n, np.float32)).copy()
         enc[:4] = np.frombuffer(np.float32(np.inf).tobytes(), np.uint8)

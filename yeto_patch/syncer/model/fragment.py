@@ -3,9 +3,9 @@
 A :class:`Fragment` owns the fragment's committed tensors (base, momentum, delay buffer, and with
 ``--base-wire int8/int4`` the shadow base the islands hold), its version, the encoded update from the previous
 shadow, the per-tensor digests islands compare with what they declared, and the readers-writer lock that lets
-base streams read the live base while a merge waits to write it.  Rounds (``round``, ``carry``) and the
-``closed`` flag are the coordinator's bookkeeping (:mod:`.rounds`), kept here so that one object describes a
-fragment.
+base streams read the live base while a merge waits to write it, and whether it takes pushes at all (``closed``:
+total rounds reached, final cut done). Its open round is not here: rounds/round.py owns it, and the coordinator
+keeps one per fragment.
 
 Thread-safety: the caller holds the coordinator's lock for :meth:`install_init` / :meth:`drop_init` /
 :meth:`restore`; base readers hold :meth:`reading`; a merge holds :meth:`writing` while it changes the arrays.
@@ -30,13 +30,11 @@ log = logging.getLogger("yeto.syncer")
 
 
 class Fragment:
-    def __init__(self, index: int, numel: int, round_=None):
+    def __init__(self, index: int, numel: int):
         self.index = index
         self.numel = numel
         self.t = FragmentTensors(base=None)  # type: ignore[arg-type]
         self.version = 0
-        self.round = round_         # the open round (rounds._Round), the coordinator's
-        self.carry: list = []       # late pushes waiting for the next merge (rounds._Contrib), the coordinator's
         self.rw = RWLock()
         self.closed = False         # total rounds reached / final cut done
         self._down: Optional[np.ndarray] = None   # encoded update shadow(version - 1) -> shadow(version)

@@ -9,7 +9,7 @@ import numpy as np
 from .guard import too_large
 from .initializer import Initializing
 from ..rounds.coordinator import Coordinator
-from ..rounds.settings import PushRefused
+from ..rounds.pushes import PushRefused
 
 __all__ = ["init_values", "take_init"]
 

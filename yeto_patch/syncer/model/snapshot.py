@@ -13,7 +13,7 @@ from .checkpoint import FORMAT_VERSION, CheckpointError, Snapshot, read_checkpoi
 from .guard import unusable
 from .layout import manifest_to_json, normalize_manifest
 from ..rounds.members import ledger_entry, member_from_ledger
-from ..rounds.settings import INT64_MAX, bounded_int
+from ..bounds import INT64_MAX, bounded_int
 
 if TYPE_CHECKING:
     from ..rounds.coordinator import Coordinator
@@ -31,7 +31,8 @@ def capture(coord: "Coordinator", extra: Optional[dict] = None) -> Snapshot:
         # and are lost with the process: their islands push them again
         unmerged = set()
         for f in mine:
-            for c in list(f.round.contribs.values()) + list(f.carry):
+            r = coord.rounds[f.index]
+            for c in list(r.answers.values()) + list(r.carried):
                 unmerged.add((c.island, f.index, c.push.base_version))
         merged = sorted([i, fr, b] for i, fr, b in coord.seen if (i, fr, b) not in unmerged)
         ledger = {i: ledger_entry(m) for i, m in coord.members.items()}
@@ -85,7 +86,7 @@ def restore(coord: "Coordinator", meta: dict, arrays: list) -> None:
             # islands rejoin with the full shadow; without one: shadow = base
             f.restore(arr, int(fm["version"]), shadow=coord.down_codec is not None)
             coord.opt.ensure_state(f.t)
-            f.round = type(f.round)(f.version)
+        coord.reset_rounds()
         now = coord.clock()
         # members of the resumed run are expected again for one lease (they reconnect with back-off)
         members = {island: member_from_ledger(island, e, now, len(coord.frags))

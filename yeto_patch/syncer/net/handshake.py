@@ -23,7 +23,7 @@ from ...wire.frames import MAX_PAYLOAD, AuthError, FrameAuthError, MsgType, Peer
 from ...wire.text import EscapeArgs, check_island_id, printable
 from ..model.layout import first_difference, normalize_manifest
 from ..model.limits import default_max_model_bytes, model_size_error
-from ..rounds.settings import PushRefused
+from ..rounds.pushes import PushRefused
 
 __all__ = ["accept_handshake"]
 

@@ -33,12 +33,12 @@ from ..model.limits import InitWatch, island_buffer_bytes, island_max
 from ..model.runner import ChunkRunner
 from .handshake import accept_handshake
 from ..observe.metrics import Metrics, Tape
-from ..rounds.pushes import accept_push, parse_push, refusal
 from ..rounds.records import MergeRecord
 from ..rounds.coordinator import Coordinator
 from .session import BASE_UPDATES, aligned_meta
 from .session import Session as _Session
-from ..rounds.settings import Push, PushRefused, bounded_int, shown
+from ..rounds.pushes import Push, PushRefused, parse_push, refusal, reply_for
+from ..bounds import bounded_int, shown
 from ..model.snapshot import capture, open_checkpoint
 
 __all__ = ["ServerConfig", "SyncerServer", "aligned_meta"]
@@ -61,20 +61,18 @@ class SyncerServer:
             raise ValueError("background checkpoints need a checkpoint path")
         self.cfg = cfg
         self.runner = ChunkRunner(cfg.merge_threads)
-        self.coord = Coordinator(cfg.merge, cfg.rounds, self.runner, shard=cfg.shard)
-        self.coord.guard = NormGuard(cfg.max_push_norm_ratio, self.runner, cfg.first_push_growth,
-                                     single=cfg.islands == 1) \
+        self.writer = CheckpointWriter(cfg.checkpoint, cfg.background_checkpoint) if cfg.checkpoint else None
+        self.heartbeat_s = cfg.heartbeat_s or max(0.05, cfg.rounds.lease_s / 4)
+        guard = NormGuard(cfg.max_push_norm_ratio, self.runner, cfg.first_push_growth, single=cfg.islands == 1) \
             if cfg.max_push_norm_ratio else None
-        if cfg.base_wire in BASE_UPDATES:
-            self.coord.down_codec = cfg.base_wire
+        self.coord = Coordinator(cfg.merge, cfg.rounds, self.runner, shard=cfg.shard, guard=guard,
+                                 down_codec=cfg.base_wire if cfg.base_wire in BASE_UPDATES else None,
+                                 protect=self.writer.protect if self.writer else None,
+                                 heartbeat_s=self.heartbeat_s)   # (a lost link counts as up for one heartbeat)
         self.fold_pool = ThreadPoolExecutor(max(2, min(8, cfg.islands)), thread_name_prefix="yeto-fold")
         self.metrics = Metrics()
         self.metrics.shard.labels(str(cfg.shard.index), str(cfg.shard.count)).set(1)
         self.tape = Tape(cfg.tape)
-        self.writer = CheckpointWriter(cfg.checkpoint, cfg.background_checkpoint) if cfg.checkpoint else None
-        self.coord.protect = self.writer.protect if self.writer else None
-        self.heartbeat_s = cfg.heartbeat_s or max(0.05, cfg.rounds.lease_s / 4)
-        self.coord.roster.heartbeat_s = self.heartbeat_s   # (a lost link counts as up for one heartbeat period)
         self.sessions: dict[str, _Session] = {}
         self.all_sessions: set = set()
         self.slots = HandshakeSlots(cfg.max_handshakes, cfg.max_handshakes_per_host)
@@ -348,7 +346,7 @@ class SyncerServer:
 
     def _process_push(self, s: _Session, p: Push) -> None:
         try:
-            reply = accept_push(self.coord, p, s.island)
+            reply = reply_for(self.coord, p)
             self.metrics.record_push(s.island, reply)
         except Exception:  # noqa: BLE001 - a bug must not take the syncer down
             log.exception("internal error while accepting a push from island %s", s.island)
@@ -475,9 +473,8 @@ class SyncerServer:
                 rec = coord.merge(f, force=True)
                 if rec is not None:
                     self._after_merge(rec, broadcast=False)
+        coord.close_all()
         with coord.lock:
-            for f in coord.mine():
-                f.closed = True
             self.final_done = True
             targets = [s for s in self.sessions.values() if not s.closed]
             for s in targets:

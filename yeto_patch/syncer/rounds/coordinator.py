@@ -1,24 +1,24 @@
-"""Rounds per fragment: accepting pushes, folding them, merging; the coordinator that owns the syncer's state.
+"""The coordinator: the syncer's state of the run (fragments, their open rounds, the roster, the weights) and the
+only code that changes it; no sockets (the server feeds it pushes and asks which rounds are due).
 
-This module holds no sockets: the server feeds it pushes and asks it which fragments are due.  Thread-safe:
-one central lock (``self.lock`` / ``self.cond``) protects the bookkeeping; decoding and folding a push into
-its round's accumulator happens outside that lock (under the round's own fold lock), and so does the merge
-arithmetic (the fragment's round is marked closed while it merges, so nothing else touches it).
+Thread-safety: one central lock (``self.lock`` / ``self.cond``) protects the bookkeeping; decoding and folding a push
+into its round's accumulator happens outside that lock (under the round's own fold lock), and so does the merge
+arithmetic (the round is MERGING meanwhile, so nothing else touches it).
 
-Semantics (see docs/protocol.md, "Syncer protocol"):
+Semantics (docs/protocol.md, "Syncer protocol"):
 
-* A fragment's version counts its merges.  The open round of a fragment merges onto base ``version``.
+* A fragment's version counts its merges. Its open round (rounds/round.py, the state machine that decides when it
+  merges) merges onto base ``version``.
 * A push relative to base ``b`` has lag ``version - b`` (plus one while the round it belongs to is merging).
   Lag 0 answers the open round and is folded into its accumulator as it arrives (``exact`` mode holds the
-  encoded pushes and folds them at merge time in island order).  A lag in ``1..max_base_lag`` is accepted and
-  carried, in its encoded wire form, into the next merge of that fragment, with its weight scaled by
-  ``late_factor ** lag``.  A larger lag is refused (the island must pull).  A second push for the same
-  (island, fragment, base) is refused.  A non-finite push is refused before it touches anything.
-* Who a round waits for: syncer/rounds/roster.py (fixed roster, explicit quorum, elastic); when it merges:
-  syncer/rounds/due.py, with the adaptive grace window of syncer/rounds/window.py.
-* Weights: syncer/rounds/weights.py (checked steps, tokens per step fixed per island process, each push at most a few
-  times the other islands' median).  The outer gradient is ``sum(w_i * delta_i) / sum(w_i)`` in float32 (a round
-  whose weights sum to zero merges ``g = 0``).
+  encoded pushes and folds them at merge time in island order). A lag in ``1..max_base_lag`` is accepted and
+  carried, in its encoded wire form, into the next merge of that fragment, weight x ``late_factor ** lag``, joining
+  its island's answer as one contribution (at most one island's cap). A larger lag is refused (the island must
+  pull). A second push for the same (island, fragment, base) is refused. A non-finite push is refused first.
+* Who a round waits for: rounds/roster.py; how long: rounds/round.py with the pace window of rounds/window.py.
+* Weights: rounds/weights.py (checked steps, tokens per step fixed per island process, capped at a few times the
+  other islands' low median). The outer gradient is ``sum(w_i * delta_i) / sum(w_i)`` in float32; a round whose
+  weights sum to zero does not move the base.
 """
 from __future__ import annotations
 
@@ -31,30 +31,37 @@ import numpy as np
 
 from ...wire import codecs
 from ...wire.frames import CodecError
-from .due import due_now, next_deadline, pace, round_status
+from ..bounds import MAX_RATE, bounded_int, bounded_number, shown
 from ..model.fragment import Fragment
-from .window import ArrivalBook
 from ..model.layout import fragment_numels, partition
-from .members import Member
-from ..model.runner import ChunkRunner
 from ..model.outer import NonFiniteMerge, outer_lr_inputs
-from .push_checks import check_counters, push_standing, push_target
-from .records import MergeRecord
-from .roster import Roster
-from .round import AccumulatorPool, _Contrib, _Round, _refusal_code, fold_held, validate_encoded
+from ..model.runner import ChunkRunner
 from ..shards.spec import ShardSpec, assign
-from .settings import WEIGHTINGS, MergeSettings, Push, PushRefused, RoundSettings, bounded_int, shown
+from .members import Member
+from .pushes import Push, PushRefused, check_counters, push_standing, push_target
+from .records import MergeRecord
+from .round import AccumulatorPool, Contribution, Round, fold_carried, refusal_code, validate_encoded
+from .roster import Roster
+from .settings import WEIGHTINGS, MergeSettings, RoundSettings
 from .weights import WeightBook
+from .window import PaceWindow
 
 __all__ = ["Coordinator"]
 
 log = logging.getLogger("yeto.syncer")
-MAX_RATE = 1e6            # steps/s an island's heartbeat may say (larger: ignored)
 
 
 class Coordinator:
+    """Built with everything it needs: ``merge`` and ``rounds`` settings, the merge ``runner``, the ``clock``, its
+    ``shard``; ``guard`` (a model.guard.NormGuard or None) refuses pushes far outside what a fragment has seen;
+    ``down_codec`` (``--base-wire int8/int4``): merged bases go out as quantized updates of a shadow base, the
+    quantization error carried into the next update; ``protect(fragment)`` is called before a fragment's arrays
+    change (a background checkpoint copies them first); ``heartbeat_s``: a lost link counts as up for one period."""
+
     def __init__(self, merge: MergeSettings, rounds: RoundSettings, runner: Optional[ChunkRunner] = None,
-                 clock: Callable[[], float] = time.monotonic, shard: ShardSpec = ShardSpec()):
+                 clock: Callable[[], float] = time.monotonic, shard: ShardSpec = ShardSpec(), *, guard=None,
+                 down_codec: Optional[str] = None, down_block: int = codecs.DEFAULT_BLOCK,
+                 protect: Optional[Callable[[int], None]] = None, heartbeat_s: Optional[float] = None):
         if merge.weights not in WEIGHTINGS:
             raise ValueError(f"unknown weighting {merge.weights!r} (known: {', '.join(WEIGHTINGS)})")
         if merge.max_base_lag < 0:
@@ -63,37 +70,30 @@ class Coordinator:
             raise ValueError("late_factor must be in [0, 1]")
         self.ms = merge
         self.rs = rounds
-        self.roster = Roster(rounds, clock)
-        self.arrivals = ArrivalBook()        # arrival offsets and round periods (the adaptive grace window)
-        self.book = WeightBook(merge.weights)   # checked, bounded merge weights
+        self.roster = Roster(rounds, clock, heartbeat_s)
+        self.members: dict[str, Member] = self.roster.members
+        self.window = PaceWindow(self.members)   # each island's pace: whom a round waits for
+        self.book = WeightBook(merge.weights)    # checked, bounded merge weights
         self.opt = merge.optimizer()
         self.runner = runner or ChunkRunner()
         self.clock = clock
+        self.shard = shard
+        self.guard = guard
+        self.down_codec = down_codec
+        self.down_block = down_block
+        self.protect = protect
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.manifest: Optional[list] = None
         self.layout: Optional[list] = None
         self.frags: list[Fragment] = []   # every fragment of the layout (state only in those this shard owns)
-        self.shard = shard
+        self.rounds: list[Round] = []     # each fragment's open round
         self.owned: list[int] = []        # this shard's fragments (shards.assign), ascending
         self._owners: list[list[int]] = []   # every shard's fragments (for refusals naming the owner)
-        self.members: dict[str, Member] = self.roster.members
         self.seen: set = set()  # (island, fragment, base_version) accepted
         self.merges_total = 0
         self.initialized = False
-        self.protect: Optional[Callable[[int], None]] = None  # called before a fragment's state changes
-        self.guard = None  # a guard.NormGuard: refuses pushes far outside what the fragment has seen
         self._accs = AccumulatorPool()   # one released accumulator, reused (no fresh page faults)
-        # --base-wire int8/int4: merged bases go out as quantized updates of a shadow base (what every island
-        # holds), with the quantization error left in base - shadow and so carried into the next update
-        self.down_codec: Optional[str] = None
-        self.down_block = codecs.DEFAULT_BLOCK
-
-    def _take_acc(self, n: int) -> np.ndarray:
-        return self._accs.take(n, self.runner)
-
-    def _give_acc(self, acc: Optional[np.ndarray]) -> None:
-        self._accs.give(acc)
 
     # ------------------------------------------------------------------------------------------ setup
     def set_manifest(self, manifest: list, fragments: int) -> None:
@@ -103,7 +103,8 @@ class Coordinator:
             self.layout = layout
             numels = fragment_numels(manifest, layout)
             self._owners = assign(numels, self.shard.count)
-            self.frags = [Fragment(i, n, _Round(0)) for i, n in enumerate(numels)]
+            self.frags = [Fragment(i, n) for i, n in enumerate(numels)]
+            self.rounds = [Round(i, 0) for i in range(len(numels))]
             self.owned = self._owners[self.shard.index]
 
     def mine(self) -> list[Fragment]:
@@ -132,21 +133,7 @@ class Coordinator:
     def init_fragment(self, index: int, values: np.ndarray) -> bool:
         """Install INIT values (float32, finite) for a fragment; True when every fragment has its base."""
         with self.lock:
-            if self.initialized:
-                raise PushRefused("already-initialized", "the run is already initialized; INIT ignored")
-            if not bounded_int(index, len(self.frags) - 1):
-                raise PushRefused("bad-fragment", f"INIT for fragment {shown(index)}, the layout has "
-                                                  f"{len(self.frags)}")
-            wrong = self.owner_refusal(index, "INIT")
-            if wrong is not None:
-                raise wrong
-            f = self.frags[index]
-            if f.has_base:
-                raise PushRefused("duplicate-init", f"a second INIT of fragment {index}; refused")
-            try:
-                f.check_init(values)
-            except ValueError as e:
-                raise PushRefused("bad-init", str(e)) from None
+            f = self._init_target(index, values)
         a = f.first_nonfinite(values)
         if a is not None:
             raise PushRefused("nonfinite", f"INIT of fragment {index} has a non-finite value near {a}")
@@ -154,14 +141,33 @@ class Coordinator:
             if f.has_base:   # (one initializer, one reader thread: not expected)
                 raise PushRefused("duplicate-init", f"a second INIT of fragment {index}; refused")
             f.install_init(values, shadow=self.down_codec is not None)
-            if all(fr.has_base for fr in self.mine()):
-                for fr in self.mine():
-                    self.opt.ensure_state(fr.t)
-                self.initialized = True
-                self._check_total_rounds()
-                self.cond.notify_all()
-                return True
-            return False
+            if not all(fr.has_base for fr in self.mine()):
+                return False
+            for fr in self.mine():
+                self.opt.ensure_state(fr.t)
+            self.initialized = True
+            self._check_total_rounds()
+            self.cond.notify_all()
+            return True
+
+    def _init_target(self, index: int, values: np.ndarray) -> Fragment:
+        """(lock held) The fragment an INIT is for, after its checks; raises PushRefused."""
+        if self.initialized:
+            raise PushRefused("already-initialized", "the run is already initialized; INIT ignored")
+        if not bounded_int(index, len(self.frags) - 1):
+            raise PushRefused("bad-fragment", f"INIT for fragment {shown(index)}, the layout has "
+                                              f"{len(self.frags)}")
+        wrong = self.owner_refusal(index, "INIT")
+        if wrong is not None:
+            raise wrong
+        f = self.frags[index]
+        if f.has_base:
+            raise PushRefused("duplicate-init", f"a second INIT of fragment {index}; refused")
+        try:
+            f.check_init(values)
+        except ValueError as e:
+            raise PushRefused("bad-init", str(e)) from None
+        return f
 
     def versions(self) -> list[Optional[int]]:
         """Each fragment's version; None for those another shard owns."""
@@ -169,23 +175,19 @@ class Coordinator:
             mine = set(self.owned)
             return [f.version if f.index in mine else None for f in self.frags]
 
+    def reset_rounds(self) -> None:
+        """(restore) Every owned fragment's open round starts afresh on its version."""
+        with self.lock:
+            for f in self.mine():
+                self.rounds[f.index] = Round(f.index, f.version)
+
     # ------------------------------------------------------------------------------------- membership
-    @property
-    def rs(self) -> RoundSettings:
-        return self._rs
-
-    @rs.setter
-    def rs(self, value: RoundSettings) -> None:
-        self._rs = value
-        if getattr(self, "roster", None) is not None:
-            self.roster.rs = value
-
     def join(self, island: str, incarnation: str) -> Member:
         with self.lock:
             self._prune()
             old = self.members.get(island)
             if old is not None and old.incarnation != incarnation:
-                self.arrivals.forget(island)   # a restarted island: its old arrival times say nothing now
+                self.window.forget(island)   # a restarted island: its old pace says nothing of the new process
             m = self.roster.join(island, incarnation)
             self.cond.notify_all()
             return m
@@ -197,10 +199,8 @@ class Coordinator:
             self.roster.touch(island)
             m = self.members.get(island)
             if m is not None:
-                if bounded_int(step):
-                    m.step = step
-                if isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate <= MAX_RATE:
-                    m.rate = float(rate)
+                m.progress(step if bounded_int(step) else None, rate if bounded_number(rate, MAX_RATE) else None,
+                           self.clock())
 
     def disconnected(self, island: str, bye: bool) -> None:
         with self.lock:
@@ -215,10 +215,10 @@ class Coordinator:
 
     def _prune(self) -> None:
         """(lock held) Forget ledger entries that carry no state (churned ids must not grow the ledger and the
-        checkpoint forever; see limits.stateless_members)."""
+        checkpoint forever; see rounds/roster.stateless_members)."""
         busy = {k[0] for k in self.seen}
         for f in self.mine():
-            busy.update(c.island for c in list(f.round.contribs.values()) + list(f.carry))
+            busy.update(self.rounds[f.index].islands())
         self.roster.prune(busy)
 
     def finish(self, island: str, last_step: int) -> None:
@@ -238,6 +238,12 @@ class Coordinator:
         with self.lock:
             return self.initialized and all(f.closed for f in self.mine())
 
+    def close_all(self) -> None:
+        """(the final cut) No fragment takes pushes any more."""
+        with self.lock:
+            for f in self.mine():
+                f.closed = True
+
     def _check_total_rounds(self) -> None:
         tr = self.rs.total_rounds
         if tr is not None:
@@ -248,27 +254,24 @@ class Coordinator:
     # ------------------------------------------------------------------------------------------ pushes
     def _checked(self, p: Push) -> tuple[Fragment, tuple]:
         """(lock held) The push's fragment and (weight, claimed weight, held until the merge), after the checks of
-        its fields (syncer/rounds/push_checks.py, syncer/rounds/weights.py); raises PushRefused."""
+        its fields (rounds/pushes.py, rounds/weights.py); raises PushRefused."""
         f = push_target(p, self.initialized, self.frags, self.owner_refusal)
         check_counters(p)
         w = self.book.weight(p)
         p.nbytes = memoryview(p.body).nbytes
         return f, w
 
-    def _admit(self, p: Push, f: Fragment) -> tuple[Optional[str], int]:
-        """(lock held) The checks of a push against the fragment's state now (push_checks.push_standing)."""
-        return push_standing(p, f, self.seen, self.ms.max_base_lag)
-
     def accept(self, p: Push) -> tuple[str, int]:
         """Accept a push (fold it if it answers the open round). Returns (status, lag); raises PushRefused.
 
         A push held in its encoded form (carried, or ``exact``) is validated outside the lock first; the state
-        checks (:meth:`_admit`) then run on the state at registration, looking again if a merge moved it."""
+        checks (rounds/pushes.push_standing) then run on the state at registration, looking again if a merge moved
+        it."""
         with self.lock:
             f, (w, claimed, unref) = self._checked(p)
         key = (p.island, f.index, p.base_version)
         guard = self.guard
-        first_round = p.base_version == 0   # (the guard keeps the first round's pushes apart: guard.py)
+        first_round = p.base_version == 0   # (the guard keeps the first round's pushes apart: model/guard.py)
         norm = guard.measure(p.codec, p.body, f.numel, p.block, cold=(f.index, p.island, f.t.base, first_round)) \
             if guard is not None else None
         base_norm = guard.base_norm(f.index, f.version, f.t.base) \
@@ -276,76 +279,72 @@ class Coordinator:
         validated = False
         while True:
             with self.lock:
-                status, lag = self._admit(p, f)
+                r = self.rounds[f.index]
+                status, lag = push_standing(p, f, r.closed, self.seen, self.ms.max_base_lag)
                 if status is not None:
                     return status, 0
-                r = f.round
                 held = lag != 0 or self.ms.exact or unref
                 if not held or validated:
                     why = guard.admit(f.index, norm, p.island, base_norm, first_round=first_round) \
                         if guard is not None else None
                     if why is not None:
                         raise PushRefused("outlier", why)
-                    c = self._register(p, f, r, _Contrib(p, w, lag=lag, held=held, claimed=claimed,
-                                                         unreferenced=unref), key)
-                    if c is None:
+                    c = Contribution(p, w, lag=lag, held=held, claimed=claimed, unreferenced=unref)
+                    if not self._register(p, f, r, c, key):
                         return ("carried", lag) if lag else ("accepted", 0)
                     break
             try:  # a held push is validated now: it is decoded only at merge time
                 validate_encoded(p.codec, p.body, f.numel, p.block)
             except CodecError as e:
                 log.warning("refused push of fragment %d from island %s: %s", f.index, p.island, e)
-                raise PushRefused(_refusal_code(e), f"push of fragment {f.index} refused: {e}") from None
+                raise PushRefused(refusal_code(e), f"push of fragment {f.index} refused: {e}") from None
             validated = True
         return self._fold(p, f, r, c, w, key)
 
-    def _register(self, p: Push, f: Fragment, r: _Round, c: _Contrib, key) -> Optional[_Contrib]:
-        """(lock held) Record an accepted push; returns the contribution when it still has to be folded."""
+    def _register(self, p: Push, f: Fragment, r: Round, c: Contribution, key) -> bool:
+        """(lock held) Record an accepted push in its round; True when it still has to be folded."""
         self.seen.add(key)
         if c.lag != 0:
-            self._credit(p, f, c)
-            f.carry.append(c)
+            self._credit(p, f)
+            r.carry(c)
             self.cond.notify_all()
-            return None
-        r.contribs[p.island] = c
+            return False
+        r.register(c)
         if c.held:
-            c.folded = True
+            r.inflight -= 1
             self._answer(r, p, f, c)
             self.cond.notify_all()
-            return None
-        r.inflight += 1
-        return c
+            return False
+        return True
 
-    def _answer(self, r: _Round, p: Push, f: Fragment, c: _Contrib) -> None:
-        """(lock held) A push became an answer of round ``r``: round timing and the island's bookkeeping."""
-        now = self.clock()
-        if r.t_first is None:
-            r.t_first = now
-            self.arrivals.round_opened(f.index, r.base_version, now)
-        if r.t_quorum is None and len(r.answered()) >= self.rs.k:
-            r.t_quorum = now
-        self._credit(p, f, c)
+    def _answer(self, r: Round, p: Push, f: Fragment, c: Contribution) -> None:
+        """(lock held) A push became an answer of round ``r``: its timing and the island's bookkeeping."""
+        r.answered(c, self.clock())
+        self._credit(p, f)
 
-    def _credit(self, p: Push, f: Fragment, c: _Contrib) -> None:
-        """(lock held) The island's bookkeeping for an accepted push (its arrival time, its checked weight, its
-        final flag); a push refused while it is being folded leaves none (its final flag would drop the island
-        from the fragment's expected set)."""
+    def _credit(self, p: Push, f: Fragment) -> None:
+        """(lock held) The island's bookkeeping for an accepted push (its arrival, its pace, its final flag); a push
+        refused while it is being folded leaves none (its final flag would drop the island from the fragment's
+        expected set)."""
         now = self.clock()
-        self.arrivals.arrived(p.island, f.index, p.base_version, now)
+        p.arrived = now
+        self.window.pushed(p.island, f.index, int(p.local_step or 0))
         m = self.members.get(p.island)
         if m is not None:
             m.last_seen = now
             if p.final:
                 m.final_fragments.add(f.index)
             m.last_step = max(m.last_step, int(p.local_step or 0))
+            if p.local_step:
+                m.progress(int(p.local_step), None, now)
 
-    def _fold(self, p: Push, f: Fragment, r: _Round, c: _Contrib, w: float, key) -> tuple[str, int]:
+    def _fold(self, p: Push, f: Fragment, r: Round, c: Contribution, w: float, key) -> tuple[str, int]:
         """Streaming fold of an accepted push into its round's accumulator, outside the central lock."""
         err = None
         try:
             with r.fold_lock:
                 if r.acc is None:
-                    r.acc = self._take_acc(f.numel)
+                    r.acc = self._accs.take(f.numel, self.runner)
                 codecs.decode_accumulate(p.codec, p.body, f.numel, w, r.acc, p.block,
                                          threads=self.runner.threads)
         except CodecError as e:
@@ -354,45 +353,74 @@ class Coordinator:
             r.inflight -= 1
             c.push.body = None  # the decoded values live in the accumulator now
             if err is None:
-                c.folded = True
                 self._answer(r, p, f, c)
             else:  # it never was an answer: nothing to undo but its registration
-                r.contribs.pop(p.island, None)
+                r.unregister(p.island)
                 self.seen.discard(key)
             self.cond.notify_all()
         if err is not None:
             log.warning("refused push of fragment %d from island %s: %s", f.index, p.island, err)
-            raise PushRefused(_refusal_code(err), f"push of fragment {f.index} refused: {err}")
+            raise PushRefused(refusal_code(err), f"push of fragment {f.index} refused: {err}")
         return "accepted", 0
 
     # --------------------------------------------------------------------------------------- scheduling
-    def expected(self, f: Fragment, now: float) -> set:
-        return self.roster.expected(f.index, now)
+    def _decisions(self, now: float):
+        for f in self.mine():
+            if f.closed:
+                continue
+            r = self.rounds[f.index]
+            d = r.decide(self.rs, self.roster, self.window, now)
+            if d is not None:
+                yield f, r, d
 
     def due(self) -> list[int]:
-        """Fragments whose open round should merge now (logs rounds that wait below quorum past the timeout)."""
+        """Fragments whose open round merges now (rounds waiting below their floor past the timeout are logged)."""
         with self.lock:
-            return due_now(self.rs, self.roster, self.arrivals, self.mine(), self.clock())
+            now = self.clock()
+            out = []
+            for f, r, d in self._decisions(now):
+                if d.due(now):
+                    out.append(f.index)
+                else:
+                    r.log_wait(self.rs, self.roster, d, f.version, now)
+            return out
 
     def next_deadline(self) -> Optional[float]:
         """Earliest clock time at which a round may become due by time (None: only events matter)."""
         with self.lock:
-            return next_deadline(self.rs, self.roster, self.arrivals, self.mine(), self.clock())
+            ts = [d.at for _, _, d in self._decisions(self.clock()) if d.at is not None]
+            return min(ts) if ts else None
 
     def round_status(self, island: str) -> dict:
-        """What ``island`` may be waiting for (the HEARTBEAT the syncer sends it; syncer/rounds/due.py)."""
+        """What ``island`` may be waiting for (the HEARTBEAT the syncer sends it; docs/protocol.md, "Membership"):
+        the open rounds it answered ``[fragment, version, answered, floor]``, the islands they wait for ("(down Ns)"
+        marking those that are not up), after its FINAL the islands still training, and the fleet's pace."""
         with self.lock:
-            return round_status(self.rs, self.roster, self.arrivals, self.mine(), island, self.clock())
+            now = self.clock()
+            rounds, missing = [], set()
+            for f, r, d in self._decisions(now):
+                if island not in r.answered_islands():
+                    continue
+                if len(rounds) < MAX_STATUS_ROUNDS:
+                    rounds.append([f.index, f.version, len(r.counted()), d.floor])
+                missing.update(d.waits_for)
+            out = {"rounds": rounds, "missing": self.roster.describe(sorted(missing)[:MAX_STATUS_IDS], now)}
+            m = self.members.get(island)
+            if m is not None and m.finished:
+                out["unfinished"] = self.roster.describe(sorted(self.roster.unfinished(now))[:MAX_STATUS_IDS], now)
+            pace = self.roster.pace(now)
+            if pace:
+                out["pace"] = pace
+            return out
 
     def pace(self) -> float:
-        """The fleet's pace in steps/s (syncer/rounds/due.py)."""
+        """The fleet's pace in steps/s (rounds/roster.py)."""
         with self.lock:
-            return pace(self.roster, self.clock())
+            return self.roster.pace(self.clock())
 
     def pending(self, index: int) -> bool:
         with self.lock:
-            f = self.frags[index]
-            return bool(f.round.contribs or f.carry)
+            return self.rounds[index].pending()
 
     # ------------------------------------------------------------------------------------------- merge
     def merge(self, index: int, force: bool = False, wait_streams: bool = True) -> Optional[MergeRecord]:
@@ -408,48 +436,53 @@ class Coordinator:
 
     def _merge_locked(self, f: Fragment, index: int, force: bool) -> Optional[MergeRecord]:
         with self.lock:
-            r = f.round
-            if r.closed or (f.closed and not force):
+            r = self.rounds[index]
+            if (f.closed and not force) or not r.begin_merge():
                 return None
-            r.closed = True
             while r.inflight:
                 self.cond.wait()
-            fresh = sorted(r.contribs.values(), key=lambda c: c.island)
-            carried = sorted(f.carry, key=lambda c: (c.island, c.push.base_version))
-            if not fresh and not (force and carried):
-                r.closed = False
+            contents = r.contents(force)
+            if contents is None:
                 return None
-            f.carry = []
+            fresh, carried = contents
             version = f.version
-            expected = sorted(self.expected(f, self.clock()))
-            if self.rs.adaptive and fresh:   # up, waited for (or not), and not there: a miss for the window
-                for i in set(expected) - {c.island for c in fresh}:
-                    self.arrivals.missed(i)
+            expected = sorted(self.roster.expected(index, self.clock()))
             t_first = r.t_first if r.t_first is not None else self.clock()
         t0 = self.clock()
         t_wall = time.time()
-        responders, total = [], 0.0
+        responders, total, norm, outer_lr, ok, reason = [], 0.0, float("nan"), None, True, ""
         try:
             acc, total, responders = self._merge_fold(f, r, fresh, carried, version, index)
-            if self.protect is not None:
-                self.protect(index)
-            steps, blended = outer_lr_inputs([c.push for c in fresh or carried])
-            outer_lr = self.opt.lr_at(steps, blended)
-            norm = self.opt.step(f.t, acc, total, version + 1, self.runner, steps=steps, blended=blended)
-            ok, reason = True, ""
+            if total > 0:
+                if self.protect is not None:
+                    self.protect(index)
+                steps, blended = outer_lr_inputs([c.push for c in fresh or carried])
+                outer_lr = self.opt.lr_at(steps, blended)
+                norm = self.opt.step(f.t, acc, total, version + 1, self.runner, steps=steps, blended=blended)
+            else:
+                ok, reason = False, "every push weighs nothing (no new steps): the base is not moved"
         except (NonFiniteMerge, CodecError) as e:
             ok, reason, norm, outer_lr = False, str(e), float("nan"), None
         if ok and f.t.shadow is not None:
-            self._base_update(f, acc, version + 1)
-        nbytes = sum(r_["bytes"] for r_ in responders)
+            f.encode_update(self.down_codec, self.down_block, acc, version + 1, self.runner.threads)
+        self._close_round(f, r, fresh + carried, ok, reason, responders, index)
+        t1 = self.clock()
+        return MergeRecord(fragment=index, version=f.version, ok=ok, responders=responders, total_weight=total
+                           if ok else 0.0, bytes=sum(x["bytes"] for x in responders), quorum_s=max(0.0, t0 - t_first),
+                           merge_s=t1 - t0, grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall,
+                           outer_lr=outer_lr)
+
+    def _close_round(self, f: Fragment, r: Round, merged: list, ok: bool, reason: str, responders: list,
+                     index: int) -> None:
+        """After the merge arithmetic: the version, the ledger and the weight book, and the next open round."""
         with self.lock:
-            for c in fresh + carried:
+            for c in merged:
                 c.push.body = None
             if ok:
-                f.version = version + 1
+                f.version += 1
                 self.merges_total += 1
-                for c in fresh + carried:
-                    self.book.merged(c.push, c.claimed)
+                for c in merged:
+                    self.book.merged(c.push, c.weight_raw)
                     m = self.members.get(c.island)
                     if m is not None:
                         m.credit(c.push.steps, c.push.tokens)
@@ -458,31 +491,23 @@ class Coordinator:
                 self.seen = {k for k in self.seen if k[1] != index or k[2] >= lo}
             else:
                 log.error("fragment %d: merge at v%d refused (%s); pushes from %s dropped, state unchanged",
-                          index, version, reason, [x["island"] for x in responders])
-                for c in fresh + carried:
+                          index, f.version, reason, [x["island"] for x in responders])
+                for c in merged:
                     self.seen.discard((c.island, index, c.push.base_version))
-            f.round = _Round(f.version)
+            r.merged()
+            self.rounds[index] = Round(index, f.version)
             self.cond.notify_all()
-        self._give_acc(r.acc)
+        self._accs.give(r.acc)
         r.acc = None
-        t1 = self.clock()
-        return MergeRecord(fragment=index, version=f.version, ok=ok, responders=responders, total_weight=total
-                           if ok else 0.0, bytes=nbytes, quorum_s=max(0.0, t0 - t_first), merge_s=t1 - t0,
-                           grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall, outer_lr=outer_lr)
 
-    def _merge_fold(self, f: Fragment, r: _Round, fresh: list, carried: list, version: int, index: int) -> tuple:
-        """(accumulator, total weight, responders) of a merge (round_state.fold_held)."""
+    def _merge_fold(self, f: Fragment, r: Round, fresh: list, carried: list, version: int, index: int) -> tuple:
+        """(accumulator, total weight, responders) of a merge (rounds/round.fold_carried)."""
         acc = r.acc
         if acc is None:
-            acc = r.acc = self._take_acc(f.numel)
-        total, responders = fold_held(self.book, acc, fresh, carried, version, self.ms.late_factor, f.numel,
-                                      self.runner.threads, index)
+            acc = r.acc = self._accs.take(f.numel, self.runner)
+        total, responders = fold_carried(self.book, acc, fresh, carried, version, self.ms.late_factor, f.numel,
+                                         self.runner.threads, index, self.book.cap)
         return acc, total, responders
-
-    def _base_update(self, f: Fragment, scratch: np.ndarray, version: int) -> None:
-        """shadow += decode(encode(base - shadow)) (the merge holds the fragment's write lock; ``scratch`` is the
-        spent accumulator)."""
-        f.encode_update(self.down_codec, self.down_block, scratch, version, self.runner.threads)
 
     def resumed(self, merges_total: int, members: dict, merged: set) -> None:
         """(restore) The rest of a checkpoint's committed state, once every fragment's arrays are installed."""
@@ -493,3 +518,6 @@ class Coordinator:
             self.initialized = True
             self._check_total_rounds()
 
+
+MAX_STATUS_ROUNDS = 64    # rounds listed in one HEARTBEAT
+MAX_STATUS_IDS = 16       # island ids listed in one HEARTBEAT

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .settings import INT64_MAX, bounded_int
+from ..bounds import INT64_MAX, bounded_int
 
 __all__ = ["Member", "ledger_entry", "member_from_ledger", "saturating_add"]
 
@@ -35,11 +35,24 @@ class Member:
     steps: int = 0
     tokens: int = 0
     link_lost: Optional[float] = None   # when its last connection closed (None: connected, or restored)
-    step: int = 0                       # its step as its heartbeats last said (bounded; for the pace)
+    step: int = 0                       # its step as its heartbeats and pushes last said (bounded; for the pace)
     rate: float = 0.0                   # its compute rate, steps/s, as its heartbeats say (bounded; 0: unknown)
+    step_at: Optional[float] = None     # when it said ``step``
+    moved_at: Optional[float] = None    # when its step last grew (a connected island that stalls: not waited for)
 
     def alive(self, now: float, lease: float) -> bool:
         return now - self.last_seen <= lease
+
+    def progress(self, step: Optional[int], rate: Optional[float], now: float) -> None:
+        """Its step (a bounded integer) and compute rate (a bounded number) as a heartbeat or a push says them; None:
+        not said."""
+        if step is not None:
+            if self.moved_at is None or step > self.step:
+                self.moved_at = now
+            self.step = step
+            self.step_at = now
+        if rate is not None:
+            self.rate = float(rate)
 
     def credit(self, steps: int, tokens: int) -> None:
         """A merged push of this island: its counters (saturating)."""

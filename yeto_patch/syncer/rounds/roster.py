@@ -15,13 +15,17 @@ Thread-safety: the :class:`~.rounds.Coordinator` calls every method under its lo
 """
 from __future__ import annotations
 
+import statistics
 from typing import Callable, Optional
 
 from ..model.limits import stateless_members
 from .members import Member
-from .settings import PushRefused, RoundSettings
+from .pushes import PushRefused
+from .settings import RoundSettings
 
-__all__ = ["Roster"]
+__all__ = ["Roster", "PACE_SPREAD"]
+
+PACE_SPREAD = 4.0   # the pace is at most this x the median rate of the islands that are up
 
 
 class Roster:
@@ -30,6 +34,7 @@ class Roster:
         self.clock = clock
         self.heartbeat_s = heartbeat_s   # (None: lease / 4, as the server's default)
         self.members: dict[str, Member] = {}
+        self.first_join: Optional[float] = None   # when the first island joined (the roster's wait runs from it)
 
     # ------------------------------------------------------------------------------------------ changes
     def join(self, island: str, incarnation: str) -> Member:
@@ -39,6 +44,8 @@ class Roster:
         if m is None and len(alive) >= self.rs.islands:
             raise PushRefused("too-many-islands", f"this run expects {self.rs.islands} island(s) and already has "
                                                   f"{sorted(alive)}; refusing island {island!r}")
+        if self.first_join is None:
+            self.first_join = now
         if m is None:
             m = self.members[island] = Member(island, incarnation, now)
         else:
@@ -118,12 +125,31 @@ class Roster:
         Islands that joined and then left still count."""
         return len(self.members) >= min(self.rs.k, self.rs.islands)
 
+    def complete(self, now: float) -> bool:
+        """Whether the run's roster is complete: every island of ``--islands`` joined, or ``roster_wait_s`` (the
+        syncer's ``--init-wait``) passed since the first one joined without them."""
+        return len(self.members) >= self.rs.islands or (
+            self.first_join is not None and now - self.first_join >= self.rs.roster_wait_s)
+
     def all_finished(self) -> bool:
+        """Whether FINALs end the run: every island alive by lease said FINAL, and the roster is complete (an island
+        that finished before the others ever joined, alone or with a few, must not cut the run without them; an
+        island that is down is not waited for)."""
         now = self.clock()
         alive = [m for m in self.members.values() if m.alive(now, self.rs.lease_s)]
-        # FINALs end the run only once the quorum of islands has joined (an island that finished before the
-        # others ever joined must not cut the run at v0 without them); an island that is down is not waited for
-        return bool(alive) and all(m.finished for m in alive) and self.joined_enough()
+        return bool(alive) and all(m.finished for m in alive) and self.joined_enough() and self.complete(now)
+
+    def unfinished(self, now: float) -> list[str]:
+        """Islands alive by lease that have not said FINAL."""
+        return [i for i, m in self.members.items() if not m.finished and m.alive(now, self.rs.lease_s)]
+
+    def pace(self, now: float) -> float:
+        """The fleet's pace (steps/s): the fastest compute rate among the islands that are up, at most PACE_SPREAD x
+        their median (one island's claim cannot make the others push every step); 0 when none says its rate."""
+        rates = [m.rate for m in self.members.values() if m.rate > 0 and self.is_up(m, now)]
+        if not rates:
+            return 0.0
+        return min(max(rates), PACE_SPREAD * statistics.median(rates))
 
     def describe(self, islands, now: float) -> list[str]:
         """``islands`` for a log line: each id, with "(down Ns)" for one that is not up."""

@@ -10,31 +10,45 @@ A push's weight is computed from what the syncer can check, and bounded relative
   train_step) takes the median of the islands that do, 1 when none does; a later push's own token count is not
   read;
 * the weight (``steps`` x tokens per step, or ``steps``) is then capped at ``MAX_RATIO`` times the **reference**:
-  the median, over the other islands, of each one's median weight of its last ``KEPT`` merged pushes (any
-  fragment). Honest fleets stay below the cap: islands that push at the fleet's rhythm
+  the **low median**, over the other islands, of each one's median **capped** weight of its last ``KEPT`` merged
+  pushes (any fragment). Only capped weights go on record, and the low median of the others is an honest island's
+  as long as the colluding ids are fewer than half of the others (docs/protocol.md, "Security"), so claims
+  cannot raise the reference that caps them. Honest fleets stay below the cap: islands that push at the fleet's rhythm
   (``YETO_DILOCO_SYNC_EVERY=auto``) weigh in proportion to their speed, and the fastest of the benchmark fleet
   (speeds 1 to 0.35) weighs 1.4x the others' median; only a fleet of two islands more than 2x apart in speed has
   its faster island capped. With no other island on record yet (a run's first rounds), the push is held in its
-  encoded form and weighed at merge time against the round's other pushes (``cap_in_round``).
+  encoded form and weighed at merge time against the low median of the round's other pushes' claims
+(``cap_in_round``).
 
 Only merged pushes go on record, so the book is part of the committed state: checkpoints hold it (``state`` /
 ``load``) and a resumed syncer weighs the next pushes exactly as the uninterrupted run would.
 
-So an authenticated island that claims 10^12 tokens (or steps) weighs at most ``MAX_RATIO`` times the others' median
-in every round: with N islands its share of a round is at most MAX_RATIO / (MAX_RATIO + N - 1).
+So an authenticated island that claims 10^12 tokens (or steps) weighs at most ``MAX_RATIO`` times the others' low
+median in every round, on time and carried together (rounds/round.py): with N islands its share of a round is at
+most MAX_RATIO / (MAX_RATIO + N - 1). A push whose checked steps are 0 weighs 0: it is accepted (its island is
+warned once, ``zero_steps``) but does not count towards a round's floor.
 """
 from __future__ import annotations
 
 import collections
-import statistics
+import logging
 from typing import Optional
 
-from .settings import Push
+from .pushes import Push
 
-__all__ = ["WeightBook", "MAX_RATIO", "KEPT"]
+__all__ = ["WeightBook", "MAX_RATIO", "KEPT", "low_median"]
+
+log = logging.getLogger("yeto.syncer")
 
 MAX_RATIO = 2.0   # a push weighs at most this x the other islands' median weight
 KEPT = 8          # recent weights kept per island (the reference)
+
+
+def low_median(xs: list) -> float:
+    """The lower of the two middle values (the middle one of an odd count): fewer than half of ``xs`` cannot raise
+    it above every other value."""
+    s = sorted(xs)
+    return s[(len(s) - 1) // 2]
 
 
 class WeightBook:
@@ -45,7 +59,8 @@ class WeightBook:
         self.mode = mode
         self.tps: dict[str, tuple[str, float]] = {}            # island -> (incarnation, tokens per step)
         self.last_step: dict[tuple, tuple[str, int]] = {}      # (island, fragment) -> (incarnation, local_step)
-        self.recent: dict[str, collections.deque] = {}         # island -> its recent raw weights
+        self.recent: dict[str, collections.deque] = {}         # island -> its recent capped weights
+        self.told_zero: set = set()                             # (island, incarnation) warned of pushes of no steps
 
     # ------------------------------------------------------------------------------------------ checks
     def steps(self, p: Push) -> int:
@@ -65,7 +80,7 @@ class WeightBook:
         if p.steps > 0 and p.tokens > 0:
             return float(p.tokens) / float(p.steps)
         known = [v for i, (_, v) in self.tps.items() if i != p.island]
-        return statistics.median(known) if known else 1.0
+        return _median(known) if known else 1.0
 
     def claimed(self, p: Push) -> float:
         """The push's weight from its checked fields, before the cap."""
@@ -76,13 +91,26 @@ class WeightBook:
 
     # ------------------------------------------------------------------------------------------ cap
     def reference(self, island: str) -> Optional[float]:
-        """The median, over the other islands on record, of each one's median recent weight (None: nobody)."""
-        per = [statistics.median(ws) for i, ws in self.recent.items() if i != island and ws]
-        return statistics.median(per) if per else None
+        """The low median, over the other islands on record, of each one's median recent capped weight (None:
+        nobody)."""
+        per = [_median(ws) for i, ws in self.recent.items() if i != island and ws]
+        return low_median(per) if per else None
+
+    def cap(self, island: str, others: list) -> Optional[float]:
+        """The most ``island`` may weigh in one merge (on time and carried together): MAX_RATIO x the reference, or
+        before anyone is on record x the low median of ``others`` (the merge's other weights); None: no bound."""
+        if self.mode == "equal":
+            return MAX_RATIO   # (every push weighs 1)
+        ref = self.reference(island)
+        if ref is None and others:
+            ref = low_median(others)
+        return None if ref is None else MAX_RATIO * ref
 
     def weight(self, p: Push) -> tuple[float, float, bool]:
         """(weight, claimed weight, held): ``held`` when nobody else is on record yet: weigh it at merge time."""
         raw = self.claimed(p)
+        if raw <= 0 and self.mode != "equal":
+            self._zero_steps(p)
         if self.mode == "equal":
             return raw, raw, False
         ref = self.reference(p.island)
@@ -90,9 +118,18 @@ class WeightBook:
             return raw, raw, True
         return min(raw, MAX_RATIO * ref), raw, False
 
+    def _zero_steps(self, p: Push) -> None:
+        """Say once per island process that its pushes carry no new steps (they weigh nothing)."""
+        key = (p.island, p.incarnation)
+        if key not in self.told_zero and len(self.told_zero) < 4096:
+            self.told_zero.add(key)
+            log.warning("island %s pushed fragment %s with no new steps (steps=%s, local_step=%s): its pushes weigh "
+                        "nothing until they count steps (a loop without Megatron's train_step must report them; "
+                        "said once per island process)", p.island, p.fragment, p.steps, p.local_step)
+
     def merged(self, p: Push, raw: float) -> None:
-        """A push was merged: its local step, its tokens per step (the island process's first) and its claimed
-        weight go on record."""
+        """A push was merged: its local step, its tokens per step (the island process's first) and its capped
+        on-time weight ``raw`` go on record."""
         self.last_step[(p.island, p.fragment)] = (p.incarnation, int(p.local_step))
         have = self.tps.get(p.island)
         if (have is None or have[0] != p.incarnation) and p.steps > 0 and p.tokens > 0:
@@ -124,5 +161,11 @@ class WeightBook:
 
     @staticmethod
     def cap_in_round(raw: float, others: list) -> float:
-        """A held push's weight at merge time: at most MAX_RATIO x the median of the round's other pushes."""
-        return min(raw, MAX_RATIO * statistics.median(others)) if others else raw
+        """A held push's weight at merge time: at most MAX_RATIO x the low median of the round's other claims."""
+        return min(raw, MAX_RATIO * low_median(others)) if others else raw
+
+
+def _median(ws) -> float:
+    s = sorted(ws)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])

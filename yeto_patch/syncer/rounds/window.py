@@ -1,118 +1,126 @@
-"""The adaptive grace window: how long a round waits for the rest once its quorum answered (no ``--grace``).
+"""The pace window: how long a round waits for the rest once its floor answered (no ``--grace``).
 
-The syncer keeps, per island, the offsets (seconds) of its recent pushes from the first push of their round (pushes
-that arrived after their round merged included), and per fragment the periods between its rounds' first pushes.
-When the quorum of a round has answered and islands that are up are still missing, the round waits for a missing
-island only if it **usually arrives within the window**:
+A round waits for a missing island only if that island's **own pace** says it pushes soon, never because of who
+pushed first. The syncer keeps, per island and fragment, the steps between its pushes of that fragment (from the
+pushes' ``local_step``) and, from its heartbeats and pushes, its step, when it last moved, and its compute rate
+(rounds/members.py). For a missing island ``i`` the window estimates when its next push of the fragment arrives:
 
-* ``predicted(i)``: the ``QUANTILE`` of island i's last ``HISTORY`` offsets (None before ``MIN_SAMPLES``: a
-  newcomer, or a restarted island's first pushes);
-* the window's **bound**: the smallest ``patience`` among the round's answered pushes (the seconds after sending
-  until that island blocks for its answer: tau steps of its step time; a push of tau = 0 says none) and
-  ``PERIOD_SHARE`` of the fragment's median round period, whichever are known; ``FIRST_BOUND_S`` when neither is;
-  never more than ``--round-timeout``. Waiting longer would stall the islands that answered first, so a round
-  never holds the fastest islands at their tau bound;
-* the round waits until ``t_first + min(bound, predicted(i) * MARGIN + SLACK_S)`` for each missing island whose
-  prediction is within the bound (a newcomer: until the bound); islands predicted beyond the bound ("always late") are not
-  waited for: their pushes are carried into the next round (``--max-base-lag``, ``--late-factor``);
-* an island that is down is never in the expected set (syncer/rounds/roster.py), so it is never waited for; one that is
-  up but had not pushed when its round merged gets an infinite offset (``missed``), so an island that stalls while
-  staying connected stops being waited for after a few rounds.
+* ``arrival(i)``: when it last said its step + (its next boundary: its last push's step + a whole number of its
+  usual steps between pushes, the first after that step - that step) / its rate; unknown (None) for a newcomer (no interval or rate yet), infinite for an island whose step has not
+  moved for ``STALL_PERIODS`` of its push intervals (and at least ``STALL_MIN_S``): an island that stalls while it
+  stays connected is not waited for, and is waited for again as soon as it moves;
+* the **deadline**: the round merges at the latest when the answers' patience runs out (an answer's patience: the
+  seconds after sending until that island blocks for its answer, tau steps of its step time). Taken as the
+  **upper median** over the answers of ``arrival + patience``, so one push with a tiny patience (fewer than half of
+  the answers) cannot close the window on the others; capped by ``PERIOD_SHARE`` of the fleet's period of this
+  fragment (the median over islands of their steps between pushes / their rate) and by ``--round-timeout``;
+  ``FIRST_BOUND_S`` after the first answer while nothing is known;
+* the round waits until the latest ``arrival`` within the deadline (plus ``SLACK_S``); a newcomer is waited for
+  until the deadline; an island due beyond it, or overdue, is not waited for (its push is carried into the next
+  round).
 
-Everything is a pure function of the recorded times and the clock the coordinator passes (tests use a fake one).
+An early push (even one with a zero delta the moment each base arrives) only opens a round: the honest islands' own
+pace decides whether they are waited for. Everything is a pure function of the recorded steps and times and of the
+clock the coordinator passes (tests use a fake one).
 """
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from typing import Iterable, Optional
 
-__all__ = ["ArrivalBook", "HISTORY", "MIN_SAMPLES", "QUANTILE", "MARGIN", "SLACK_S", "PERIOD_SHARE",
-           "FIRST_BOUND_S"]
+__all__ = ["PaceWindow", "HISTORY", "PERIOD_SHARE", "FIRST_BOUND_S", "SLACK_S", "STALL_PERIODS", "STALL_MIN_S"]
 
-HISTORY = 16          # offsets kept per island, periods per fragment
-MIN_SAMPLES = 3       # offsets before an island's arrivals are predicted
-QUANTILE = 0.8        # an island "usually" arrives by this quantile of its offsets
-MARGIN = 1.25         # x the prediction ...
-SLACK_S = 0.05        # ... plus this: the wait for an island predicted within the bound
-PERIOD_SHARE = 0.25   # the bound: at most this share of the fragment's median round period
-FIRST_BOUND_S = 30.0  # the bound while no period and no patience is known (a run's first rounds)
-KEPT_ROUNDS = 16      # first-push times kept per fragment (to place late pushes)
+HISTORY = 8           # step intervals kept per island and fragment
+PERIOD_SHARE = 0.5    # the deadline: at most this share of the fleet's period of the fragment after the first answer
+FIRST_BOUND_S = 30.0  # the deadline while no patience and no period is known (a run's first rounds)
+SLACK_S = 0.05        # added to the latest eta waited for
+STALL_PERIODS = 2.0   # an island whose step has not moved for this many of its push intervals ...
+STALL_MIN_S = 2.0     # ... (and at least this long) is stalled: not waited for
 
 
-def _quantile(xs: list, q: float) -> float:
+def upper_median(xs: list) -> float:
     s = sorted(xs)
-    k = min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))
-    return s[k]
+    return s[len(s) // 2]
 
 
-class ArrivalBook:
-    """Arrival offsets per island and round periods per fragment (owned by the coordinator, under its lock)."""
+class PaceWindow:
+    """Per island and fragment: its last pushed step and its recent steps between pushes (owned by the coordinator,
+    under its lock). The islands' steps and rates live in their ``Member`` records (rounds/members.py)."""
 
-    def __init__(self):
-        self.offsets: dict[str, collections.deque] = {}
-        self.periods: dict[int, collections.deque] = {}
-        self.firsts: dict[int, collections.OrderedDict] = {}   # fragment -> {version: its round's first push}
+    def __init__(self, members: dict):
+        self.members = members   # the roster's members (read only: their steps, rates, when they last moved)
+        self.last_step: dict[tuple[str, int], int] = {}
+        self.intervals: dict[tuple[str, int], collections.deque] = {}
 
     # --------------------------------------------------------------------------------------------- record
-    def round_opened(self, fragment: int, version: int, t_first: float) -> None:
-        """The first answer of the round on ``version`` arrived at ``t_first``."""
-        firsts = self.firsts.setdefault(fragment, collections.OrderedDict())
-        prev = next(reversed(firsts.values()), None) if firsts else None
-        if prev is not None and t_first > prev:
-            self.periods.setdefault(fragment, collections.deque(maxlen=HISTORY)).append(t_first - prev)
-        firsts[version] = t_first
-        while len(firsts) > KEPT_ROUNDS:
-            firsts.popitem(last=False)
-
-    def arrived(self, island: str, fragment: int, base_version: int, t: float) -> None:
-        """A push of ``island`` relative to ``base_version`` was accepted at ``t`` (answer or carried)."""
-        t0 = self.firsts.get(fragment, {}).get(base_version)
-        if t0 is not None:
-            self.offsets.setdefault(island, collections.deque(maxlen=HISTORY)).append(max(0.0, t - t0))
-
-    def missed(self, island: str) -> None:
-        """``island`` was up but had not pushed when its round merged (a stalled or very late island): an offset
-        later than any window, so an island that stops pushing while it stays connected is no longer waited for
-        once most of its recent rounds went without it (its late pushes, if any, add their real offsets)."""
-        self.offsets.setdefault(island, collections.deque(maxlen=HISTORY)).append(float("inf"))
+    def pushed(self, island: str, fragment: int, local_step: int) -> None:
+        """A push of ``island`` for ``fragment`` made at its step ``local_step`` was accepted."""
+        key = (island, fragment)
+        prev = self.last_step.get(key)
+        if prev is not None and local_step > prev:
+            self.intervals.setdefault(key, collections.deque(maxlen=HISTORY)).append(local_step - prev)
+        if prev is None or local_step > prev:
+            self.last_step[key] = local_step
 
     def forget(self, island: str) -> None:
-        """A restarted island (new incarnation): its old arrivals say nothing about its new phase."""
-        self.offsets.pop(island, None)
+        """A restarted island (new incarnation): its old steps say nothing about its new process."""
+        for key in [k for k in self.last_step if k[0] == island]:
+            self.last_step.pop(key, None)
+            self.intervals.pop(key, None)
 
     # --------------------------------------------------------------------------------------------- read
-    def predicted(self, island: str) -> Optional[float]:
-        xs = self.offsets.get(island)
-        if not xs or len(xs) < MIN_SAMPLES:
-            return None
-        return _quantile(list(xs), QUANTILE)
+    def interval(self, island: str, fragment: int) -> Optional[float]:
+        xs = self.intervals.get((island, fragment))
+        return statistics.median(xs) if xs else None
 
-    def period(self, fragment: int) -> Optional[float]:
-        ps = self.periods.get(fragment)
+    def arrival(self, island: str, fragment: int, member, now: float) -> Optional[float]:
+        """The clock time ``island``'s next push of ``fragment`` is due by its own pace (None: unknown; inf:
+        stalled). It can be in the past: the island is overdue."""
+        h = self.interval(island, fragment)
+        last = self.last_step.get((island, fragment))
+        if member is None or h is None or last is None or member.rate <= 0 or member.step_at is None:
+            return None
+        stalled_after = max(STALL_MIN_S, STALL_PERIODS * h / member.rate)
+        if member.moved_at is not None and now - member.moved_at > stalled_after:
+            return math.inf
+        ahead = max(1, math.ceil((member.step - last) / h))   # its next boundary (after any it skipped)
+        return member.step_at + (last + ahead * h - member.step) / member.rate
+
+    def period(self, fragment: int, members: dict) -> Optional[float]:
+        """The fleet's period of ``fragment`` (s): the median over islands of their steps between pushes / rate."""
+        ps = []
+        for (island, fr), xs in self.intervals.items():
+            m = members.get(island)
+            if fr == fragment and xs and m is not None and m.rate > 0:
+                ps.append(statistics.median(xs) / m.rate)
         return statistics.median(ps) if ps else None
 
-    def bound(self, fragment: int, patience: Iterable[Optional[float]], timeout_s: float) -> float:
-        """The most a round of ``fragment`` waits after its first push for islands that usually make it."""
-        known = [p for p in patience if p is not None and p > 0]
-        period = self.period(fragment)
-        caps = ([min(known)] if known else []) + ([PERIOD_SHARE * period] if period else [])
-        return min(timeout_s, min(caps) if caps else FIRST_BOUND_S)
-
-    def deadline(self, fragment: int, t_first: float, missing: Iterable[str], patience: Iterable[Optional[float]],
-                 timeout_s: float) -> tuple[float, list]:
-        """(the clock time the round merges at the latest, the missing islands it waits for). With nobody worth
-        waiting for the deadline is ``t_first`` (merge now)."""
-        bound = self.bound(fragment, patience, timeout_s)
-        wait, waited = 0.0, []
+    def deadline(self, fragment: int, patience: Iterable[tuple], missing: Iterable[str], now: float,
+                 t_first: float, timeout_s: float) -> tuple[float, list]:
+        """(the clock time the round merges at the latest, the missing islands it waits for). ``patience``: the
+        answers' (arrival time, patience or None). With nobody worth waiting for the deadline is now."""
+        members = self.members
+        ends = [t + p for t, p in patience if p is not None and p > 0 and t is not None]
+        period = self.period(fragment, members)
+        caps = [t_first + timeout_s]
+        if period:
+            caps.append(t_first + PERIOD_SHARE * period)
+        if ends:
+            caps.append(upper_median(ends))
+        elif not period:
+            caps.append(t_first + FIRST_BOUND_S)
+        bound = min(caps)
+        at, waited = now, []
         for i in sorted(missing):
-            p = self.predicted(i)
-            if p is None:
-                w = bound
-            elif p > bound:
-                continue   # usually later than the window: not waited for (its push is carried)
+            due = self.arrival(i, fragment, members.get(i), now)
+            if due is None:
+                arrive = bound                    # a newcomer: waited for until the deadline
+            elif due + SLACK_S > bound:
+                continue                          # not within the others' patience (or stalled): carried
             else:
-                w = min(bound, p * MARGIN + SLACK_S)
+                arrive = due + SLACK_S            # (in the past when it is overdue: no longer waited for)
             waited.append(i)
-            wait = max(wait, w)
-        return t_first + wait, waited
+            at = max(at, arrive)
+        return at, waited
