@@ -207,17 +207,6 @@ class Round:
                     ", ".join(roster.describe(d.waits_for, now)) or "none")
 
     # -------------------------------------------------------------------------------------------- merge
-    def take(self, force: bool) -> Optional[tuple[list, list]]:
-        """Close the round for its merge: (answers, carried), each sorted by island (then base); None (the round
-        stays as it was) when there is nothing to merge: no answer (``force``, the final cut: carried pushes
-        alone merge too). The caller waits for folds in flight first (``inflight``)."""
-        fresh = sorted((c for c in self.answers.values() if c.folded), key=lambda c: c.island)
-        if not fresh and not (force and self.carried):
-            return None
-        self._before_merge = self.phase
-        self._move(Phase.MERGING)
-        return fresh, sorted(self.carried, key=lambda c: (c.island, c.push.base_version))
-
     def begin_merge(self) -> bool:
         """Mark the round closed before waiting for the folds in flight (pushes arriving meanwhile are carried into
         the next round); False when it is already merging."""
