@@ -124,8 +124,9 @@ def test_a_declaration_the_syncer_cannot_honour_is_refused_at_the_join(case):
         first.close()
 
 
-def test_a_declared_initializer_that_leaves_is_not_replaced_by_other_weights():
-    choice = InitChoice("lowest-id", roster=2)
+def test_a_declared_initializer_that_leaves_is_not_replaced_by_other_weights_within_the_init_wait():
+    t = [0.0]
+    choice = InitChoice("lowest-id", roster=2, wait_s=3.0, clock=lambda: t[0])
 
     class S:
         def __init__(self, island, declares=False):
@@ -134,6 +135,37 @@ def test_a_declared_initializer_that_leaves_is_not_replaced_by_other_weights():
     assert choice.choose([a, b], [a, b]) is b
     assert choice.choose([a], [a]) is None               # b left before its INIT: wait for it
     assert choice.choose([a, b], [a, b]) is b
+    assert choice.choose([a], [a]) is None               # b left again ...
+    t[0] = 2.9
+    assert choice.choose([a], [a]) is None and choice.deadline() == 3.0
+    t[0] = 3.0                                           # ... and did not come back within --init-wait
+    assert choice.choose([a], [a]) is a and "left before its INIT" in choice.why(a)
     assert policy_arg("lowest-id") == "lowest-id" and policy_arg("island-7") == "island-7"
     with pytest.raises(ValueError):
         policy_arg("bad\nid")
+
+
+def test_a_declared_initializer_that_leaves_before_init_does_not_keep_the_run_from_starting():
+    """Issue 35: an island that joined declaring itself the initializer and left before sending INIT kept the run from
+    ever starting (--init-wait 3 --init-timeout 3: still nothing after 16 s). Now the policy chooses among the
+    islands present --init-wait after it left. The control: the declared island stays and starts the run."""
+    for leaves in (True, False):
+        server, addr = make_server(islands=2, fragments=2, initializer="lowest-id", init_wait_s=3.0,
+                                   init_timeout_s=3.0)
+        with running(server):
+            z = client(addr, "z", held=DIGESTS[0], initializer=True)
+            wz = z.connect()
+            assert wz.needs_init == [0, 1]
+            if leaves:
+                z.abort()                                  # a key holder: declares, then leaves before its INIT
+            a = client(addr, "a", held=DIGESTS[1])
+            t0 = time.monotonic()
+            wa = a.connect()
+            values = {"a": init_values(seed=1), "z": init_values(seed=2)}
+            cs = [a] if leaves else [a, z]
+            layout, bases = start_all(cs, [wa], values)
+            took = time.monotonic() - t0
+            assert_start(bases, values, layout, "a" if leaves else "z", [c.island_id for c in cs])
+            assert took < (6.0 if leaves else 2.0), took
+            for c in cs:
+                c.close()

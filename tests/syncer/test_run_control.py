@@ -46,6 +46,35 @@ def test_final_of_the_only_joined_island_does_not_end_the_run_before_the_roster_
             c.close()
 
 
+@pytest.mark.parametrize("init_wait", [30.0, 1.0])
+def test_elastic_final_of_the_only_joined_island_waits_for_the_roster_or_the_init_wait(init_wait):
+    """Issue 35: with --islands 2 and elastic rounds, the only island that joined could send FINAL and end the run.
+    FINALs now end a run only once its roster is complete or --init-wait passed since the first join; the control
+    (--init-wait 1 s) ends the run on the same FINAL once the wait passed."""
+    server, addr = make_server(islands=2, fragments=2, rounds={"quorum": None, "grace_s": None},
+                               init_wait_s=init_wait)
+    with running(server):
+        values = init_values()
+        a = client(addr, "a")
+        wa = a.connect()
+        a.wait_ready(20, init_source=lambda f: [values[i] for i in wa.layout[f]])
+        res = {}
+        t = threading.Thread(target=lambda: res.update(a.finish(last_step=1, timeout=30)))
+        t.start()
+        time.sleep(2.0)
+        assert server.final_started == (init_wait < 2.0)
+        if init_wait > 2.0:   # b joins and finishes too: the roster is complete, the run ends
+            b = client(addr, "b")
+            b.connect()
+            b.wait_ready(20)
+            b.finish(last_step=1, timeout=30)
+            b.close()
+        t.join(30)
+        assert sorted(res) == [0, 1]
+        assert server.wait(20) == 0
+        a.close()
+
+
 def test_partial_init_by_a_heartbeating_island_is_bounded_and_another_island_initializes():
     server, addr = make_server(islands=2, fragments=3, rounds={"lease_s": 1.0}, io_timeout_s=1.0)
     with running(server):

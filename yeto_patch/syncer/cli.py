@@ -289,7 +289,7 @@ def config_from_args(a: argparse.Namespace):
                        max_base_lag=a.max_base_lag, late_factor=a.late_factor, exact=a.exact)
     ms.optimizer()  # validates
     rs = RoundSettings(islands=a.islands, quorum=a.quorum, grace_s=a.grace, timeout_s=a.round_timeout,
-                       lease_s=a.lease, total_rounds=a.total_rounds, roster_wait_s=a.init_wait)
+                       lease_s=a.lease, total_rounds=a.total_rounds)
     return ServerConfig(listen=a.listen, islands=a.islands, fragments=a.fragments, key=key, insecure=a.insecure,
                         encrypt=a.encrypt, island_keys=island_keys,
                         merge=ms, rounds=rs, base_wire=a.base_wire, checkpoint=a.checkpoint,

@@ -22,8 +22,10 @@ declaration, islands that start from different weights (their digests differ: ev
 weights) take the chosen island's INIT; the syncer logs that it did and how to name an initializer.
 
 Choosing again (the initializer left or stalled before its INIT completed): under ``lowest-id`` the lowest id of
-the fit islands present (the roster already met or the wait already ended), a declared island only for a declared
-one, a named island only itself.
+the fit islands present (the roster already met or the wait already ended); a named island only itself; a declared
+island is replaced by another declared one, and if none comes within ``--init-wait`` of its leaving, by the policy's
+choice among the islands present, with a warning saying whether their start digests match the declared start's
+(issue 35: a key holder that declared and left kept the run from ever starting).
 """
 from __future__ import annotations
 
@@ -68,7 +70,10 @@ class InitChoice:
         self.first_join: Optional[float] = None
         self.ready = False         # lowest-id: the roster was complete once, or the wait ended
         self.waited_out = False    # ... by the wait (the start then depended on who came in time)
-        self.declared_only = False   # a declared island was chosen: only a declared one may replace it
+        self.declared_only = False   # a declared island was chosen: only a declared one may replace it ...
+        self.declared_left: Optional[float] = None   # ... until --init-wait after the declared start left
+        self.declared_start = None   # the start digests of the declared island that left (for the warning)
+        self.fell_back = False       # the run is initialized by the policy after a declared start left
         self.init_from = None      # (island id, its start digests) whose INIT initialized the run
 
     @property
@@ -80,7 +85,10 @@ class InitChoice:
             self.first_join = self.clock()
 
     def deadline(self) -> Optional[float]:
-        """When the wait for the roster ends (clock time), None when nothing waits on it."""
+        """When the wait for the roster (or for a declared start that left) ends (clock time), None when nothing
+        waits on it."""
+        if self.declared_only and self.declared_left is not None:
+            return self.declared_left + self.wait_s
         if self.policy != "lowest-id" or self.ready or self.first_join is None:
             return None
         return self.first_join + self.wait_s
@@ -119,10 +127,16 @@ class InitChoice:
             return next((x for x in live if x.island == named), None)
         declared = [x for x in fit if getattr(x, "declares_init", False)]
         if declared:
-            self.declared_only = True
-            return min(declared, key=lambda x: x.island)
-        if self.declared_only:   # the declared start left or stalled: wait for it (or another declared one)
-            return None
+            self.declared_only, self.declared_left = True, None
+            chosen = min(declared, key=lambda x: x.island)
+            self.declared_start = getattr(chosen, "declared", None)
+            return chosen
+        if self.declared_only:   # the declared start left or stalled: wait for it (or another declared one) ...
+            if self.declared_left is None:
+                self.declared_left = self.clock()
+            if self.clock() - self.declared_left < self.wait_s:
+                return None
+            self.fell_back = self.ready = True   # ... for --init-wait, then the policy among the islands present
         if self.policy == "first":
             return joining if joining is not None and joining in fit else (fit[0] if fit else None)
         if not self.ready:
@@ -136,6 +150,10 @@ class InitChoice:
         """Why `chosen` initializes the run (for the log)."""
         if self.named is not None:
             return "named by --initializer"
+        if self.fell_back and not getattr(chosen, "declares_init", False):
+            same = _same(self.declared_start, getattr(chosen, "declared", None))
+            return (f"the island that declared its weights the run's start left before its INIT and none came back "
+                    f"within --init-wait {self.wait_s:g}s; {'its start digests match the declared start' if same else 'ITS WEIGHTS DIFFER FROM THE DECLARED START: a fine-tune would start from other weights'}")
         if getattr(chosen, "declares_init", False):
             return "it declares its weights the run's start (YETO_DILOCO_INITIALIZER=1)"
         if self.policy == "first":
@@ -188,7 +206,7 @@ class Initializing:
             return []
         self.session = chosen
         self.watch.assigned()
-        (log.warning if self.choice.waited_out else log.info)(
+        (log.warning if self.choice.waited_out or self.choice.fell_back else log.info)(
             "island %s initializes the run (%s)", printable(chosen.island), self.choice.why(chosen))
         if chosen is joining:
             return coord.missing_init()

@@ -10,6 +10,7 @@ that is slower than the merges receives the newest version only.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -65,7 +66,8 @@ class SyncerServer:
         self.heartbeat_s = cfg.heartbeat_s or max(0.05, cfg.rounds.lease_s / 4)
         guard = NormGuard(cfg.max_push_norm_ratio, self.runner, cfg.first_push_growth, single=cfg.islands == 1) \
             if cfg.max_push_norm_ratio else None
-        self.coord = Coordinator(cfg.merge, cfg.rounds, self.runner, shard=cfg.shard, guard=guard,
+        rounds = dataclasses.replace(cfg.rounds, roster_wait_s=cfg.init_wait_s)   # (FINALs: rounds/roster.py)
+        self.coord = Coordinator(cfg.merge, rounds, self.runner, shard=cfg.shard, guard=guard,
                                  down_codec=cfg.base_wire if cfg.base_wire in BASE_UPDATES else None,
                                  protect=self.writer.protect if self.writer else None,
                                  heartbeat_s=self.heartbeat_s)   # (a lost link counts as up for one heartbeat)
