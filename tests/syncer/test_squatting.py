@@ -83,10 +83,10 @@ def test_honest_islands_join_while_squatters_hold_every_handshake_slot(sources, 
         assert joined == 45, (joined, attempts)
 
 
-def test_a_handshake_whose_hello_verified_never_gives_way_to_a_newcomer(monkeypatch):
-    """docs/protocol.md (Limits): when every slot is taken, only a handshake still UNAUTHENTICATED after
-    EVICT_AFTER_S gives way; a key holder whose HELLO verified (sending a large manifest over a slow link, say)
-    keeps its slot even when it is the oldest (issue 26, finding 7)."""
+def test_a_handshake_whose_hello_verified_keeps_its_slot_while_a_stranger_can_give_way(monkeypatch):
+    """docs/protocol.md (Limits): when every slot is taken, a handshake still UNAUTHENTICATED after EVICT_AFTER_S
+    gives way first; a key holder whose HELLO verified (sending a large manifest over a slow link, say) keeps its
+    slot even when it is the oldest (issue 26, finding 7)."""
     from yeto_patch.wire import auth
     from yeto_patch.wire.frames import MsgType
 
@@ -125,3 +125,37 @@ def _drained_until_closed(s, timeout) -> bool:
         except OSError:
             return True
     return False
+
+
+@pytest.mark.parametrize("idle", [8, 0])
+def test_idle_authenticated_handshakes_give_way_to_an_island_that_joins(idle, monkeypatch):
+    """Issue 35: authenticated handshakes left idle after HELLO_OK (a key holder's, every slot, each under its own
+    id) kept an honest island out for the whole 10 s it tried. An authenticated handshake idle IDLE_AUTH_S now gives
+    way when every slot is taken (ids not in the run first). The control: no idle handshakes."""
+    from yeto_patch.wire import auth
+    from yeto_patch.wire.frames import MsgType
+
+    from .helpers import MANIFEST, raw_hello
+    monkeypatch.setattr(admission_mod, "IDLE_AUTH_S", 1.0)
+    server, addr = make_server(islands=1, fragments=1, handshake_timeout_s=60.0, max_handshakes=8,
+                               max_handshakes_per_host=16)
+    with running(server):
+        idlers = []
+        for k in range(idle):   # every slot: HELLO verified, MANIFEST never sent
+            conn = raw_hello(addr, f"sybil-{k}", auth.manifest_digest(MANIFEST))[0]
+            assert conn.recv(timeout=5)[0] == MsgType.HELLO_OK
+            idlers.append(conn)
+        t0 = time.monotonic()
+        while True:   # the honest island retries with a short back-off, as an island's link does, for 10 s
+            c = client(addr, "honest", timeout=10)
+            try:
+                c.connect()
+                break
+            except ProtocolError:
+                assert time.monotonic() - t0 < 10, "the idle authenticated handshakes kept the island out"
+                time.sleep(0.2)
+            finally:
+                c.close()
+        assert time.monotonic() - t0 < (4.0 if idle else 1.0)
+        for conn in idlers:
+            conn.close()

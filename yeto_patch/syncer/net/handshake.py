@@ -177,7 +177,8 @@ def _handshake(server, s) -> bool:
     except AuthError as e:
         _refuse(s, "auth", str(e), stranger=server)
         return False
-    s.authenticated = True   # a key holder: its handshake slot is never given to a newcomer (server.py)
+    s.authenticated = True   # a key holder: its slot gives way only when idle (net/admission.py)
+    server.slots.one_per_id(s, server.all_sessions)
     _protect(s, sess)   # from here on every frame both ways is authenticated (aead: and encrypted)
     if t == MsgType.PROBE:
         s.conn.send(MsgType.WELCOME, {"probe": True, **server.status()})

@@ -168,7 +168,7 @@ class SyncerServer:
             except OSError:
                 return
             host = host_of(sock)
-            if not self.slots.admit(host, self.all_sessions):
+            if not self.slots.admit(host, self.all_sessions, lambda i: i in self.coord.members):
                 sock.close()
                 continue
             sock.settimeout(None)
