@@ -33,6 +33,7 @@ from .limits import InitWatch, island_buffer_bytes, island_max
 from .merge import ChunkRunner
 from .handshake import accept_handshake
 from .metrics import Metrics, Tape
+from .status_page import StatusPage
 from .pushes import accept_push, parse_push, refusal
 from .records import MergeRecord
 from .rounds import Coordinator
@@ -101,7 +102,9 @@ class SyncerServer:
         self._sock = listen(self.cfg.listen)
         self.address = self._sock.getsockname()[:2]
         if self.cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr)
+            page = StatusPage(self.metrics, self.coord, lambda: self.run_id, shard=str(self.cfg.shard))
+            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr,
+                                                   pages={"/status": page.render})
         for target, name in ((self._accept_loop, "yeto-accept"), (self._schedule_loop, "yeto-scheduler")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
