@@ -41,7 +41,8 @@ def test_dashboard_queries_and_an_alert_through_real_prometheus(tmp_path):
                for i, name in enumerate(iports)}
     procs = [syncer, *islands.values()]
     prom = Prometheus(str(tmp_path / "prom"), syncers=[f"127.0.0.1:{mport}"],
-                      islands=[f"127.0.0.1:{p}" for p in iports.values()], scrape="1s", rule_for="2s")
+                      islands=[f"127.0.0.1:{p}" for p in iports.values()], scrape="1s", rule_for="2s",
+                      port=P.free_port())
     try:
         prom.start()
         queries = dashboard_queries("15s")
