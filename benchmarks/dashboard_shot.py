@@ -2,13 +2,14 @@
 Grafana cannot be installed (it is in neither Debian's archive nor PyPI, and npm carries only its libraries).
 
     python -m benchmarks.dashboard_shot --out /tmp/dash           # run, scrape, draw, screenshot
-    python -m benchmarks.dashboard_shot --out /tmp/dash --scrapes /tmp/dash/scrapes.jsonl   # draw again
+    python -m benchmarks.dashboard_shot --out /tmp/dash --series /tmp/dash/series.json   # draw again
 
 1. runs ``yeto-patch demo`` (a real syncer and two real megatron-core islands, TP2 and DP2) with the syncer's
-   ``--metrics-port``, and scrapes its ``/metrics`` every ``--every`` seconds (``scrapes.jsonl``), as Prometheus
-   would;
-2. evaluates every panel's PromQL over those scrapes at each scrape time (benchmarks/promql.py: the queries as
-   they are in the JSON; ``$__rate_interval`` = 4 scrape intervals, Grafana's rule for a 15 s scrape);
+   ``--metrics-port``, scraped every ``--every`` seconds by Debian's Prometheus (benchmarks/prometheus_run.py,
+   on loopback, with the alert rules loaded);
+2. asks that Prometheus for every panel's PromQL over the run (``query_range``, one point per scrape: the queries
+   as they are in the JSON; ``$__rate_interval`` = 4 scrape intervals, Grafana's rule) and keeps the answers in
+   ``series.json``;
 3. lays the panels out by their ``gridPos`` (24 columns) in Grafana's dark theme as SVG in an HTML page, and
    screenshots it with headless Chromium (``apt-get install chromium``) into ``--png``.
 The picture is this renderer's, not Grafana's: same panels, queries, units and legends, plain drawing.
@@ -21,13 +22,13 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
 import urllib.request
 
-from benchmarks import promql
+from benchmarks import headless
+from benchmarks.prometheus_run import Prometheus, dashboard_queries
 from tests.shim.procs import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,37 +38,32 @@ COL_W, ROW_H = 56, 30   # px per grid column / grid row
 
 
 def record(out: str, every: float, demo_args: list) -> str:
+    """Run the demo under a real Prometheus; returns the path of series.json (every panel's query_range)."""
     port = free_port()
-    path = os.path.join(out, "scrapes.jsonl")
     cmd = [sys.executable, "-m", "yeto_patch.demo", "--out", os.path.join(out, "demo"),
            "--syncer-arg=--metrics-port", f"--syncer-arg={port}", *demo_args]
-    log = open(os.path.join(out, "demo.log"), "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": ROOT})
-    n = 0
+    with Prometheus(os.path.join(out, "prom"), syncers=[f"127.0.0.1:{port}"], scrape=f"{every:g}s") as prom:
+        t0 = time.time()
+        with open(os.path.join(out, "demo.log"), "w") as log:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": ROOT}).returncode
+        time.sleep(2 * every)   # (the last scrapes)
+        t1 = time.time()
+        if rc != 0:
+            raise SystemExit(f"the demo failed (see {os.path.join(out, 'demo.log')})")
+        queries = {expr: prom.query_range(expr, t0, t1, every) for _, expr in dashboard_queries(f"{4 * every:g}s")}
+    path = os.path.join(out, "series.json")
     with open(path, "w") as f:
-        while proc.poll() is None:
-            try:
-                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
-                f.write(json.dumps({"t": time.time(), "text": text}) + "\n")
-                f.flush()
-                n += 1
-            except OSError:
-                pass
-            time.sleep(every)
-    print(f"demo exited {proc.returncode}; {n} scrapes in {path}")
-    if proc.returncode != 0:
-        raise SystemExit(f"the demo failed (see {os.path.join(out, 'demo.log')})")
+        json.dump({"t0": t0, "t1": t1, "every": every, "queries": queries}, f)
+    empty = [e for e, r in queries.items() if not r]
+    print(f"demo exited 0; {len(queries)} queries over {t1 - t0:.0f} s in {path}"
+          + (f"; {len(empty)} with no series: {empty}" if empty else "; every one has series"))
     return path
 
 
-def load(path: str) -> promql.Samples:
-    scrapes = []
+def load(path: str) -> dict:
     with open(path) as f:
-        for line in f:
-            r = json.loads(line)
-            scrapes.append((r["t"], promql.parse_exposition(r["text"])))
-    return promql.Samples(scrapes)
+        return json.load(f)
 
 
 def _legend(fmt: str, labels) -> str:
@@ -92,20 +88,14 @@ def _fmt(v: float, unit: str) -> str:
     return f"{v:.3g}"
 
 
-def series(panel: dict, s: promql.Samples, step: float, rate_interval: float) -> list:
-    """[(legend, [(t, value)])] of a panel's queries at every scrape time."""
+def series(panel: dict, run: dict) -> list:
+    """[(legend, [(t, value)])] of a panel's queries (Prometheus' query_range answers)."""
     out = []
-    times = [t for t, _ in s.scrapes]
     for tgt in panel["targets"]:
-        node = promql.parse(tgt["expr"])
-        lines = {}
-        for t in times:
-            v = promql.evaluate(node, s, t, rate_interval)
-            vec = v if isinstance(v, dict) else {frozenset(): v}
-            for lab, x in vec.items():
-                lines.setdefault(lab, []).append((t, x))
-        for lab, pts in sorted(lines.items(), key=lambda kv: sorted(kv[0])):
-            out.append((_legend(tgt.get("legendFormat") or tgt["expr"], lab), pts))
+        expr = tgt["expr"].replace("$__rate_interval", f"{4 * run['every']:g}s")
+        for r in sorted(run["queries"].get(expr, []), key=lambda r: sorted(r["metric"].items())):
+            pts = [(float(t), float(v)) for t, v in r["values"]]
+            out.append((_legend(tgt.get("legendFormat") or tgt["expr"], r["metric"].items()), pts))
     return out
 
 
@@ -160,21 +150,20 @@ def svg_panel(panel: dict, lines: list, t0: float, t1: float) -> str:
     return "".join(parts) + "</svg>"
 
 
-def render(samples: promql.Samples, out: str, every: float) -> str:
+def render(run: dict, out: str) -> str:
     with open(DASHBOARD) as f:
         dash = json.load(f)
-    t0, t1 = samples.scrapes[0][0], samples.scrapes[-1][0]
-    rate_interval = 4 * every
+    t0, t1 = run["t0"], run["t1"]
     rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in dash["panels"])
     body = []
     for p in dash["panels"]:
         g = p["gridPos"]
         body.append(f'<div style="position:absolute;left:{g["x"] * COL_W + 4}px;top:{g["y"] * ROW_H + 44}px">'
-                    f'{svg_panel(p, series(p, samples, every, rate_interval), t0, t1)}</div>')
+                    f'{svg_panel(p, series(p, run), t0, t1)}</div>')
     page = (f'<html><body style="margin:0;background:#111217;font-family:Inter,Helvetica,Arial,sans-serif;'
             f'width:{24 * COL_W + 8}px;height:{rows * ROW_H + 52}px;position:relative">'
             f'<div style="position:absolute;left:10px;top:12px;color:#ccccdc;font-size:17px">'
-            f'{html.escape(dash["title"])} &#8212; drawn from {len(samples.scrapes)} scrapes of a real run '
+            f'{html.escape(dash["title"])} &#8212; Prometheus\' answers over a real run of {t1 - t0:.0f} s '
             f'(benchmarks/dashboard_shot.py; not Grafana)</div>{"".join(body)}</body></html>')
     path = os.path.join(out, "dashboard.html")
     with open(path, "w") as f:
@@ -183,28 +172,22 @@ def render(samples: promql.Samples, out: str, every: float) -> str:
 
 
 def screenshot(page: str, png: str, width: int, height: int) -> None:
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        raise SystemExit("no chromium here: apt-get install chromium (the page is at " + page + ")")
-    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    f"--window-size={width},{height}", f"--screenshot={os.path.abspath(png)}",
-                    "file://" + os.path.abspath(page)], check=True, timeout=120, capture_output=True)
+    headless.screenshot("file://" + os.path.abspath(page), png, width, height)
     print("wrote", png)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--scrapes", help="draw these scrapes again instead of running")
+    ap.add_argument("--series", help="draw this series.json again instead of running")
     ap.add_argument("--every", type=float, default=2.0, help="seconds between scrapes")
     ap.add_argument("--png", default=os.path.join(ROOT, "docs", "grafana", "yeto-syncer.png"))
     ap.add_argument("demo_args", nargs="*", default=["--short", "--layouts", "tp2,dp2", "--steps", "120",
                                                      "--sync-every", "10", "--fragments", "2"])
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    path = a.scrapes or record(a.out, a.every, a.demo_args)
-    samples = load(path)
-    page = render(samples, a.out, a.every)
+    path = a.series or record(a.out, a.every, a.demo_args)
+    page = render(load(path), a.out)
     with open(DASHBOARD) as f:
         rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in json.load(f)["panels"])
     screenshot(page, a.png, 24 * COL_W + 8, rows * ROW_H + 52)

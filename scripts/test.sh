@@ -20,6 +20,9 @@ workers="${YETO_TEST_WORKERS:-2}"
 case "$workers" in ''|*[!0-9]*) echo "YETO_TEST_WORKERS must be a whole number, not '$workers'" >&2; exit 2 ;; esac
 parallel=()
 if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
+# Debian's prometheus and chromium for the tests that use them (installed where root and apt-get allow; else
+# those tests skip and say why).
+bash scripts/system-packages.sh
 status=0
 for env in $envs; do
   venv="$(bash scripts/venv.sh "$env")"

@@ -135,6 +135,10 @@ TABLE = (
         "JSONL file rank 0 appends one record per boundary to (bytes, timings, pull lag); `{island}` expands "
         "to the island id", Optional[str],
         "(unset)"),
+    Var("YETO_DILOCO_METRICS_PORT", "metrics_port", integer(0, 65535, "a port"), None,
+        "rank 0 serves the island's Prometheus metrics on this port (0: any free one)", Optional[int], "(unset)"),
+    Var("YETO_DILOCO_METRICS_ADDR", "metrics_addr", text("address"), "127.0.0.1",
+        "address the island's metrics port binds to", str),
     Var("YETO_DILOCO_FIGURES", "figures", boolean(), True,
         "`0`: no `yeto/*` figures in the launcher's TensorBoard / W&B", bool),
     Var("YETO_DILOCO_LOG_LEVEL", "log_level", choice(LOG_LEVELS), "INFO", "log level of logger `yeto_patch`", str),

@@ -189,7 +189,8 @@ def test_doctor_rows_are_unchanged():
         ("YETO_DILOCO_MERGE_ALPHA", 0.5),
         ("YETO_DILOCO_CHUNK_BYTES", "64MiB"), ("YETO_DILOCO_SEND_QUEUE_BYTES", "1GiB"),
         ("YETO_DILOCO_TOTAL_STEPS", "(Megatron's train_iters)"), ("YETO_DILOCO_VOCAB_SIZE", "(tokenizer's, when known)"),
-        ("YETO_DILOCO_TIMEOUT", "90s"), ("YETO_DILOCO_METRICS", "(unset)"), ("YETO_DILOCO_FIGURES", 1),
+        ("YETO_DILOCO_TIMEOUT", "90s"), ("YETO_DILOCO_METRICS", "(unset)"), ("YETO_DILOCO_METRICS_PORT", "(unset)"),
+        ("YETO_DILOCO_METRICS_ADDR", "127.0.0.1"), ("YETO_DILOCO_FIGURES", 1),
         ("YETO_DILOCO_LOG_LEVEL", "INFO")]
     rows = dict(from_env(env(YETO_DILOCO_KEY_FILE=None, YETO_KEY="s3cret", YETO_DILOCO_TOTAL_STEPS="7")).as_table())
     assert rows["key"] == "environment YETO_KEY" and rows["YETO_DILOCO_TOTAL_STEPS"] == 7

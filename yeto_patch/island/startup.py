@@ -57,6 +57,8 @@ def join(settings, model, optimizer, vocab_size, step: Callable[[], int], total:
                       announced=welcome["fragments"], rank0=comm.rank == 0)
     if link is not None:
         link.attach(frags)
+    if boundary_log is not None and settings.metrics_port is not None:
+        _export(settings, link, boundary_log)
     parts = IslandParts(settings=settings, rule=InstallRule.of(settings), rank=comm.rank, comm=comm,
                         channel=channel, view=view, io=io, frags=frags,
                         pushes=_push_lane(settings, view, io, frags, comm.rank),
@@ -65,6 +67,21 @@ def join(settings, model, optimizer, vocab_size, step: Callable[[], int], total:
     installer = Installer(parts)
     return Joined(settings, parts, installer, Boundaries(parts, installer, bool(welcome["final"])),
                   list(welcome["needs_init"]), bool(welcome["fixed_roster"]))
+
+
+def _export(settings, link, boundary_log) -> None:
+    """Rank 0: serve the island's Prometheus metrics (YETO_DILOCO_METRICS_PORT; island/exporter.py), closed with
+    the boundary log."""
+    from yeto_patch.island.exporter import IslandExporter
+    exporter = IslandExporter(settings.island_id, link.reachable if link is not None else None)
+    try:
+        port = exporter.serve(settings.metrics_port, settings.metrics_addr)
+    except OSError as e:
+        raise EngineError(f"yeto-patch: YETO_DILOCO_METRICS_PORT={settings.metrics_port}: cannot serve the island's "
+                          f"metrics on {settings.metrics_addr}: {e}") from e
+    boundary_log.add_sink(exporter.record, close=exporter.close)
+    log.info("yeto-patch: island %s metrics on http://%s:%d/metrics", settings.island_id, settings.metrics_addr,
+             port)
 
 
 def _hello(settings, chunks, optimizer, vocab_size, comm, channel, boundary_log, step, runs):

@@ -35,15 +35,19 @@ class BoundaryLog:
         self._f = None
         self._lock = threading.Lock()
         self._sinks: list = []
+        self._closers: list = []
         if path:
             d = os.path.dirname(os.path.abspath(path))
             os.makedirs(d, exist_ok=True)
             self._f = open(path, "a", buffering=1, encoding="utf-8")
 
-    def add_sink(self, sink) -> None:
-        """`sink(record)` is called with every record written from now on."""
+    def add_sink(self, sink, close=None) -> None:
+        """`sink(record)` is called with every record written from now on; `close()` (optional) when the log
+        closes."""
         with self._lock:
             self._sinks.append(sink)
+            if close is not None:
+                self._closers.append(close)
 
     def write(self, event: str, **fields) -> None:
         if self._f is None and not self._sinks:
@@ -90,6 +94,9 @@ class BoundaryLog:
             if self._f is not None:
                 self._f.close()
                 self._f = None
+            closers, self._closers = self._closers, []
+        for close in closers:
+            close()
 
 
 def _plain(o):

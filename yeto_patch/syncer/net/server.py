@@ -36,6 +36,7 @@ from .handshake import accept_handshake
 from ..observe.metrics import Metrics, Tape
 from ..rounds.records import MergeRecord
 from ..rounds.coordinator import Coordinator
+from ..observe.status_page import StatusPage
 from .session import BASE_UPDATES, aligned_meta
 from .session import Session as _Session
 from ..rounds.pushes import Push, PushRefused, parse_push, refusal, reply_for
@@ -101,7 +102,9 @@ class SyncerServer:
         self._sock = listen(self.cfg.listen)
         self.address = self._sock.getsockname()[:2]
         if self.cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr)
+            page = StatusPage(self.metrics, self.coord, lambda: self.run_id, shard=str(self.cfg.shard))
+            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr,
+                                                   pages={"/status": page.render})
         for target, name in ((self._accept_loop, "yeto-accept"), (self._schedule_loop, "yeto-scheduler")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()

@@ -9,14 +9,14 @@ counted under ``island="other"``.
 from __future__ import annotations
 
 import json
-import selectors
-import socket
 import threading
 import time
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import generate_latest
+
+from ...wire.scrape_server import MetricsServer
 
 __all__ = ["Metrics", "MetricsServer", "Tape", "MAX_ISLAND_LABELS"]
 
@@ -60,12 +60,20 @@ class Metrics:
                                 registry=r)
         self.outer_lr = Gauge("yeto_syncer_outer_lr", "Outer learning rate of the last merge", ["fragment"],
                               registry=r)
+        # (the alert rules, docs/grafana/yeto-alerts.yml: a round stalled beyond N x its period, an island gone)
+        self.last_merge = Gauge("yeto_syncer_last_merge_timestamp_seconds", "Unix time of the fragment's last "
+                                "merge", ["fragment"], registry=r)
+        self.merge_interval = Gauge("yeto_syncer_merge_interval_seconds", "Time between the fragment's last two "
+                                    "merges (its round period)", ["fragment"], registry=r)
+        self.island_last_push = Gauge("yeto_syncer_island_last_push_timestamp_seconds", "Unix time of the "
+                                      "island's last push (any outcome)", ["island"], registry=r)
         self._islands: set = set()
+        self._last_merge: dict = {}   # fragment -> unix time of its last merge
         self.server = None
 
     def serve(self, port: int, addr: str = "127.0.0.1", **limits) -> int:
-        """Serve the metrics on ``addr:port`` (port 0: any free port; returns the port). ``limits``: see
-        :class:`MetricsServer`."""
+        """Serve the metrics on ``addr:port`` (port 0: any free port; returns the port). ``limits`` (and
+        ``pages``, e.g. the status page): see :class:`MetricsServer` (wire/scrape_server.py)."""
         self.server = MetricsServer(lambda: generate_latest(self.registry), port, addr, **limits)
         return self.server.port
 
@@ -86,7 +94,9 @@ class Metrics:
         status = str(reply.get("status", "?"))
         self.pushes.labels(status).inc()
         code = str(reply.get("code", "")) if status == "refused" else ""
-        self.island_pushes.labels(self._island(island), status, code[:32]).inc()
+        island = self._island(island)
+        self.island_pushes.labels(island, status, code[:32]).inc()
+        self.island_last_push.labels(island).set(time.time())
 
     def record_push_bytes(self, island, nbytes: int) -> None:
         self.bytes_in.labels("push").inc(nbytes)
@@ -96,6 +106,11 @@ class Metrics:
         frag = str(rec.fragment)
         if rec.ok:
             self.merges.labels(frag).inc()
+            now, last = time.time(), self._last_merge.get(frag)
+            if last is not None:
+                self.merge_interval.labels(frag).set(now - last)
+            self._last_merge[frag] = now
+            self.last_merge.labels(frag).set(now)
             self.version.labels(frag).set(rec.version)
             self.grad_norm.labels(frag).set(rec.grad_norm)
             self.responders.labels(frag).set(len(rec.responders))
@@ -111,124 +126,6 @@ class Metrics:
             self.merge_refusals.inc()
         self.merge_seconds.observe(rec.merge_s)
         self.quorum_seconds.observe(rec.quorum_s)
-
-
-class MetricsServer:
-    """A minimal HTTP/1.0 server for Prometheus scrapes on ONE thread (non-blocking sockets, a selector): whoever
-    can reach the port cannot make the syncer start threads or hold memory. ``GET /metrics`` (or ``/``) answers
-    ``body()``, anything else 404/405, then the connection closes. At most ``max_connections`` are open (a new one
-    closes the oldest, so idle connections cannot keep a scraper out); each one is closed ``idle_s`` after it was
-    accepted whether or not its request arrived or its answer was read; a request is at most ``max_request``
-    bytes."""
-
-    def __init__(self, body, port: int, addr: str = "127.0.0.1", *, max_connections: int = 16, idle_s: float = 5.0,
-                 max_request: int = 8192):
-        self.body, self.max_connections, self.idle_s, self.max_request = body, max_connections, idle_s, max_request
-        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind((addr, port))
-        self._listener.listen(64)
-        self._listener.setblocking(False)
-        self.port = self._listener.getsockname()[1]
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(self._listener, selectors.EVENT_READ, None)
-        self._open: dict = {}   # socket -> _Exchange
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="yeto-metrics", daemon=True)
-        self._thread.start()
-
-    @property
-    def connections(self) -> int:
-        return len(self._open)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                for key, events in self._sel.select(timeout=0.2):
-                    if key.data is None:
-                        self._accept()
-                    else:
-                        self._serve(key.fileobj, key.data, events)
-                now = time.monotonic()
-                for sock in [s for s, x in self._open.items() if now - x.since > self.idle_s]:
-                    self._drop(sock)
-        finally:
-            for sock in list(self._open):
-                self._drop(sock)
-            self._sel.close()
-            self._listener.close()
-
-    def _accept(self) -> None:
-        try:
-            sock, _ = self._listener.accept()
-        except OSError:
-            return
-        if len(self._open) >= self.max_connections:
-            self._drop(min(self._open, key=lambda s: self._open[s].since))
-        sock.setblocking(False)
-        x = self._open[sock] = _Exchange()
-        self._sel.register(sock, selectors.EVENT_READ, x)
-
-    def _serve(self, sock, x: "_Exchange", events: int) -> None:
-        try:
-            if events & selectors.EVENT_READ and not x.reply:
-                data = sock.recv(4096)
-                if not data:
-                    return self._drop(sock)
-                x.request += data
-                if b"\r\n\r\n" in x.request or b"\n\n" in x.request:
-                    x.reply = self._answer(bytes(x.request))
-                    self._sel.modify(sock, selectors.EVENT_WRITE, x)
-                elif len(x.request) > self.max_request:
-                    return self._drop(sock)
-            if events & selectors.EVENT_WRITE and x.reply:
-                n = sock.send(x.reply[x.sent:x.sent + (1 << 16)])
-                x.sent += n
-                if x.sent >= len(x.reply):
-                    self._drop(sock)
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError:
-            self._drop(sock)
-
-    def _answer(self, request: bytes) -> bytes:
-        line = request.split(b"\n", 1)[0].split()
-        method, path = (line[0], line[1].split(b"?")[0]) if len(line) >= 2 else (b"", b"")
-        if method not in (b"GET", b"HEAD"):
-            status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET /metrics\n"
-        elif path not in (b"/metrics", b"/"):
-            status, ctype, body = "404 Not Found", "text/plain", b"GET /metrics\n"
-        else:
-            status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, self.body()
-        head = (f"HTTP/1.0 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                "Connection: close\r\n\r\n").encode("ascii")
-        return head + (b"" if method == b"HEAD" else body)
-
-    def _drop(self, sock) -> None:
-        self._open.pop(sock, None)
-        try:
-            self._sel.unregister(sock)
-        except (KeyError, ValueError):
-            pass
-        try:
-            sock.close()
-        except OSError:
-            pass
-
-
-class _Exchange:
-    """One metrics connection: what it sent so far, the answer and how much of it went out."""
-
-    def __init__(self):
-        self.since = time.monotonic()
-        self.request = bytearray()
-        self.reply = b""
-        self.sent = 0
 
 
 class Tape:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -46,9 +46,29 @@ from .settings import WEIGHTINGS, MergeSettings, RoundSettings
 from .weights import WeightBook
 from .window import PaceWindow
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "IslandView", "RoundView"]
 
 log = logging.getLogger("yeto.syncer")
+
+
+class IslandView(NamedTuple):
+    island: str
+    finished: bool
+    up: bool
+    down_s: float      # seconds since its link was lost or it was last heard of (when not up)
+    step: int
+    rate: float
+    pushes: int
+    tokens: int
+
+
+class RoundView(NamedTuple):
+    fragment: int
+    version: int
+    closed: bool
+    answered: list
+    waits: list
+    age: Optional[float]   # seconds since its first answer (None: no answer yet)
 
 
 class Coordinator:
@@ -417,6 +437,28 @@ class Coordinator:
         """The fleet's pace in steps/s (rounds/roster.py)."""
         with self.lock:
             return self.roster.pace(self.clock())
+
+    def islands_view(self, now: float) -> list["IslandView"]:
+        """Every island of the roster as a status page shows it, by id."""
+        with self.lock:
+            out = []
+            for m in sorted(self.members.values(), key=lambda m: m.island):
+                since = m.link_lost if m.link_lost is not None else m.last_seen
+                out.append(IslandView(m.island, m.finished, self.roster.is_up(m, now), max(0.0, now - since),
+                                      m.step, m.rate, m.pushes, m.tokens))
+            return out
+
+    def rounds_view(self, now: float) -> list["RoundView"]:
+        """Each owned fragment's open round as a status page shows it: its answers, whom it waits for, its age."""
+        with self.lock:
+            out = []
+            for f in self.mine():
+                r = self.rounds[f.index]
+                has = sorted(r.answered_islands()) if not f.closed else []
+                waits = sorted(self.roster.expected(f.index, now) - set(has)) if has else []
+                age = now - r.t_first if r.t_first is not None and has else None
+                out.append(RoundView(f.index, f.version, f.closed, has, waits, age))
+            return out
 
     def pending(self, index: int) -> bool:
         with self.lock:
