@@ -219,11 +219,13 @@ class Model:
         merged = sum(r["tokens"] for r in resp)
         weighted = sum(r["tokens"] * r["weight"] / r["on_time_weight"] for r in resp if r["on_time_weight"])
         times = [0.0] + [t for t, _ in self.merges] + [a.seconds]
+        everyone = sum(1 for _, m in self.merges if set(m.expected) <= {r["island"] for r in m.responders})
+        twice = sum(1 for _, m in self.merges if len({r["island"] for r in m.responders}) < len(m.responders))
         return dict(goodput=merged / (P * self.computed), weighted=weighted / (P * self.computed),
                     utilisation=sum(i.compute for i in self.isl) / sum(i.up_s for i in self.isl),
                     merges_per_min=len(self.merges) / (a.seconds / 60), downtime_s=max(np.diff(times)),
                     lag=statistics.mean(r["lag"] for r in resp), per_merge=len(resp) / len(self.merges),
-                    refused=self.refused)
+                    refused=self.refused, everyone=everyone / len(self.merges), twice=twice / len(self.merges))
 
 
 def main(argv=None) -> int:
@@ -232,8 +234,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=180.0)
     ap.add_argument("--quorums", default="1,2,3", help="minimum quorums of elastic rounds to compare")
     ap.add_argument("--fixed-h", action="store_true", help="also every island at H=20 (no auto)")
+    ap.add_argument("--speeds", type=lambda x: tuple(float(v) for v in x.split(",")),
+                    default=(1.0, 1.0, 1.0, 0.7, 0.5, 0.35), help="the islands' speeds")
+    ap.add_argument("--h", type=int, default=20, help="YETO_DILOCO_SYNC_EVERY (auto: of the fastest island)")
+    ap.add_argument("--tau", type=int, default=5)
     a = ap.parse_args(argv)
-    base = dict(speeds=(1.0, 1.0, 1.0, 0.7, 0.5, 0.35), step_s=0.1, h=20, tau=5, checkpoint_every=20,
+    base = dict(speeds=a.speeds, step_s=0.1, h=a.h, tau=a.tau, checkpoint_every=20,
                 max_base_lag=4, seconds=a.seconds, quorum=None, grace=None, chaos=True, auto=True, min_quorum=None)
     default = syncer_settings.default_min_quorum(len(base["speeds"]))
     quorums = [int(x) for x in a.quorums.split(",")]
@@ -242,17 +248,19 @@ def main(argv=None) -> int:
     if a.fixed_h:
         rows += [(f"elastic, minimum quorum {q}, one H for all", dict(base, auto=False, min_quorum=q))
                  for q in quorums]
-    rows += [("fixed roster", dict(base, quorum=len(base["speeds"]))), ("defaults, no chaos", dict(base, chaos=False))]
+    rows += [("fixed roster", dict(base, quorum=len(base["speeds"]))), ("defaults, no chaos", dict(base, chaos=False)),
+             ("defaults, no chaos, one H for all", dict(base, chaos=False, auto=False))]
     print(f"rounds_model: {len(base['speeds'])} islands at speeds {base['speeds']}, H={base['h']} "
           f"(auto unless said), tau={base['tau']}, {a.seconds:.0f} virtual s, {a.seeds} seeds; means")
-    print("| rules | goodput | weighted | utilisation | merges/min | downtime (s) | lag | pushes/merge | refused |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| rules | goodput | weighted | utilisation | merges/min | downtime (s) | lag | pushes/merge | refused | "
+          "merges holding every island up | merges holding an island twice |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, kw in rows:
         figs = [Model(argparse.Namespace(**kw), s).run() for s in range(a.seeds)]
         m = {k: statistics.mean(f[k] for f in figs) for k in figs[0]}
         print(f"| {name} | {m['goodput']:.3f} | {m['weighted']:.3f} | {m['utilisation']:.3f} | "
               f"{m['merges_per_min']:.0f} | {m['downtime_s']:.1f} | {m['lag']:.2f} | {m['per_merge']:.2f} | "
-              f"{m['refused']:.1f} |", flush=True)
+              f"{m['refused']:.1f} | {m['everyone']:.2f} | {m['twice']:.2f} |", flush=True)
     return 0
 
 
