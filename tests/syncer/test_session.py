@@ -34,7 +34,7 @@ def test_a_failed_send_is_logged_once_whichever_thread_reports_it(caplog, make_s
     """The writer and the reader woken by its failure both report it (Session.send_failed): one warning, naming
     the cause, and the connection closed."""
     s = make_session()
-    s.island = "b"
+    s.named("b")
     cause = WireTimeout("send to b stalled for more than 1.0s")
     with caplog.at_level(logging.INFO, logger="yeto"):
         threads = [threading.Thread(target=s.send_failed, args=(cause,)) for _ in range(4)]

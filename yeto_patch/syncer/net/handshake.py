@@ -16,7 +16,6 @@ import logging
 import math
 import threading
 import time
-import weakref
 
 from ...wire import auth, secure
 from ...wire.frames import MAX_PAYLOAD, AuthError, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
@@ -25,7 +24,7 @@ from ..model.layout import first_difference, normalize_manifest
 from ..model.limits import default_max_model_bytes, model_size_error
 from ..rounds.pushes import PushRefused
 
-__all__ = ["accept_handshake"]
+__all__ = ["accept_handshake", "HandshakeMemory"]
 
 log = logging.getLogger("yeto.syncer")
 if not any(isinstance(f, EscapeArgs) for f in log.filters):
@@ -66,16 +65,26 @@ class StrangerLog:
         return True
 
 
-_stranger_logs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # one budget per syncer
-_stranger_lock = threading.Lock()
+class HandshakeMemory:
+    """What the handshakes of one syncer remember between connections (the server owns one): the log budget for
+    strangers, and each island id's resumption secret (its next connection proves the session it replaces)."""
+
+    def __init__(self):
+        self.strangers = StrangerLog()
+        self._lock = threading.Lock()
+        self._secrets: dict[str, bytes] = {}
+
+    def secret(self, island: str):
+        with self._lock:
+            return self._secrets.get(island)
+
+    def remember(self, island: str, secret: bytes) -> None:
+        with self._lock:
+            self._secrets[island] = secret
 
 
 def strangers(server) -> StrangerLog:
-    with _stranger_lock:
-        sl = _stranger_logs.get(server)
-        if sl is None:
-            sl = _stranger_logs[server] = StrangerLog()
-        return sl
+    return server.handshakes.strangers
 
 
 def _refuse(s, code: str, message: str, stranger=None) -> None:
@@ -168,7 +177,7 @@ def _handshake(server, s) -> bool:
     except (KeyError, ValueError, TypeError) as e:
         _refuse(s, "protocol", f"malformed {t.name}: {e}", stranger=server)
         return False
-    s.island = hello.island
+    s.named(hello.island)
     key = _key_for(cfg, hello.island)
     th = secure.transcript(challenge, meta)
     try:
@@ -177,8 +186,8 @@ def _handshake(server, s) -> bool:
     except AuthError as e:
         _refuse(s, "auth", str(e), stranger=server)
         return False
-    s.authenticated = True   # a key holder: its slot gives way only when idle (net/admission.py)
-    server.slots.one_per_id(s, server.all_sessions)
+    s.authenticate()   # a key holder: its slot gives way only when idle (net/admission.py)
+    server.slots.one_per_id(s, server.registry.connections())
     _protect(s, sess)   # from here on every frame both ways is authenticated (aead: and encrypted)
     if t == MsgType.PROBE:
         s.conn.send(MsgType.WELCOME, {"probe": True, **server.status()})
@@ -223,12 +232,11 @@ def _read_manifest(server, s, digest: bytes):
                 isinstance(h, str) and len(h) == 16 and all(c in "0123456789abcdef" for c in h) for h in held)):
             _refuse(s, "protocol", "malformed MANIFEST: 'held' must hold one 16-hex-digit digest per tensor")
             return None
-        s.declared = held
     init = meta.get("initializer", False)
     if not isinstance(init, bool):
         _refuse(s, "protocol", "malformed MANIFEST: 'initializer' must be true or false")
         return None
-    s.declares_init = init
+    s.declare(held, init)
     if auth.manifest_digest(manifest) != digest:
         _refuse(s, "auth", "the manifest does not match the authenticated manifest digest")
         return None
@@ -268,24 +276,16 @@ class _Keys:
         return hmac.compare_digest(want, got)
 
 
-_resumption: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # syncer -> {island: secret}
-
-
-def _secrets(server) -> dict:
-    with _stranger_lock:
-        return _resumption.setdefault(server, {})
-
-
 def _taken(server, s, island: str, sess: _Keys) -> bool:
     """Whether ``island`` is held by another live connection that this HELLO may not take over: with keys, a
     connected id whose lease has not expired can only be claimed again by its own session (resumption proof);
     called under the coordinator's lock."""
     if sess.resumption is None:
         return False   # insecure (keyless loopback): as before, the newest connection wins
-    old = server.sessions.get(island)
+    old = server.registry.get(island)
     if old is None or old is s or old.closed or island not in server.coord.alive_members():
         return False
-    return not sess.proves(_secrets(server).get(island), island)
+    return not sess.proves(server.handshakes.secret(island), island)
 
 
 def _protect(s, sess: _Keys) -> None:
@@ -321,7 +321,8 @@ def _join(server, s, island, incarnation, manifest, digest, sess) -> bool:
             _refuse(s, "island-taken", f"island id {island!r} is held by a live connection; only that session "
                     f"(its resumption proof) can reconnect before its lease of {cfg.rounds.lease_s:g}s expires")
             return False
-        why = server.init.choice.conflict(s, list(server.sessions.values()), coord.initialized, server.init.session)
+        why = server.init.choice.conflict(s, list(server.registry.joined().values()), coord.initialized,
+                                          server.init.session)
         if why is not None:
             _refuse(s, "init", why)
             return False
@@ -330,11 +331,9 @@ def _join(server, s, island, incarnation, manifest, digest, sess) -> bool:
         except PushRefused as e:
             _refuse(s, e.code, e.message)
             return False
-        s.incarnation = incarnation
+        s.join(incarnation)
         server.close_lapsed(island)
-        old = server.sessions.get(island)
-        server.sessions[island] = s
-        s.joined = True
+        old = server.registry.join(s)
         server.init.choice.joined()
         needs_init = server.pick_initializer(s) if not coord.initialized else []
         welcome = {"island_id": island, "run_id": server.run_id, "layout": coord.layout,
@@ -349,11 +348,11 @@ def _join(server, s, island, incarnation, manifest, digest, sess) -> bool:
             for f in coord.owned:
                 s.post_base(f, "check" if s.declared and not server.final_done else "f32", final=server.final_done)
         if sess.resumption is not None:
-            _secrets(server)[island] = sess.resumption   # the next connection of this id proves this session
+            server.handshakes.remember(island, sess.resumption)   # its next connection proves this session
     s.conn.send(MsgType.WELCOME, welcome)  # outside the central lock: a slow reader blocks only itself
     if old is not None and old is not s:
         log.info("island %s reconnected (incarnation %s); closing its previous connection", island, incarnation)
         old.close()
     log.info("island %s joined (incarnation %s)%s", island, incarnation, " and will send INIT" if needs_init else "")
-    server.metrics.connections.set(len(server.sessions))
+    server.metrics.connections.set(server.registry.count())
     return True

@@ -32,13 +32,14 @@ from ..model.initializer import InitChoice, Initializing
 from ..model.inits import take_init
 from ..model.limits import InitWatch, island_buffer_bytes, island_max
 from ..model.runner import ChunkRunner
-from .handshake import accept_handshake
+from .handshake import HandshakeMemory, accept_handshake
 from ..observe.metrics import Metrics, Tape
 from ..rounds.records import MergeRecord
 from ..rounds.coordinator import Coordinator
 from ..observe.status_page import StatusPage
 from .session import BASE_UPDATES, aligned_meta
 from .session import Session as _Session
+from .registry import Registry
 from ..rounds.pushes import Push, PushRefused, parse_push, refusal, reply_for
 from ..bounds import bounded_int, shown
 from ..model.snapshot import capture, open_checkpoint
@@ -76,8 +77,8 @@ class SyncerServer:
         self.metrics = Metrics()
         self.metrics.shard.labels(str(cfg.shard.index), str(cfg.shard.count)).set(1)
         self.tape = Tape(cfg.tape)
-        self.sessions: dict[str, _Session] = {}
-        self.all_sessions: set = set()
+        self.registry = Registry()   # the island connections (net/registry.py)
+        self.handshakes = HandshakeMemory()   # strangers' log budget, resumption secrets (net/handshake.py)
         self.slots = HandshakeSlots(cfg.max_handshakes, cfg.max_handshakes_per_host)
         self.init = Initializing(InitChoice(cfg.initializer, cfg.islands, cfg.init_wait_s),
                                  InitWatch(cfg.init_timeout_s if cfg.init_timeout_s is not None
@@ -140,12 +141,12 @@ class SyncerServer:
                 self._sock.close()
             except OSError:
                 pass
-        sessions = list(self.all_sessions)
+        sessions = self.registry.connections()
         for s in sessions:
             s.close()
         for s in sessions:  # bounded: their sockets are closed, so they return promptly
-            for t in (s.reader, s.writer):
-                if t is not None and t is not threading.current_thread():
+            for t in s.threads():
+                if t is not threading.current_thread():
                     t.join(2)
         for t in self._threads:
             if t is not threading.current_thread():
@@ -171,18 +172,15 @@ class SyncerServer:
             except OSError:
                 return
             host = host_of(sock)
-            if not self.slots.admit(host, self.all_sessions, lambda i: i in self.coord.members):
+            if not self.slots.admit(host, self.registry.connections(), lambda i: i in self.coord.members):
                 sock.close()
                 continue
             sock.settimeout(None)
             conn = Connection(sock, timeout=self.cfg.io_timeout_s, max_payload=HANDSHAKE_MAX,
                               max_reassembly_bytes=MAX_PAYLOAD[MsgType.HELLO])
-            s = _Session(conn, self._send_base, lambda: self.final_done)
-            s.host = host
-            self.all_sessions.add(s)
-            s.reader = threading.Thread(target=self._session_main, args=(s,), daemon=True,
-                                        name=f"yeto-conn-{conn.peer}")
-            s.reader.start()
+            s = _Session(conn, self._send_base, lambda: self.final_done, host=host)
+            self.registry.add(s)
+            s.start(self._session_main)
 
     def _refuse(self, s: _Session, code: str, message: str) -> None:
         log.warning("refusing %s (%s): %s", s.island or s.conn.peer, code, message)
@@ -196,8 +194,7 @@ class SyncerServer:
             if self._handshake(s):
                 most = island_max(max(f.numel for f in self.coord.frags))
                 s.conn.set_limits(most, island_buffer_bytes(most[MsgType.PUSH], self.cfg.island_buffer_bytes))
-                s.writer = threading.Thread(target=s.writer_loop, daemon=True, name=f"yeto-send-{s.island}")
-                s.writer.start()
+                s.start_writer()
                 self._read_loop(s)
         except PeerError as e:
             log.warning("island %s sent an error: %s", s.island, e)
@@ -225,7 +222,7 @@ class SyncerServer:
     def close_lapsed(self, island: str) -> None:
         """(coordinator lock held) Before ``island`` joins: at most ``--islands`` joined connections stay open
         (each may hold its reassembly budget), so a connection whose island's lease ran out is closed now."""
-        others = [x for i, x in self.sessions.items() if i != island and not x.closed]
+        others = [x for i, x in self.registry.joined().items() if i != island and not x.closed]
         if len(others) < self.cfg.islands:
             return
         alive = set(self.coord.alive_members())
@@ -240,14 +237,24 @@ class SyncerServer:
         if not self._init_lock.acquire(blocking=False):
             return   # an INIT is being installed right now: that is progress
         try:
-            self.init.check(self.sessions, self.coord)
+            self.init.check(self.registry.joined(), self.coord)
         finally:
             self._init_lock.release()
 
     def pick_initializer(self, joining: Optional[_Session]) -> list:
         """(coord.lock held) The fragments `joining` must INIT, if the initializer policy chose it now (see
         syncer/model/initializer.py)."""
-        return self.init.pick(self.sessions, self.coord, joining)
+        return self.init.pick(self.registry.joined(), self.coord, joining)
+
+    @property
+    def sessions(self) -> dict:
+        """Island id -> its joined connection (a copy; the registry owns them)."""
+        return self.registry.joined()
+
+    @property
+    def all_sessions(self) -> list:
+        """Every open connection (a copy)."""
+        return self.registry.connections()
 
     def status(self) -> dict:
         c = self.coord
@@ -292,13 +299,13 @@ class SyncerServer:
                 log.info("island %s reached its last step (%d)", s.island, last)
             elif t == MsgType.ACK:
                 v = meta.get("versions")   # kept only when it can be what the final cut sent
-                s.final_acked = v if v is None or (isinstance(v, list) and len(v) <= len(coord.frags) and all(
-                    x is None or bounded_int(x) for x in v)) else ["invalid"]
+                s.acked(v if v is None or (isinstance(v, list) and len(v) <= len(coord.frags) and all(
+                    x is None or bounded_int(x) for x in v)) else ["invalid"])
                 with coord.cond:
                     coord.cond.notify_all()
             elif t == MsgType.BYE:
                 s.wait_pushes(self.cfg.io_timeout_s)
-                s.bye = True
+                s.said_bye()
                 log.info("island %s said goodbye", s.island)
                 return
             else:
@@ -321,10 +328,10 @@ class SyncerServer:
         self.init.watch.progress()
         if done:
             log.info("run initialized from island %s's INIT (%d fragments)", s.island, len(coord.frags))
-            self.init.done(s, self.sessions)
+            self.init.done(s, self.registry.joined())
             if self.writer is not None:  # version 0 on disk before any island trains from it
                 self._checkpoint(final=False)
-            for other in list(self.sessions.values()):
+            for other in self.registry.joined().values():
                 for f in coord.owned:
                     other.post_base(f, "check" if other.declared else "f32")
 
@@ -338,16 +345,11 @@ class SyncerServer:
         self.metrics.record_push_bytes(s.island, memoryview(body).nbytes)
         # validate/decode/fold on the fold pool so this connection's reader goes on (heartbeats, the next
         # push); at most MAX_PUSHES_IN_FLIGHT per connection (back-pressure bounds the memory held)
-        with s.cv:
-            while s.pushes_inflight >= MAX_PUSHES_IN_FLIGHT and not s.closed:
-                s.cv.wait(0.5)
-            s.pushes_inflight += 1
+        s.push_started(MAX_PUSHES_IN_FLIGHT)
         try:
             self.fold_pool.submit(self._process_push, s, p)
         except RuntimeError:  # the pool is shut down: the syncer is stopping
-            with s.cv:
-                s.pushes_inflight -= 1
-                s.cv.notify_all()
+            s.push_done()
 
     def _process_push(self, s: _Session, p: Push) -> None:
         try:
@@ -357,26 +359,22 @@ class SyncerServer:
             log.exception("internal error while accepting a push from island %s", s.island)
             reply = refusal(p.fragment, p.base_version, "internal", "internal error in the syncer (see its log)")
         finally:  # (the coordinator owns p.body now: held for carried/exact pushes, released after a fold)
-            with s.cv:
-                s.pushes_inflight -= 1
-                s.cv.notify_all()
+            s.push_done()
         s.post(MsgType.PUSH_REPLY, reply)
         with self.coord.cond:
             self.coord.cond.notify_all()
 
     def _session_closed(self, s: _Session) -> None:
         s.close()
-        self.all_sessions.discard(s)
+        self.registry.remove(s)
         coord = self.coord
         if s.joined:
             with coord.lock:
-                if self.sessions.get(s.island) is s:
-                    del self.sessions[s.island]
                 coord.disconnected(s.island, s.bye)
-                self.init.left(s, self.sessions, coord)   # INIT must come from one island: choose again
+                self.init.left(s, self.registry.joined(), coord)   # INIT must come from one island: choose again
                 coord.cond.notify_all()
             log.info("island %s disconnected%s", s.island, " (goodbye)" if s.bye else "")
-        self.metrics.connections.set(len(self.sessions))
+        self.metrics.connections.set(self.registry.count())
 
     # ------------------------------------------------------------------------------------------ sending
     def _send_base(self, s: _Session, frag: int, dtype: str, final: bool) -> None:
@@ -458,7 +456,7 @@ class SyncerServer:
         if self.writer is not None and n and self.coord.merges_total % n == 0:
             self._checkpoint(final=False)
         if broadcast:
-            for s in list(self.sessions.values()):
+            for s in self.registry.joined().values():
                 s.post_base(rec.fragment, self.cfg.base_wire)
 
     def _checkpoint(self, final: bool) -> None:
@@ -481,7 +479,7 @@ class SyncerServer:
         coord.close_all()
         with coord.lock:
             self.final_done = True
-            targets = [s for s in self.sessions.values() if not s.closed]
+            targets = [s for s in self.registry.joined().values() if not s.closed]
             for s in targets:
                 for f in coord.owned:
                     s.post_base(f, "f32", final=True)
