@@ -21,6 +21,9 @@ declares while or after the run is initialized from another island with other we
 declaration, islands that start from different weights (their digests differ: every pretraining from random
 weights) take the chosen island's INIT; the syncer logs that it did and how to name an initializer.
 
+An INIT message's body is read (``init_values``: float32, usable values) and installed as the fragment's initial
+base (``take_init``: only from the island asked for it, before the run is initialized).
+
 Choosing again (the initializer left or stalled before its INIT completed): under ``lowest-id`` the lowest id of
 the fit islands present (the roster already met or the wait already ended); a named island only itself; a declared
 island is replaced by another declared one, and if none comes within ``--init-wait`` of its leaving, by the policy's
@@ -33,11 +36,15 @@ import logging
 import time
 from typing import Callable, Iterable, Optional
 
+import numpy as np
+
 from ...wire.frames import MsgType
 from ...wire.text import printable
+from ..rounds.pushes import PushRefused
+from .guard import too_large
 from .limits import InitWatch
 
-__all__ = ["POLICIES", "DEFAULT_INIT_WAIT_S", "InitChoice", "Initializing", "policy_arg"]
+__all__ = ["POLICIES", "DEFAULT_INIT_WAIT_S", "InitChoice", "Initializing", "policy_arg", "init_values", "take_init"]
 
 log = logging.getLogger("yeto.syncer")
 
@@ -254,3 +261,35 @@ class Initializing:
         note = self.choice.initialized_from(s, list(sessions.values()))
         if note:
             log.info("%s", note)
+
+
+# ---------------------------------------------------------------------------------- an INIT from the wire
+def init_values(meta: dict, body) -> tuple:
+    """(fragment, float32 values, body bytes) of an INIT message; PushRefused("bad-init") for a body that is not
+    float32 or holds values too large for a usable base (KeyError, ValueError, TypeError: malformed)."""
+    idx = meta["fragment"]
+    mv = memoryview(body).cast("B")
+    if meta.get("dtype", "f32") != "f32" or mv.nbytes % 4:
+        raise PushRefused("bad-init", "INIT bodies are float32")
+    arr = np.frombuffer(mv, np.float32)
+    if arr.ctypes.data % 4 or not arr.flags.writeable:
+        arr = arr.copy()
+    why = too_large(f"INIT of fragment {idx}", arr)
+    if why:
+        raise PushRefused("bad-init", why + " (a base must stay usable)")
+    return idx, arr, mv.nbytes
+
+
+def take_init(coord, init: Initializing, s, meta: dict, body) -> tuple[bool, int]:
+    """Install session ``s``'s INIT of one fragment (``coord``: the rounds' Coordinator): (True when every fragment has its base now, body bytes).
+    Raises PushRefused whose message the ERROR ``init`` that answers it carries: an INIT after the run was
+    initialized, from an island not asked for it, refused by the coordinator or malformed."""
+    if coord.initialized:   # (docs/protocol.md: a second INIT is an ERROR init)
+        raise PushRefused("init", "INIT after the run was initialized; refused")
+    if not init.expects(s):
+        raise PushRefused("init", "INIT not expected from this island (another island initializes the run)")
+    try:
+        idx, arr, nbytes = init_values(meta, body)
+        return coord.init_fragment(idx, arr), nbytes
+    except (KeyError, ValueError, TypeError) as e:
+        raise PushRefused("init", f"malformed INIT: {e}") from None

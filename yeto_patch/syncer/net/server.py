@@ -29,7 +29,7 @@ from .final_cut import await_acks, goodbye
 from ..model.guard import NormGuard
 from ...wire.text import printable
 from ..model.initializer import InitChoice, Initializing
-from ..model.inits import take_init
+from ..model.initializer import take_init
 from ..model.limits import InitWatch, island_buffer_bytes, island_max
 from ..model.runner import ChunkRunner
 from .handshake import HandshakeMemory, accept_handshake
@@ -319,7 +319,7 @@ class SyncerServer:
     def _on_init_locked(self, s: _Session, meta: dict, body) -> None:
         coord = self.coord
         try:
-            done, nbytes = take_init(coord, self.init, s, meta, body)   # syncer/model/inits.py
+            done, nbytes = take_init(coord, self.init, s, meta, body)   # syncer/model/initializer.py
         except PushRefused as e:
             self._refuse(s, "init", e.message)
             s.close()
