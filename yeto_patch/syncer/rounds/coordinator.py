@@ -273,7 +273,7 @@ class Coordinator:
 
     # ------------------------------------------------------------------------------------------ pushes
     def _checked(self, p: Push) -> tuple[Fragment, tuple]:
-        """(lock held) The push's fragment and (weight, claimed weight, held until the merge), after the checks of
+        """(lock held) The push's fragment and (weight, claimed weight, kept encoded until the merge), after the checks of
         its fields (rounds/pushes.py, rounds/weights.py); raises PushRefused."""
         f = push_target(p, self.initialized, self.frags, self.owner_refusal)
         check_counters(p)
@@ -284,7 +284,7 @@ class Coordinator:
     def accept(self, p: Push) -> tuple[str, int]:
         """Accept a push (fold it if it answers the open round). Returns (status, lag); raises PushRefused.
 
-        A push held in its encoded form (carried, or ``exact``) is validated outside the lock first; the state
+        A push kept in its encoded form (carried, or ``exact``) is validated outside the lock first; the state
         checks (rounds/pushes.push_standing) then run on the state at registration, looking again if a merge moved
         it."""
         with self.lock:
@@ -303,17 +303,17 @@ class Coordinator:
                 status, lag = push_standing(p, f, r.closed, self.seen, self.ms.max_base_lag)
                 if status is not None:
                     return status, 0
-                held = lag != 0 or self.ms.exact or unref
-                if not held or validated:
+                encoded = lag != 0 or self.ms.exact or unref
+                if not encoded or validated:
                     why = guard.admit(f.index, norm, p.island, base_norm, first_round=first_round) \
                         if guard is not None else None
                     if why is not None:
                         raise PushRefused("outlier", why)
-                    c = Contribution(p, w, lag=lag, held=held, claimed=claimed, unreferenced=unref)
+                    c = Contribution(p, w, lag=lag, encoded=encoded, claimed=claimed, unreferenced=unref)
                     if not self._register(p, f, r, c, key):
                         return ("carried", lag) if lag else ("accepted", 0)
                     break
-            try:  # a held push is validated now: it is decoded only at merge time
+            try:  # a push kept encoded is validated now: it is decoded only at merge time
                 validate_encoded(p.codec, p.body, f.numel, p.block)
             except CodecError as e:
                 log.warning("refused push of fragment %d from island %s: %s", f.index, p.island, e)
@@ -330,7 +330,7 @@ class Coordinator:
             self.cond.notify_all()
             return False
         r.register(c)
-        if c.held:
+        if c.encoded:
             r.inflight -= 1
             self._answer(r, p, f, c)
             self.cond.notify_all()
@@ -473,8 +473,8 @@ class Coordinator:
         a stream returns None at once (the round stays open; the caller retries later and merges other
         fragments meanwhile)."""
         f = self.frags[index]
-        with f.writing(wait_streams) as held:
-            return self._merge_locked(f, index, force) if held else None
+        with f.writing(wait_streams) as writing:
+            return self._merge_locked(f, index, force) if writing else None
 
     def _merge_locked(self, f: Fragment, index: int, force: bool) -> Optional[MergeRecord]:
         with self.lock:

@@ -52,7 +52,7 @@ class Contribution:
     weight_raw: float            # its on-time weight (checked and capped: rounds/weights.py)
     folded: bool = False         # in the accumulator (or, held, kept encoded for the merge)
     lag: int = 0
-    held: bool = False           # body kept encoded (exact mode / carried / weighed at merge time)
+    encoded: bool = False        # body kept encoded until the merge (exact mode / carried / weighed at merge)
     claimed: float = 0.0         # its weight from its checked fields, before the cap
     unreferenced: bool = False   # nobody else was on record: capped against the round at merge time
 
@@ -129,7 +129,7 @@ class Round:
         self.inflight += 1
 
     def answered(self, c: Contribution, now: float) -> None:
-        """``c`` is folded (or held): it answers the round now."""
+        """``c`` is folded (or kept encoded for the merge): it answers the round now."""
         c.folded = True
         if self.t_first is None:
             self.t_first = now
@@ -281,7 +281,7 @@ def responder(c: Contribution, lag: int, w: float, carried: bool) -> dict:
 def fold_carried(book, acc: np.ndarray, fresh: list, carried: list, version: int, late_factor: float, numel: int,
                  threads: int, index: int, cap: Callable[[str, list], Optional[float]]) -> tuple:
     """(total weight, responders) of a merge into ``acc``. Fresh answers were folded on arrival (here only those
-    held: with --exact, in island order, and those weighed against the round); carried pushes are folded now at
+    kept encoded: with --exact, in island order, and those weighed against the round); carried pushes are folded now at
     ``weight x late_factor^lag``, each island once: its carried pushes share what its cap leaves beside its
     answer (``cap(island, others' weights)``: the most one island may weigh in this merge, None: no cap), so an
     island silent for rounds that pushes against every base it missed weighs no more than one island.
@@ -289,7 +289,7 @@ def fold_carried(book, acc: np.ndarray, fresh: list, carried: list, version: int
     for c in fresh:
         if c.unreferenced:   # nobody else was on record when it came: weighed against this round's others
             c.weight_raw = book.cap_in_round(c.claimed, [o.claimed for o in fresh if o is not c])
-        if c.held:
+        if c.encoded:
             codecs.decode_accumulate(c.push.codec, c.push.body, numel, c.weight_raw, acc, c.push.block,
                                      threads=threads)
     weights = [c.weight_raw for c in fresh]
