@@ -13,7 +13,7 @@ from yeto_patch.syncer.model.runner import ChunkRunner
 from yeto_patch.syncer.rounds.coordinator import Coordinator
 from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
 from yeto_patch.syncer.rounds.pushes import Push, PushRefused
-from yeto_patch.syncer.bounds import INT64_MAX, MAX_PUSH_STEPS, MAX_PUSH_TOKENS
+from yeto_patch.wire.schema import INT64_MAX, MAX_PUSH_STEPS, MAX_PUSH_TOKENS
 from yeto_patch.wire import codecs
 from yeto_patch.wire.client import SyncerRefusal
 from yeto_patch.wire.frames import MsgType

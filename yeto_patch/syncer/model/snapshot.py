@@ -13,7 +13,7 @@ from .checkpoint import FORMAT_VERSION, CheckpointError, Snapshot, read_checkpoi
 from .guard import unusable
 from .layout import manifest_to_json, normalize_manifest
 from ..rounds.members import ledger_entry, member_from_ledger
-from ..bounds import INT64_MAX, bounded_int
+from ...wire.schema import INT64_MAX, bounded_int
 
 if TYPE_CHECKING:
     from ..rounds.coordinator import Coordinator

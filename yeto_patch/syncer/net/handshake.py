@@ -19,7 +19,9 @@ import time
 
 from ...wire import auth, secure
 from ...wire.frames import MAX_PAYLOAD, AuthError, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
+from ...wire.schema import welcome_meta
 from ...wire.text import EscapeArgs, check_island_id, printable
+from ...wire.values import Welcome
 from ..model.layout import first_difference, normalize_manifest
 from ..model.limits import default_max_model_bytes, model_size_error
 from ..rounds.pushes import PushRefused
@@ -336,14 +338,13 @@ def _join(server, s, island, incarnation, manifest, digest, sess) -> bool:
         old = server.registry.join(s)
         server.init.choice.joined()
         needs_init = server.pick_initializer(s) if not coord.initialized else []
-        welcome = {"island_id": island, "run_id": server.run_id, "layout": coord.layout,
-                   "numels": [f.numel for f in coord.frags], "fragments": len(coord.frags),
-                   "versions": coord.versions() if coord.initialized else None, "needs_init": needs_init,
-                   "base_wire": cfg.base_wire, "heartbeat_s": server.heartbeat_s,
-                   "lease_s": cfg.rounds.lease_s, "islands": cfg.islands, "quorum": cfg.rounds.k,
-                   "total_rounds": cfg.rounds.total_rounds, "manifest_digest": digest.hex(),
-                   "final": server.final_started, "shard": cfg.shard.as_json(), "owned": list(coord.owned),
-                   "shard_addresses": list(cfg.shard_addresses)}
+        welcome = welcome_meta(Welcome(
+            island_id=island, run_id=server.run_id, layout=coord.layout, numels=[f.numel for f in coord.frags],
+            fragments=len(coord.frags), versions=coord.versions() if coord.initialized else None,
+            needs_init=needs_init, base_wire=cfg.base_wire, heartbeat_s=server.heartbeat_s,
+            lease_s=cfg.rounds.lease_s, islands=cfg.islands, quorum=cfg.rounds.k,
+            total_rounds=cfg.rounds.total_rounds, final=server.final_started, shard=tuple(cfg.shard.as_json()),
+            owned=list(coord.owned), shard_addresses=tuple(cfg.shard_addresses)), digest.hex())
         if coord.initialized:  # queued now (the writer starts after WELCOME went out)
             for f in coord.owned:
                 s.post_base(f, "check" if s.declared and not server.final_done else "f32", final=server.final_done)

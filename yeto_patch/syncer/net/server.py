@@ -37,14 +37,14 @@ from ..observe.metrics import Metrics, Tape
 from ..rounds.records import MergeRecord
 from ..rounds.coordinator import Coordinator
 from ..observe.status_page import StatusPage
-from .session import BASE_UPDATES, aligned_meta
+from .session import BASE_UPDATES
 from .session import Session as _Session
 from .registry import Registry
 from ..rounds.pushes import Push, PushRefused, parse_push, refusal, reply_for
-from ..bounds import bounded_int, shown
+from ...wire.schema import SchemaError, read_ack, read_final, read_island_beat, syncer_beat_meta
 from ..model.snapshot import capture, open_checkpoint
 
-__all__ = ["ServerConfig", "SyncerServer", "aligned_meta"]
+__all__ = ["ServerConfig", "SyncerServer"]
 
 log = logging.getLogger("yeto.syncer")
 MAX_PUSHES_IN_FLIGHT = 2  # per connection, handed to the fold pool and not yet accepted/refused
@@ -272,7 +272,7 @@ class SyncerServer:
         while not s.closed and not self.stopping.is_set():
             now = time.monotonic()
             if now >= next_hb:   # (what its rounds wait for rides along: island/link/patience.py logs it)
-                s.post(MsgType.HEARTBEAT, {"t": time.time(), **coord.round_status(s.island)})
+                s.post(MsgType.HEARTBEAT, syncer_beat_meta(time.time(), coord.round_status(s.island)))
                 next_hb = now + self.heartbeat_s
             try:
                 t, meta, body = s.conn.recv(timeout=min(1.0, self.heartbeat_s))
@@ -281,7 +281,7 @@ class SyncerServer:
                     raise
                 continue
             if t == MsgType.HEARTBEAT:
-                coord.touch(s.island, meta.get("step"), meta.get("rate"))
+                coord.touch(s.island, *read_island_beat(meta))
                 continue
             coord.touch(s.island)
             if t == MsgType.PUSH:
@@ -289,18 +289,16 @@ class SyncerServer:
             elif t == MsgType.INIT:
                 self._on_init(s, meta, body)
             elif t == MsgType.FINAL:
-                last = meta.get("last_step", 0)
-                if not bounded_int(last):
-                    self._refuse(s, "protocol", f"malformed FINAL: last_step={shown(last)} (need an integer in "
-                                                "[0, 2^63-1])")
+                try:
+                    last = read_final(meta)
+                except SchemaError as e:
+                    self._refuse(s, e.code, e.message)
                     return
                 s.wait_pushes(self.cfg.io_timeout_s)  # its final pushes count before the cut
                 coord.finish(s.island, last)
                 log.info("island %s reached its last step (%d)", s.island, last)
             elif t == MsgType.ACK:
-                v = meta.get("versions")   # kept only when it can be what the final cut sent
-                s.acked(v if v is None or (isinstance(v, list) and len(v) <= len(coord.frags) and all(
-                    x is None or bounded_int(x) for x in v)) else ["invalid"])
+                s.acked(read_ack(meta, len(coord.frags)))   # kept only when it can be what the cut sent
                 with coord.cond:
                     coord.cond.notify_all()
             elif t == MsgType.BYE:

@@ -14,25 +14,15 @@ from typing import Callable, Optional
 
 from ...wire import codecs
 from ...wire.frames import MsgType, ProtocolError
-from ...wire.message import encode_meta
+from ...wire.schema import base_meta
 from ...wire.transport import Connection
 from ..model.fragment import Fragment
 
-__all__ = ["Session", "aligned_meta", "SEND_CHUNK", "BASE_UPDATES"]
+__all__ = ["Session", "SEND_CHUNK", "BASE_UPDATES"]
 
 log = logging.getLogger("yeto.syncer")
 SEND_CHUNK = 4 << 20  # bytes per body piece handed to the transport
 BASE_UPDATES = ("int8", "int4")   # quantized change from the island's previous base, error carried to the next
-
-
-def aligned_meta(meta: dict, align: int = 64) -> dict:
-    """Pad ``meta`` (key ``"_pad"``) so that the message body starts ``align``-aligned in the payload: the
-    receiver can then view float32 bodies in place."""
-    m = dict(meta)
-    m["_pad"] = ""
-    n = 4 + len(encode_meta(m))
-    m["_pad"] = " " * ((-n) % align)
-    return m
 
 
 class Session:
@@ -230,12 +220,10 @@ class Session:
                     else "f32"
             if dtype in BASE_UPDATES and down is None:
                 dtype = "f32"   # the island does not hold the previous version: the full shadow
-            meta = {"fragment": frag, "version": f.version, "dtype": dtype, "numel": n, "final": final}
-            if merge is not None and merge[0] == f.version:   # (version, figures) of the merge that made it
-                meta["merge"] = merge[1]
-            if down is not None:
-                meta.update(delta_from=f.version - 1, block=down_block)
-            meta = aligned_meta(meta)
+            meta = base_meta(frag, f.version, dtype, n, final,
+                             merge=merge[1] if merge is not None and merge[0] == f.version else None,
+                             delta_from=f.version - 1 if down is not None else None,
+                             block=down_block if down is not None else None)
             step = SEND_CHUNK // 4
             if dtype == "held":
                 body_len, it = 0, iter(())

@@ -31,7 +31,8 @@ import numpy as np
 
 from ...wire import codecs
 from ...wire.frames import CodecError
-from ..bounds import MAX_RATE, bounded_int, bounded_number, shown
+from ...wire.schema import bounded_int, shown
+from ...wire.values import SyncerStatus
 from ..model.fragment import Fragment
 from ..model.layout import fragment_numels, partition
 from ..model.outer import NonFiniteMerge, outer_lr_inputs
@@ -212,15 +213,14 @@ class Coordinator:
             self.cond.notify_all()
             return m
 
-    def touch(self, island: str, step=None, rate=None) -> None:
-        """A message from ``island`` renewed its lease; a heartbeat also says its step and compute rate (bounded
-        numbers; anything else is ignored)."""
+    def touch(self, island: str, step: Optional[int] = None, rate: Optional[float] = None) -> None:
+        """A message from ``island`` renewed its lease; a heartbeat also says its step and compute rate (as
+        wire/schema.read_island_beat bounds them: None when not said)."""
         with self.lock:
             self.roster.touch(island)
             m = self.members.get(island)
             if m is not None:
-                m.progress(step if bounded_int(step) else None, rate if bounded_number(rate, MAX_RATE) else None,
-                           self.clock())
+                m.progress(step, rate, self.clock())
 
     def disconnected(self, island: str, bye: bool) -> None:
         with self.lock:
@@ -411,7 +411,7 @@ class Coordinator:
             ts = [d.at for _, _, d in self._decisions(self.clock()) if d.at is not None]
             return min(ts) if ts else None
 
-    def round_status(self, island: str) -> dict:
+    def round_status(self, island: str) -> SyncerStatus:
         """What ``island`` may be waiting for (the HEARTBEAT the syncer sends it; docs/protocol.md, "Membership"):
         the open rounds it answered ``[fragment, version, answered, floor]``, the islands they wait for ("(down Ns)"
         marking those that are not up), after its FINAL the islands still training, and the fleet's pace."""
@@ -424,14 +424,11 @@ class Coordinator:
                 if len(rounds) < MAX_STATUS_ROUNDS:
                     rounds.append([f.index, f.version, len(r.counted()), d.floor])
                 missing.update(d.waits_for)
-            out = {"rounds": rounds, "missing": self.roster.describe(sorted(missing)[:MAX_STATUS_IDS], now)}
             m = self.members.get(island)
-            if m is not None and m.finished:
-                out["unfinished"] = self.roster.describe(sorted(self.roster.unfinished(now))[:MAX_STATUS_IDS], now)
-            pace = self.roster.pace(now)
-            if pace:
-                out["pace"] = pace
-            return out
+            unfinished = self.roster.describe(sorted(self.roster.unfinished(now))[:MAX_STATUS_IDS], now) \
+                if m is not None and m.finished else None
+            return SyncerStatus(rounds, self.roster.describe(sorted(missing)[:MAX_STATUS_IDS], now), unfinished,
+                                self.roster.pace(now))
 
     def pace(self) -> float:
         """The fleet's pace in steps/s (rounds/roster.py)."""

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..bounds import INT64_MAX, bounded_int
+from ...wire.schema import INT64_MAX, bounded_int
 
 __all__ = ["Member", "ledger_entry", "member_from_ledger", "saturating_add"]
 

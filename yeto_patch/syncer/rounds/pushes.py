@@ -1,12 +1,11 @@
-"""A PUSH from the wire to the coordinator and its PUSH_REPLY back: the fields a peer sent, checked and bounded, and
-the checks a push passes before a round takes it (holding no state).
+"""A push as the syncer holds it, its reply, and the checks a push passes before a round takes it (holding no
+state).
 
-Every number of a PUSH is an integer in a documented range before it reaches the coordinator (docs/protocol.md,
-"Pushes"; syncer/bounds.py), and a reply echoes only values that are valid JSON and bounded (the ``fragment`` and
-``base_version`` the push gave when they are such integers, else null), so refusing a hostile push never breaks the
-reply that carries the refusal and the connection stays open. The checks raise ``PushRefused`` naming what is
-wrong: its counters; its fragment, base and codec against the layout; its standing against the fragment's state
-now (lag, duplicate).
+A PUSH's meta is read and bounded by its schema (wire/schema.py: every number an integer in its documented range,
+docs/protocol.md "Pushes"); its reply echoes only bounded values, so refusing a hostile push never breaks the reply
+that carries the refusal and the connection stays open. The checks here raise ``PushRefused`` naming what is
+wrong: its fragment, base and codec against the layout; its standing against the fragment's state now (lag,
+duplicate).
 """
 from __future__ import annotations
 
@@ -16,14 +15,13 @@ from typing import Callable, Optional
 
 from ...wire import codecs
 from ...wire.frames import CodecError
-from ..bounds import INT64_MAX, MAX_PATIENCE_S, MAX_PUSH_STEPS, MAX_PUSH_TOKENS, bounded_int, bounded_number, shown
+from ...wire.schema import (INT64_MAX, MAX_PATIENCE_S, MAX_PUSH_STEPS, MAX_PUSH_TOKENS, SchemaError, bounded_int,
+                            bounded_number, read_push, refusal_meta, reply_meta, shown)
 
-__all__ = ["Push", "PushRefused", "parse_push", "echo", "refusal", "reply_for", "check_counters", "push_target",
-           "push_standing", "MAX_CODEC_NAME"]
+__all__ = ["Push", "PushRefused", "parse_push", "refusal", "reply_for", "check_counters", "push_target",
+           "push_standing"]
 
 log = logging.getLogger("yeto.syncer")
-MAX_CODEC_NAME = 32
-MAX_REPLY_MESSAGE = 1000
 
 
 class PushRefused(Exception):
@@ -52,58 +50,35 @@ class Push:
     arrived: Optional[float] = None    # the coordinator's clock when it was accepted
 
 
-def echo(fragment, base_version) -> dict:
-    """``fragment`` / ``base_version`` as a reply may carry them: integers in int64 range, else None."""
-    return {"fragment": fragment if bounded_int(fragment, INT64_MAX, -INT64_MAX - 1) else None,
-            "base_version": base_version if bounded_int(base_version, INT64_MAX, -INT64_MAX - 1) else None}
-
-
-def _count(meta: dict, name: str) -> int:
-    v = meta.get(name, 0)
-    if not bounded_int(v):
-        raise PushRefused("bad-push", f"malformed PUSH: {name}={shown(v)} (need an integer in [0, 2^63-1])")
-    return v
-
-
 def parse_push(island: str, incarnation, meta: dict, body) -> Push:
-    """The push ``meta`` + ``body`` describe; raises PushRefused("bad-push") naming the bad field."""
-    for name in ("fragment", "base_version", "codec"):
-        if name not in meta:
-            raise PushRefused("bad-push", f"malformed PUSH: missing or bad field {name!r}")
-    codec = meta["codec"]
-    if not isinstance(codec, str) or len(codec) > MAX_CODEC_NAME:
-        raise PushRefused("bad-codec", f"unknown codec {shown(codec)} (known: {', '.join(codecs.CODECS)})")
-    blend = meta.get("blend", False)
-    if not isinstance(blend, bool):
-        raise PushRefused("bad-push", f"malformed PUSH: blend={shown(blend)} (need true or false)")
-    patience = meta.get("patience")   # (optional; anything but a number in range is read as unknown)
-    return Push(island=island, fragment=meta["fragment"], base_version=meta["base_version"], codec=codec,
-                block=_count(meta, "block") or codecs.DEFAULT_BLOCK, body=body, local_step=_count(meta, "local_step"),
-                steps=_count(meta, "steps"), tokens=_count(meta, "tokens"), final=bool(meta.get("final", False)),
-                incarnation=str(incarnation), blend=blend,
-                patience=patience if bounded_number(patience, MAX_PATIENCE_S) else None)
+    """The push ``meta`` + ``body`` describe (wire/schema.read_push); raises PushRefused naming the bad field."""
+    try:
+        h = read_push(meta, codecs.CODECS)
+    except SchemaError as e:
+        raise PushRefused(e.code, e.message) from None
+    return Push(island=island, fragment=h.fragment, base_version=h.base_version, codec=h.codec,
+                block=h.block or codecs.DEFAULT_BLOCK, body=body, local_step=h.local_step, steps=h.steps,
+                tokens=h.tokens, final=h.final, incarnation=str(incarnation), blend=h.blend, patience=h.patience)
 
 
 def refusal(fragment, base_version, code: str, message: str) -> dict:
-    return {**echo(fragment, base_version), "status": "refused", "code": code,
-            "message": message[:MAX_REPLY_MESSAGE]}
+    return refusal_meta(fragment, base_version, code, message)
 
 
 def reply_for(coord, p: Push) -> dict:
     """Hand ``p`` to the coordinator (rounds/coordinator.py); the PUSH_REPLY that answers it."""
-    reply = echo(p.fragment, p.base_version)
     try:
         status, lag = coord.accept(p)
-        reply.update(status=status, lag=lag)
-        if status == "closed":
-            reply["message"] = "this fragment takes no more pushes (final cut / total rounds reached)"
     except PushRefused as e:
         log.warning("refused push of fragment %s (base v%s) from island %s [%s]: %s", shown(p.fragment),
-                    shown(p.base_version), p.island, e.code, e.message[:MAX_REPLY_MESSAGE])
-        reply = refusal(p.fragment, p.base_version, e.code, e.message)
-    if bounded_int(p.fragment, len(coord.frags) - 1):
-        reply["version"] = coord.frags[p.fragment].version
-    return reply
+                    shown(p.base_version), p.island, e.code, e.message[:1000])
+        return refusal_meta(p.fragment, p.base_version, e.code, e.message, version=_version(coord, p))
+    message = "this fragment takes no more pushes (final cut / total rounds reached)" if status == "closed" else ""
+    return reply_meta(p.fragment, p.base_version, status, lag, _version(coord, p), message)
+
+
+def _version(coord, p: Push) -> Optional[int]:
+    return coord.frags[p.fragment].version if bounded_int(p.fragment, len(coord.frags) - 1) else None
 
 
 def check_counters(p: Push) -> None:

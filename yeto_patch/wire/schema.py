@@ -1,0 +1,245 @@
+"""One schema per message of the syncer protocol: how its meta is built, read and bounded, used by the island
+(wire/client.py) and the syncer (yeto_patch/syncer) alike (docs/protocol.md, "Syncer protocol").
+
+For each message a ``*_meta(...)`` builds the meta its sender sends and a ``read_*(meta)`` reads what a receiver
+got: every field of a peer's message is a value of the documented type and range before anything else reads it,
+and an echo or a text is cut to a bounded length. ``SchemaError`` names the field (its ``code`` is the refusal
+code a syncer answers it with). Stdlib only; the bodies (encoded pushes, bases) are checked by their readers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .frames import ProtocolError
+from .message import encode_meta
+from .values import PushReply, SyncerStatus, Welcome
+
+__all__ = ["SchemaError", "INT64_MAX", "MAX_PUSH_STEPS", "MAX_PUSH_TOKENS", "MAX_PATIENCE_S", "MAX_RATE",
+           "MAX_CODEC_NAME", "MAX_REPLY_MESSAGE", "bounded_int", "bounded_number", "shown", "aligned",
+           "PushHeader", "push_meta", "read_push", "reply_meta", "refusal_meta", "echo", "read_reply",
+           "island_beat_meta", "read_island_beat", "final_meta", "read_final", "ack_meta", "read_ack", "welcome_meta",
+           "base_meta", "syncer_beat_meta"]
+
+INT64_MAX = (1 << 63) - 1
+#: Largest ``steps`` one push may report (local optimizer steps since its anchor).
+MAX_PUSH_STEPS = 1 << 31
+#: Largest ``tokens`` one push may report: every weight is then an exact float64, and any round's total weight
+#: (a few pushes per island) stays far below float32's range, so weights can never become infinite.
+MAX_PUSH_TOKENS = 1 << 53
+#: Largest ``patience`` (seconds until the island blocks waiting for the push's answer) a push may report; larger
+#: or malformed values are read as "unknown".
+MAX_PATIENCE_S = 1e6
+#: Largest compute rate (steps/s) an island's heartbeat may say (larger: ignored).
+MAX_RATE = 1e6
+MAX_CODEC_NAME = 32
+MAX_REPLY_MESSAGE = 1000
+
+
+class SchemaError(ProtocolError):
+    """A message whose meta does not follow its schema; ``code``: what a syncer refuses it with."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# ------------------------------------------------------------------------------------------------ values
+def bounded_int(v, hi: int = INT64_MAX, lo: int = 0) -> bool:
+    """Whether ``v`` is an integer (not a bool) in ``[lo, hi]``."""
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def bounded_number(v, hi: float, lo: float = 0.0) -> bool:
+    """Whether ``v`` is an int or float (not a bool, not nan) in ``[lo, hi]``."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def shown(v, limit: int = 40) -> str:
+    """A peer's value for a message: its repr, cut to ``limit`` characters (an integer of thousands of digits
+    or a long string must not end up in replies and logs whole)."""
+    if isinstance(v, int) and v.bit_length() > 128:
+        return f"<an integer of {v.bit_length()} bits>"
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
+def aligned(meta: dict, align: int = 64) -> dict:
+    """A copy of ``meta`` padded (field ``_pad``) so that the body after the message's meta starts at a multiple
+    of ``align`` bytes (the receiver can then view float32 bodies in place)."""
+    m = dict(meta)
+    m["_pad"] = ""
+    n = 4 + len(encode_meta(m))
+    m["_pad"] = " " * ((-n) % align)
+    return m
+
+
+# ------------------------------------------------------------------------------------------------- PUSH
+@dataclass(frozen=True)
+class PushHeader:
+    """A PUSH's meta as read: every field bounded (the fragment and base against the layout are the syncer's)."""
+    fragment: object       # (as sent: the syncer checks it against its layout and echoes it bounded)
+    base_version: object
+    codec: str
+    block: int
+    local_step: int
+    steps: int
+    tokens: int
+    final: bool
+    blend: bool
+    patience: Optional[float]   # None: unknown (absent, or not a number in range)
+
+
+def push_meta(fragment: int, numel: int, *, base_version: int, local_step: int, steps: int, tokens: int,
+              codec: str, block: int, final: bool, blend: bool, patience: Optional[float]) -> dict:
+    """The PUSH meta (aligned; docs/protocol.md, "Pushes")."""
+    return aligned({"fragment": fragment, "base_version": int(base_version), "local_step": int(local_step),
+                    "steps": int(steps), "tokens": int(tokens), "codec": codec, "block": int(block),
+                    "numel": numel, "final": bool(final), "blend": bool(blend),
+                    **({} if patience is None else {"patience": round(max(0.0, float(patience)), 3)})})
+
+
+def _count(meta: dict, name: str, hi: int = INT64_MAX) -> int:
+    v = meta.get(name, 0)
+    if not bounded_int(v, hi):
+        raise SchemaError("bad-push", f"malformed PUSH: {name}={shown(v)} (need an integer in [0, {hi}])")
+    return v
+
+
+def read_push(meta: dict, known_codecs) -> PushHeader:
+    """A PUSH's meta, bounded; SchemaError ("bad-push" / "bad-codec") naming the bad field. ``known_codecs``: the
+    codec names, for the message."""
+    for name in ("fragment", "base_version", "codec"):
+        if name not in meta:
+            raise SchemaError("bad-push", f"malformed PUSH: missing or bad field {name!r}")
+    codec = meta["codec"]
+    if not isinstance(codec, str) or len(codec) > MAX_CODEC_NAME:
+        raise SchemaError("bad-codec", f"unknown codec {shown(codec)} (known: {', '.join(known_codecs)})")
+    blend = meta.get("blend", False)
+    if not isinstance(blend, bool):
+        raise SchemaError("bad-push", f"malformed PUSH: blend={shown(blend)} (need true or false)")
+    patience = meta.get("patience")
+    return PushHeader(fragment=meta["fragment"], base_version=meta["base_version"], codec=codec,
+                      block=_count(meta, "block"), local_step=_count(meta, "local_step"),
+                      steps=_count(meta, "steps", MAX_PUSH_STEPS), tokens=_count(meta, "tokens", MAX_PUSH_TOKENS),
+                      final=bool(meta.get("final", False)), blend=blend,
+                      patience=float(patience) if bounded_number(patience, MAX_PATIENCE_S) else None)
+
+
+# ------------------------------------------------------------------------------------------- PUSH_REPLY
+def echo(fragment, base_version) -> dict:
+    """``fragment`` / ``base_version`` as a reply may carry them: integers in int64 range, else None."""
+    return {"fragment": fragment if bounded_int(fragment, INT64_MAX, -INT64_MAX - 1) else None,
+            "base_version": base_version if bounded_int(base_version, INT64_MAX, -INT64_MAX - 1) else None}
+
+
+def reply_meta(fragment, base_version, status: str, lag: int = 0, version: Optional[int] = None,
+               message: str = "") -> dict:
+    """A PUSH_REPLY that takes the push (``status``: accepted, carried, closed)."""
+    out = {**echo(fragment, base_version), "status": status, "lag": int(lag)}
+    if version is not None:
+        out["version"] = int(version)
+    if message:
+        out["message"] = message[:MAX_REPLY_MESSAGE]
+    return out
+
+
+def refusal_meta(fragment, base_version, code: str, message: str, version: Optional[int] = None) -> dict:
+    """A PUSH_REPLY that refuses the push with ``code``."""
+    out = {**echo(fragment, base_version), "status": "refused", "code": code, "message": message[:MAX_REPLY_MESSAGE]}
+    if version is not None:
+        out["version"] = int(version)
+    return out
+
+
+def read_reply(meta: dict) -> PushReply:
+    """A PUSH_REPLY's meta, bounded (a malformed field is read as absent)."""
+    e = echo(meta.get("fragment"), meta.get("base_version"))
+    status = meta.get("status")
+    lag = meta.get("lag", 0)
+    version = meta.get("version")
+    message = meta.get("message", "")
+    return PushReply(e["fragment"], e["base_version"], status[:32] if isinstance(status, str) else "?",
+                     lag if bounded_int(lag) else 0, version if bounded_int(version) else None,
+                     message[:MAX_REPLY_MESSAGE] if isinstance(message, str) else "")
+
+
+# --------------------------------------------------------------------------------- HEARTBEAT (island's)
+def island_beat_meta(step: int, rate: float) -> dict:
+    """An island's HEARTBEAT: its step, and its compute rate (steps/s) when known."""
+    beat = {"step": int(step)}
+    if rate > 0:
+        beat["rate"] = round(float(rate), 6)
+    return beat
+
+
+def read_island_beat(meta: dict) -> tuple[Optional[int], Optional[float]]:
+    """(step, rate) of an island's HEARTBEAT, each None when absent or out of range."""
+    step, rate = meta.get("step"), meta.get("rate")
+    return (step if bounded_int(step) else None,
+            float(rate) if bounded_number(rate, MAX_RATE) else None)
+
+
+# -------------------------------------------------------------------------------------------- FINAL, ACK
+def final_meta(last_step: int) -> dict:
+    return {"last_step": int(last_step)}
+
+
+def read_final(meta: dict) -> int:
+    """FINAL's ``last_step``; SchemaError("protocol") when it is not an integer in [0, 2^63 - 1]."""
+    last = meta.get("last_step", 0)
+    if not bounded_int(last):
+        raise SchemaError("protocol", f"malformed FINAL: last_step={shown(last)} (need an integer in [0, 2^63-1])")
+    return last
+
+
+def ack_meta(versions: list) -> dict:
+    return {"versions": [None if v is None else int(v) for v in versions]}
+
+
+def read_ack(meta: dict, fragments: int) -> Optional[list]:
+    """ACK's ``versions`` (None when absent); ``["invalid"]`` when it cannot be what a final cut sent (more
+    entries than fragments, or an entry that is neither null nor a bounded integer)."""
+    v = meta.get("versions")
+    if v is None:
+        return None
+    if isinstance(v, list) and len(v) <= fragments and all(x is None or bounded_int(x) for x in v):
+        return v
+    return ["invalid"]
+
+
+# --------------------------------------------------------------------------------------------- WELCOME
+def welcome_meta(w: Welcome, manifest_digest: str) -> dict:
+    """The syncer's WELCOME (docs/protocol.md, "Handshake"): what ``read_welcome`` gives the island back."""
+    return {"island_id": w.island_id, "run_id": w.run_id, "layout": w.layout, "numels": list(w.numels),
+            "fragments": w.fragments, "versions": w.versions, "needs_init": list(w.needs_init),
+            "base_wire": w.base_wire, "heartbeat_s": w.heartbeat_s, "lease_s": w.lease_s, "islands": w.islands,
+            "quorum": w.quorum, "total_rounds": w.total_rounds, "manifest_digest": manifest_digest,
+            "final": w.final, "shard": list(w.shard), "owned": list(w.owned),
+            "shard_addresses": list(w.shard_addresses)}
+
+
+# ------------------------------------------------------------------------------------- BASE, FINAL_BASE
+def base_meta(fragment: int, version: int, dtype: str, numel: int, final: bool, merge: Optional[dict] = None,
+              delta_from: Optional[int] = None, block: Optional[int] = None) -> dict:
+    """A BASE / FINAL_BASE meta (aligned): a full base in ``dtype`` (f32, bf16, or "held": the weights the island
+    declared), or with ``delta_from`` an update of the previous version in ``dtype`` (int8/int4, ``block``);
+    ``merge``: this island's figures of the merge that made the version."""
+    meta = {"fragment": fragment, "version": version, "dtype": dtype, "numel": numel, "final": final}
+    if merge is not None:
+        meta["merge"] = merge
+    if delta_from is not None:
+        meta.update(delta_from=delta_from, block=block)
+    return aligned(meta)
+
+
+# --------------------------------------------------------------------------------- HEARTBEAT (syncer's)
+def syncer_beat_meta(t: float, st: SyncerStatus) -> dict:
+    """The syncer's HEARTBEAT to one island: the time and what its rounds wait for (``read_syncer_beat``)."""
+    out = {"t": t, "rounds": st.rounds, "missing": st.missing}
+    if st.unfinished is not None:
+        out["unfinished"] = st.unfinished
+    if st.pace:
+        out["pace"] = st.pace
+    return out
