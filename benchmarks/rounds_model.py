@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""The syncer's round rules in virtual time: the real coordinator (yeto_patch.syncer.rounds.coordinator.Coordinator, with its
-roster, adaptive grace window and weights) fed by simulated islands, to compare settings of the rules without the
+"""The syncer's round rules in virtual time: the real coordinator (yeto_patch.syncer.rounds.coordinator.Coordinator,
+with its roster, pace window and weights) fed by simulated islands, to compare settings of the rules without the
 machine's load in the figures (benchmarks/chaos.py runs the real processes and link code).
 
 Islands at speeds 1.0, 1.0, 1.0, 0.7, 0.5, 0.35 (step 0.1 s at speed 1), 4 fragments, H=20 (with
@@ -34,7 +34,7 @@ from yeto_patch.syncer.rounds import settings as syncer_settings  # noqa: E402
 from yeto_patch.syncer.model.runner import ChunkRunner  # noqa: E402
 from yeto_patch.syncer.rounds.coordinator import Coordinator  # noqa: E402
 from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings  # noqa: E402
-from yeto_patch.syncer.rounds.pushes import Push, PushRefused
+from yeto_patch.syncer.rounds.pushes import ReceivedPush, PushRefused
 from yeto_patch.wire import codecs  # noqa: E402
 
 P, TOKENS, LATENCY, LEASE = 4, 4096, 0.02, 2.0
@@ -113,7 +113,7 @@ class Model:
         return p is None or self.c.frags[f].version > p[0]
 
     def send(self, i, f, base, steps):
-        p = Push(i.name, f, base, "f32", 256, BODY, local_step=i.step, steps=steps, tokens=steps * TOKENS,
+        p = ReceivedPush(i.name, f, base, "f32", 256, BODY, local_step=i.step, steps=steps, tokens=steps * TOKENS,
                  incarnation=str(i.inc), patience=self.a.tau * i.dt)
         try:
             self.c.accept(p)

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from yeto_patch.syncer.model.runner import ChunkRunner  # noqa: E402
 from yeto_patch.syncer.rounds.coordinator import Coordinator  # noqa: E402
 from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings  # noqa: E402
-from yeto_patch.syncer.rounds.pushes import Push
+from yeto_patch.syncer.rounds.pushes import ReceivedPush
 from yeto_patch.wire import codecs  # noqa: E402
 
 
@@ -103,7 +103,7 @@ def fold_part(P: int, M: int, threads: int, rounds: int = 6) -> dict:
         bw_i = triad.run(2)  # measured next to each round: the machine may be shared
         t0, c0 = time.perf_counter(), time.process_time()
         for k, body in enumerate(pushes):
-            c.accept(Push(f"i{k}", 0, rnd, "int4", 256, body, steps=1, tokens=1000 + k))
+            c.accept(ReceivedPush(f"i{k}", 0, rnd, "int4", 256, body, steps=1, tokens=1000 + k))
         rec = c.merge(0)
         dt_i = time.perf_counter() - t0
         if rnd:

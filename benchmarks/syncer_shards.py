@@ -36,7 +36,7 @@ from yeto_patch.syncer.model.layout import fragment_numels, partition  # noqa: E
 from yeto_patch.syncer.model.runner import ChunkRunner  # noqa: E402
 from yeto_patch.syncer.rounds.coordinator import Coordinator  # noqa: E402
 from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings  # noqa: E402
-from yeto_patch.syncer.rounds.pushes import Push
+from yeto_patch.syncer.rounds.pushes import ReceivedPush
 from yeto_patch.syncer.shards.spec import ShardSpec, assign  # noqa: E402
 from yeto_patch.wire import codecs  # noqa: E402
 
@@ -65,7 +65,7 @@ def worker(params, fragments, islands, rounds, index, count, threads) -> dict:
         t0 = time.perf_counter()
         for f in coord.owned:
             for k, body in enumerate(pushes[f]):
-                coord.accept(Push(f"i{k}", f, rnd, "int4", codecs.DEFAULT_BLOCK, body, steps=1))
+                coord.accept(ReceivedPush(f"i{k}", f, rnd, "int4", codecs.DEFAULT_BLOCK, body, steps=1))
             assert coord.merge(f).ok
         times.append(time.perf_counter() - t0)
     merge_s = sum(times[1:]) / (rounds - 1) if rounds > 1 else times[0]   # (round 0 pays first-touch faults)

@@ -12,7 +12,7 @@ from yeto_patch.syncer.model.checkpoint import Snapshot, read_checkpoint, write_
 from yeto_patch.syncer.model.runner import ChunkRunner
 from yeto_patch.syncer.rounds.coordinator import Coordinator
 from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
-from yeto_patch.syncer.rounds.pushes import Push, PushRefused
+from yeto_patch.syncer.rounds.pushes import ReceivedPush, PushRefused
 from yeto_patch.wire.schema import INT64_MAX, MAX_PUSH_STEPS, MAX_PUSH_TOKENS
 from yeto_patch.wire import codecs
 from yeto_patch.wire.client import SyncerRefusal
@@ -151,12 +151,12 @@ def test_the_largest_weights_merge_finite():
         c.join(i, "1")
     d = [np.full(64, x, np.float32) for x in (0.25, -0.5, 1.0)]
     for i, delta in zip("abc", d):
-        c.accept(Push(i, 0, 0, "f32", 256, codecs.encode("f32", delta), steps=1, tokens=MAX_PUSH_TOKENS))
+        c.accept(ReceivedPush(i, 0, 0, "f32", 256, codecs.encode("f32", delta), steps=1, tokens=MAX_PUSH_TOKENS))
     rec = c.merge(0)
     assert rec.ok and np.isfinite(rec.total_weight) and rec.total_weight == 3.0 * MAX_PUSH_TOKENS
     assert np.allclose(c.frags[0].t.base, -(0.25 - 0.5 + 1.0) / 3)
     with pytest.raises(PushRefused, match="tokens") as e:
-        c.accept(Push("a", 0, 1, "f32", 256, codecs.encode("f32", d[0]), tokens=MAX_PUSH_TOKENS + 1))
+        c.accept(ReceivedPush("a", 0, 1, "f32", 256, codecs.encode("f32", d[0]), tokens=MAX_PUSH_TOKENS + 1))
     assert e.value.code == "bad-push"
 
 

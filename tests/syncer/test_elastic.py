@@ -11,7 +11,7 @@ from yeto_patch.syncer.rounds import window
 from yeto_patch.syncer.model.runner import ChunkRunner
 from yeto_patch.syncer.rounds.coordinator import Coordinator
 from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
-from yeto_patch.syncer.rounds.pushes import Push
+from yeto_patch.syncer.rounds.pushes import ReceivedPush
 from yeto_patch.syncer.rounds.weights import MAX_RATIO
 from yeto_patch.wire import codecs
 
@@ -33,7 +33,7 @@ def elastic(islands, clock, weights="equal", quorum=None, grace_s=None, timeout_
 def push(c, island, base, value=1.0, **kw):
     kw.setdefault("steps", 1)   # (a push of no new steps weighs nothing and answers no round)
     n = c.frags[0].numel
-    return c.accept(Push(island=island, fragment=0, base_version=base, codec="f32", block=256,
+    return c.accept(ReceivedPush(island=island, fragment=0, base_version=base, codec="f32", block=256,
                          body=codecs.encode("f32", np.full(n, value, np.float32)), **kw))
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from yeto_patch.syncer.model.fragment import Fragment
+from yeto_patch.syncer.model.fragment import GlobalFragment
 from yeto_patch.syncer.model.outer import OuterOptimizer
 from yeto_patch.wire import codecs
 
@@ -18,7 +18,7 @@ def vals(n, seed=0):
 
 
 def test_init_install_and_drop():
-    f = Fragment(2, 10)
+    f = GlobalFragment(2, 10)
     assert not f.has_base and f.index == 2 and f.version == 0
     with pytest.raises(ValueError, match="must hold 10 float32 values, got 9 float32"):
         f.check_init(vals(9))
@@ -33,7 +33,7 @@ def test_init_install_and_drop():
     assert np.array_equal(f.t.shadow, v) and f.t.shadow is not v
     ro = vals(10, 1)
     ro.flags.writeable = False
-    g = Fragment(0, 10)
+    g = GlobalFragment(0, 10)
     g.install_init(ro, shadow=False)
     assert g.t.base is not ro and g.t.base.flags.writeable and g.t.shadow is None
     f.drop_init()
@@ -41,7 +41,7 @@ def test_init_install_and_drop():
 
 
 def test_outgoing_is_the_shadow_with_base_updates_and_the_base_for_the_final_model():
-    f = Fragment(0, 8)
+    f = GlobalFragment(0, 8)
     f.install_init(vals(8), shadow=False)
     assert f.outgoing(final=False) is f.t.base
     f.install_init(vals(8), shadow=True)
@@ -51,7 +51,7 @@ def test_outgoing_is_the_shadow_with_base_updates_and_the_base_for_the_final_mod
 
 def test_encode_update_moves_the_shadow_and_offers_the_update_to_holders_of_the_previous_version():
     n = 1000
-    f = Fragment(0, n)
+    f = GlobalFragment(0, n)
     f.install_init(vals(n), shadow=True)
     f.t.base += vals(n, 2) * 0.1    # as a merge would
     f.version = 1
@@ -70,7 +70,7 @@ def test_encode_update_moves_the_shadow_and_offers_the_update_to_holders_of_the_
 @pytest.mark.filterwarnings("ignore:overflow encountered")
 def test_an_unencodable_update_sends_the_full_base():
     n = 16
-    f = Fragment(0, n)
+    f = GlobalFragment(0, n)
     f.install_init(vals(n), shadow=True)
     f.t.base[3] = 3.4e38
     f.t.shadow[3] = -3.4e38         # base - shadow overflows to inf: not encodable
@@ -79,7 +79,7 @@ def test_an_unencodable_update_sends_the_full_base():
 
 
 def test_digests_per_tensor_cached_per_version_and_array():
-    f = Fragment(0, 10)
+    f = GlobalFragment(0, 10)
     f.install_init(vals(10), shadow=False)
     want = [xxhash.xxh3_64_hexdigest(f.t.base[:4].tobytes()), xxhash.xxh3_64_hexdigest(f.t.base[4:].tobytes())]
     d = f.digests(f.t.base, [4, 6])
@@ -92,7 +92,7 @@ def test_digests_per_tensor_cached_per_version_and_array():
 
 
 def test_a_writer_waits_for_readers_and_can_decline_to_wait():
-    f = Fragment(0, 4)
+    f = GlobalFragment(0, 4)
     events = []
     with f.reading():
         with f.writing(wait=False) as got:
@@ -109,15 +109,15 @@ def test_a_writer_waits_for_readers_and_can_decline_to_wait():
 
 def test_checkpoint_arrays_round_trip():
     n = 12
-    f = Fragment(1, n)
+    f = GlobalFragment(1, n)
     f.install_init(vals(n), shadow=True)
     OuterOptimizer("nesterov").ensure_state(f.t)
     f.version = 7
     arrays = {k: v.copy() for k, v in f.arrays().items()}
     assert set(arrays) == {"base", "momentum", "shadow"}
-    g = Fragment(1, n)
+    g = GlobalFragment(1, n)
     g.restore(arrays, 7, shadow=True)
     assert g.version == 7 and all(np.array_equal(getattr(g.t, k), arrays[k]) for k in arrays)
-    h = Fragment(1, n)
+    h = GlobalFragment(1, n)
     h.restore({"base": arrays["base"]}, 7, shadow=True)        # no shadow in the checkpoint: shadow = base
     assert np.array_equal(h.t.shadow, h.t.base) and h.t.shadow is not h.t.base

@@ -8,7 +8,7 @@ import pytest
 
 from yeto_patch.syncer.model.runner import ChunkRunner
 from yeto_patch.syncer.rounds.coordinator import Coordinator
-from yeto_patch.syncer.rounds.pushes import Push
+from yeto_patch.syncer.rounds.pushes import ReceivedPush
 from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
 from yeto_patch.syncer.rounds.weights import MAX_RATIO
 from yeto_patch.wire import codecs
@@ -29,7 +29,7 @@ def coordinator(islands, clock, **ms):
 
 
 def push(c, island, base, step, steps=4, tokens=400, value=0.01):
-    return c.accept(Push(island, 0, base, "f32", 256, codecs.encode("f32", np.full(256, value, np.float32)),
+    return c.accept(ReceivedPush(island, 0, base, "f32", 256, codecs.encode("f32", np.full(256, value, np.float32)),
                          local_step=step, steps=steps, tokens=tokens, incarnation="1"))
 
 

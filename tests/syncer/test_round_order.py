@@ -13,7 +13,7 @@ import pytest
 
 from yeto_patch.syncer.model.runner import ChunkRunner
 from yeto_patch.syncer.rounds.coordinator import Coordinator
-from yeto_patch.syncer.rounds.pushes import Push, PushRefused
+from yeto_patch.syncer.rounds.pushes import ReceivedPush, PushRefused
 from yeto_patch.syncer.rounds.round import TRANSITIONS, Phase
 from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
 from yeto_patch.syncer.rounds.weights import MAX_RATIO
@@ -54,7 +54,8 @@ def test_random_events_keep_the_round_rules(seed, quorum):
             base = max(0, f.version - int(rng.integers(0, 4)))
             steps = 0 if rng.random() < 0.1 else int(rng.integers(1, 20))
             step[i] += steps
-            p = Push(i, fr, base, "f32", 256, codecs.encode("f32", rng.standard_normal(f.numel).astype(np.float32)),
+            body = codecs.encode("f32", rng.standard_normal(f.numel).astype(np.float32))
+            p = ReceivedPush(i, fr, base, "f32", 256, body,
                      local_step=step[i], steps=steps, tokens=steps * int(rng.choice([10, 10 ** 12])),
                      patience=float(rng.choice([0.5, 1e-6])))
             try:

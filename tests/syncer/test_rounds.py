@@ -5,7 +5,7 @@ import pytest
 from yeto_patch.syncer.model.runner import ChunkRunner
 from yeto_patch.syncer.rounds.coordinator import Coordinator
 from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
-from yeto_patch.syncer.rounds.pushes import Push, PushRefused
+from yeto_patch.syncer.rounds.pushes import ReceivedPush, PushRefused
 from yeto_patch.wire import codecs
 
 from .reference import RefFragment
@@ -38,7 +38,7 @@ def make(islands=2, clock=None, **ms):
 
 def push(c, island, frag, base, delta, **kw):
     kw.setdefault("steps", 1)   # (a push of no new steps weighs nothing and answers no round)
-    return c.accept(Push(island=island, fragment=frag, base_version=base, codec=kw.pop("codec", "f32"),
+    return c.accept(ReceivedPush(island=island, fragment=frag, base_version=base, codec=kw.pop("codec", "f32"),
                          block=256, body=codecs.encode(kw.pop("codec2", "f32"), delta), **kw))
 
 
@@ -136,7 +136,7 @@ def test_duplicate_and_nan_refused_state_unchanged():
     bad[3] = np.nan
     body = bad.view(np.uint8)
     with pytest.raises(PushRefused, match="non-finite") as e:
-        c.accept(Push("i1", 1, 0, "f32", 256, body, steps=1))
+        c.accept(ReceivedPush("i1", 1, 0, "f32", 256, body, steps=1))
     assert e.value.code == "nonfinite"
     assert np.array_equal(c.rounds[1].acc, acc_before) and list(c.rounds[1].answers) == ["i0"]
     assert np.array_equal(f.t.base, base_before)
@@ -211,7 +211,7 @@ def test_fold_and_merge_bit_identical_for_1_and_n_threads():
             for fi, f in enumerate(c.frags):
                 src = pushes[0] if f.numel == 300_001 else pushes[1]
                 for k, codec, body in src:
-                    c.accept(Push(f"i{k}", fi, rnd, codec, 256, body, steps=1, tokens=10 + k))
+                    c.accept(ReceivedPush(f"i{k}", fi, rnd, codec, 256, body, steps=1, tokens=10 + k))
                 assert c.merge(fi).ok
         results.append([(f.t.base.tobytes(), f.t.momentum.tobytes()) for f in c.frags])
         c.runner.close()
@@ -272,8 +272,8 @@ def test_a_push_being_folded_is_no_answer_yet_and_a_refused_one_leaves_no_trace(
 
     def hostile():
         try:
-            c.accept(Push(island="i1", fragment=0, base_version=0, codec="f32", block=256, body=bad.view(np.uint8),
-                          local_step=9, final=True))
+            c.accept(ReceivedPush(island="i1", fragment=0, base_version=0, codec="f32", block=256,
+                                  body=bad.view(np.uint8), local_step=9, final=True))
         except PushRefused as e:
             out.append(e.code)
 

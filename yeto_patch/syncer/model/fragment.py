@@ -1,6 +1,7 @@
 """One fragment of the model as the syncer holds it, and the only code that touches its arrays.
 
-A :class:`Fragment` owns the fragment's committed tensors (base, momentum, delay buffer, and with
+A :class:`GlobalFragment` (the global model's copy; an island's own state of a fragment is
+island/boundary/fragment.Fragment) owns the fragment's committed tensors (base, momentum, delay buffer, and with
 ``--base-wire int8/int4`` the shadow base the islands hold), its version, the encoded update from the previous
 shadow, the per-tensor digests islands compare with what they declared, and the readers-writer lock that lets
 base streams read the live base while a merge waits to write it, and whether it takes pushes at all (``closed``:
@@ -24,12 +25,12 @@ from ...wire.frames import CodecError
 from .outer import FragmentTensors
 from .rwlock import RWLock
 
-__all__ = ["Fragment"]
+__all__ = ["GlobalFragment"]
 
 log = logging.getLogger("yeto.syncer")
 
 
-class Fragment:
+class GlobalFragment:
     def __init__(self, index: int, numel: int):
         self.index = index
         self.numel = numel
@@ -95,7 +96,7 @@ class Fragment:
 
     # ----------------------------------------------------------------------------------------- streams
     @contextlib.contextmanager
-    def reading(self) -> Iterator["Fragment"]:
+    def reading(self) -> Iterator["GlobalFragment"]:
         """Hold the base unchanged (a merge of this fragment waits) while it is streamed."""
         self.rw.acquire_read()
         try:

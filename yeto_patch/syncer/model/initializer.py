@@ -160,7 +160,9 @@ class InitChoice:
         if self.fell_back and not getattr(chosen, "declares_init", False):
             same = _same(self.declared_start, getattr(chosen, "declared", None))
             return (f"the island that declared its weights the run's start left before its INIT and none came back "
-                    f"within --init-wait {self.wait_s:g}s; {'its start digests match the declared start' if same else 'ITS WEIGHTS DIFFER FROM THE DECLARED START: a fine-tune would start from other weights'}")
+                    f"within --init-wait {self.wait_s:g}s; " + ("its start digests match the declared start" if same
+                                                               else "ITS WEIGHTS DIFFER FROM THE DECLARED START: a "
+                                                                    "fine-tune would start from other weights"))
         if getattr(chosen, "declares_init", False):
             return "it declares its weights the run's start (YETO_DILOCO_INITIALIZER=1)"
         if self.policy == "first":
@@ -281,7 +283,8 @@ def init_values(meta: dict, body) -> tuple:
 
 
 def take_init(coord, init: Initializing, s, meta: dict, body) -> tuple[bool, int]:
-    """Install session ``s``'s INIT of one fragment (``coord``: the rounds' Coordinator): (True when every fragment has its base now, body bytes).
+    """Install session ``s``'s INIT of one fragment (``coord``: the rounds' Coordinator): (True when every fragment
+    has its base now, body bytes).
     Raises PushRefused whose message the ERROR ``init`` that answers it carries: an INIT after the run was
     initialized, from an island not asked for it, refused by the coordinator or malformed."""
     if coord.initialized:   # (docs/protocol.md: a second INIT is an ERROR init)

@@ -40,7 +40,7 @@ from ..observe.status_page import StatusPage
 from .session import BASE_UPDATES
 from .session import Session as _Session
 from .registry import Registry
-from ..rounds.pushes import Push, PushRefused, parse_push, refusal, reply_for
+from ..rounds.pushes import ReceivedPush, PushRefused, parse_push, refusal, reply_for
 from ...wire.schema import SchemaError, read_ack, read_final, read_island_beat, syncer_beat_meta
 from ..model.snapshot import capture, open_checkpoint
 
@@ -349,7 +349,7 @@ class SyncerServer:
         except RuntimeError:  # the pool is shut down: the syncer is stopping
             s.push_done()
 
-    def _process_push(self, s: _Session, p: Push) -> None:
+    def _process_push(self, s: _Session, p: ReceivedPush) -> None:
         try:
             reply = reply_for(self.coord, p)
             self.metrics.record_push(s.island, reply)

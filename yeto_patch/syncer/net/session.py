@@ -1,7 +1,8 @@
 """One island's connection on the syncer: its outbox, the bases queued for it, and the writer thread.
 
 The reader (the server's connection handler) posts messages and base requests; the writer thread sends them
-in order, streaming bases from the live arrays of a :class:`~.fragment.Fragment` under its read lock.  Requests
+in order, streaming bases from the live arrays of a :class:`~..model.fragment.GlobalFragment` under its read lock.
+Requests
 to send the same fragment's base coalesce, so an island slower than the merges receives the newest version.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ...wire import codecs
 from ...wire.frames import MsgType, ProtocolError
 from ...wire.schema import base_meta
 from ...wire.transport import Connection
-from ..model.fragment import Fragment
+from ..model.fragment import GlobalFragment
 
 __all__ = ["Session", "SEND_CHUNK", "BASE_UPDATES"]
 
@@ -200,7 +201,7 @@ class Session:
         self.close()
 
     # ------------------------------------------------------------------------------------------ bases
-    def stream_base(self, f: Fragment, declared_ok: Callable[[list], bool], sizes: list, down_block: int,
+    def stream_base(self, f: GlobalFragment, declared_ok: Callable[[list], bool], sizes: list, down_block: int,
                     dtype: str, final: bool, merge: Optional[tuple] = None) -> Optional[int]:
         """(writer thread) Send fragment ``f``'s current base as BASE (or FINAL_BASE) in ``dtype``: "f32",
         "bf16", a base update codec (when this connection holds the previous version, else f32) or "check"

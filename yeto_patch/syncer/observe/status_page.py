@@ -74,7 +74,8 @@ class StatusPage:
             now = c.clock()
             islands = []
             for m in c.islands_view(now)[:MAX_ISLAND_ROWS]:
-                state = ("fin", "finished") if m.finished else ("up", "up") if m.up else ("down", f"down {_age(m.down_s)}")
+                state = ("fin", "finished") if m.finished else ("up", "up") if m.up else \
+                    ("down", f"down {_age(m.down_s)}")
                 islands.append((m.island, state, m.step, m.rate, m.pushes, m.tokens))
             fragments = [(r.fragment, r.version, r.closed, r.answered, r.waits, r.age) for r in c.rounds_view(now)]
         return islands, fragments

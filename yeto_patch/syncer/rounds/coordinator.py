@@ -33,13 +33,13 @@ from ...wire import codecs
 from ...wire.frames import CodecError
 from ...wire.schema import bounded_int, shown
 from ...wire.values import SyncerStatus
-from ..model.fragment import Fragment
+from ..model.fragment import GlobalFragment
 from ..model.layout import fragment_numels, partition
 from ..model.outer import NonFiniteMerge, outer_lr_inputs
 from ..model.runner import ChunkRunner
 from ..shards.spec import ShardSpec, assign
 from .members import Member
-from .pushes import Push, PushRefused, check_counters, push_standing, push_target
+from .pushes import ReceivedPush, PushRefused, check_counters, push_standing, push_target
 from .records import MergeRecord
 from .round import AccumulatorPool, Contribution, Round, fold_carried, refusal_code, validate_encoded
 from .roster import Roster
@@ -107,7 +107,7 @@ class Coordinator:
         self.cond = threading.Condition(self.lock)
         self.manifest: Optional[list] = None
         self.layout: Optional[list] = None
-        self.frags: list[Fragment] = []   # every fragment of the layout (state only in those this shard owns)
+        self.frags: list[GlobalFragment] = []   # every fragment of the layout (state only in those this shard owns)
         self.rounds: list[Round] = []     # each fragment's open round
         self.owned: list[int] = []        # this shard's fragments (shards.assign), ascending
         self._owners: list[list[int]] = []   # every shard's fragments (for refusals naming the owner)
@@ -124,11 +124,11 @@ class Coordinator:
             self.layout = layout
             numels = fragment_numels(manifest, layout)
             self._owners = assign(numels, self.shard.count)
-            self.frags = [Fragment(i, n) for i, n in enumerate(numels)]
+            self.frags = [GlobalFragment(i, n) for i, n in enumerate(numels)]
             self.rounds = [Round(i, 0) for i in range(len(numels))]
             self.owned = self._owners[self.shard.index]
 
-    def mine(self) -> list[Fragment]:
+    def mine(self) -> list[GlobalFragment]:
         """The fragments this shard owns (all of them unless sharded)."""
         return [self.frags[i] for i in self.owned]
 
@@ -171,7 +171,7 @@ class Coordinator:
             self.cond.notify_all()
             return True
 
-    def _init_target(self, index: int, values: np.ndarray) -> Fragment:
+    def _init_target(self, index: int, values: np.ndarray) -> GlobalFragment:
         """(lock held) The fragment an INIT is for, after its checks; raises PushRefused."""
         if self.initialized:
             raise PushRefused("already-initialized", "the run is already initialized; INIT ignored")
@@ -272,16 +272,16 @@ class Coordinator:
                     f.closed = True
 
     # ------------------------------------------------------------------------------------------ pushes
-    def _checked(self, p: Push) -> tuple[Fragment, tuple]:
-        """(lock held) The push's fragment and (weight, claimed weight, kept encoded until the merge), after the checks of
-        its fields (rounds/pushes.py, rounds/weights.py); raises PushRefused."""
+    def _checked(self, p: ReceivedPush) -> tuple[GlobalFragment, tuple]:
+        """(lock held) The push's fragment and (weight, claimed weight, kept encoded until the merge), after the
+        checks of its fields (rounds/pushes.py, rounds/weights.py); raises PushRefused."""
         f = push_target(p, self.initialized, self.frags, self.owner_refusal)
         check_counters(p)
         w = self.book.weight(p)
         p.nbytes = memoryview(p.body).nbytes
         return f, w
 
-    def accept(self, p: Push) -> tuple[str, int]:
+    def accept(self, p: ReceivedPush) -> tuple[str, int]:
         """Accept a push (fold it if it answers the open round). Returns (status, lag); raises PushRefused.
 
         A push kept in its encoded form (carried, or ``exact``) is validated outside the lock first; the state
@@ -321,7 +321,7 @@ class Coordinator:
             validated = True
         return self._fold(p, f, r, c, w, key)
 
-    def _register(self, p: Push, f: Fragment, r: Round, c: Contribution, key) -> bool:
+    def _register(self, p: ReceivedPush, f: GlobalFragment, r: Round, c: Contribution, key) -> bool:
         """(lock held) Record an accepted push in its round; True when it still has to be folded."""
         self.seen.add(key)
         if c.lag != 0:
@@ -337,12 +337,12 @@ class Coordinator:
             return False
         return True
 
-    def _answer(self, r: Round, p: Push, f: Fragment, c: Contribution) -> None:
+    def _answer(self, r: Round, p: ReceivedPush, f: GlobalFragment, c: Contribution) -> None:
         """(lock held) A push became an answer of round ``r``: its timing and the island's bookkeeping."""
         r.answered(c, self.clock())
         self._credit(p, f)
 
-    def _credit(self, p: Push, f: Fragment) -> None:
+    def _credit(self, p: ReceivedPush, f: GlobalFragment) -> None:
         """(lock held) The island's bookkeeping for an accepted push (its arrival, its pace, its final flag); a push
         refused while it is being folded leaves none (its final flag would drop the island from the fragment's
         expected set)."""
@@ -358,7 +358,7 @@ class Coordinator:
             if p.local_step:
                 m.progress(int(p.local_step), None, now)
 
-    def _fold(self, p: Push, f: Fragment, r: Round, c: Contribution, w: float, key) -> tuple[str, int]:
+    def _fold(self, p: ReceivedPush, f: GlobalFragment, r: Round, c: Contribution, w: float, key) -> tuple[str, int]:
         """Streaming fold of an accepted push into its round's accumulator, outside the central lock."""
         err = None
         try:
@@ -473,7 +473,7 @@ class Coordinator:
         with f.writing(wait_streams) as writing:
             return self._merge_locked(f, index, force) if writing else None
 
-    def _merge_locked(self, f: Fragment, index: int, force: bool) -> Optional[MergeRecord]:
+    def _merge_locked(self, f: GlobalFragment, index: int, force: bool) -> Optional[MergeRecord]:
         with self.lock:
             r = self.rounds[index]
             if (f.closed and not force) or not r.begin_merge():
@@ -511,7 +511,7 @@ class Coordinator:
                            merge_s=t1 - t0, grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall,
                            outer_lr=outer_lr)
 
-    def _close_round(self, f: Fragment, r: Round, merged: list, ok: bool, reason: str, responders: list,
+    def _close_round(self, f: GlobalFragment, r: Round, merged: list, ok: bool, reason: str, responders: list,
                      index: int) -> None:
         """After the merge arithmetic: the version, the ledger and the weight book, and the next open round."""
         with self.lock:
@@ -539,7 +539,7 @@ class Coordinator:
         self._accs.give(r.acc)
         r.acc = None
 
-    def _merge_fold(self, f: Fragment, r: Round, fresh: list, carried: list, version: int, index: int) -> tuple:
+    def _merge_fold(self, f: GlobalFragment, r: Round, fresh: list, carried: list, version: int, index: int) -> tuple:
         """(accumulator, total weight, responders) of a merge (rounds/round.fold_carried)."""
         acc = r.acc
         if acc is None:

@@ -18,7 +18,7 @@ from ...wire.frames import CodecError
 from ...wire.schema import (INT64_MAX, MAX_PATIENCE_S, MAX_PUSH_STEPS, MAX_PUSH_TOKENS, SchemaError, bounded_int,
                             bounded_number, read_push, refusal_meta, reply_meta, shown)
 
-__all__ = ["Push", "PushRefused", "parse_push", "refusal", "reply_for", "check_counters", "push_target",
+__all__ = ["ReceivedPush", "PushRefused", "parse_push", "refusal", "reply_for", "check_counters", "push_target",
            "push_standing"]
 
 log = logging.getLogger("yeto.syncer")
@@ -32,7 +32,7 @@ class PushRefused(Exception):
 
 
 @dataclass
-class Push:
+class ReceivedPush:
     island: str
     fragment: int
     base_version: int
@@ -50,13 +50,13 @@ class Push:
     arrived: Optional[float] = None    # the coordinator's clock when it was accepted
 
 
-def parse_push(island: str, incarnation, meta: dict, body) -> Push:
+def parse_push(island: str, incarnation, meta: dict, body) -> ReceivedPush:
     """The push ``meta`` + ``body`` describe (wire/schema.read_push); raises PushRefused naming the bad field."""
     try:
         h = read_push(meta, codecs.CODECS)
     except SchemaError as e:
         raise PushRefused(e.code, e.message) from None
-    return Push(island=island, fragment=h.fragment, base_version=h.base_version, codec=h.codec,
+    return ReceivedPush(island=island, fragment=h.fragment, base_version=h.base_version, codec=h.codec,
                 block=h.block or codecs.DEFAULT_BLOCK, body=body, local_step=h.local_step, steps=h.steps,
                 tokens=h.tokens, final=h.final, incarnation=str(incarnation), blend=h.blend, patience=h.patience)
 
@@ -65,7 +65,7 @@ def refusal(fragment, base_version, code: str, message: str) -> dict:
     return refusal_meta(fragment, base_version, code, message)
 
 
-def reply_for(coord, p: Push) -> dict:
+def reply_for(coord, p: ReceivedPush) -> dict:
     """Hand ``p`` to the coordinator (rounds/coordinator.py); the PUSH_REPLY that answers it."""
     try:
         status, lag = coord.accept(p)
@@ -77,11 +77,11 @@ def reply_for(coord, p: Push) -> dict:
     return reply_meta(p.fragment, p.base_version, status, lag, _version(coord, p), message)
 
 
-def _version(coord, p: Push) -> Optional[int]:
+def _version(coord, p: ReceivedPush) -> Optional[int]:
     return coord.frags[p.fragment].version if bounded_int(p.fragment, len(coord.frags) - 1) else None
 
 
-def check_counters(p: Push) -> None:
+def check_counters(p: ReceivedPush) -> None:
     """Refuse a push whose step and token counters are out of range (exact in float64: rounds/weights.py); a
     patience that is not a number in range becomes None (unknown)."""
     for name, hi in (("local_step", INT64_MAX), ("steps", MAX_PUSH_STEPS), ("tokens", MAX_PUSH_TOKENS)):
@@ -92,7 +92,7 @@ def check_counters(p: Push) -> None:
         p.patience = None
 
 
-def push_target(p: Push, initialized: bool, frags: list,
+def push_target(p: ReceivedPush, initialized: bool, frags: list,
                 owner_refusal: Callable[[int, str], Optional[PushRefused]]):
     """The fragment ``p`` is for, after checking that the run is initialized, that the fragment exists and this
     shard owns it (``owner_refusal``: Coordinator.owner_refusal), that its base exists and its codec is known."""
@@ -115,7 +115,7 @@ def push_target(p: Push, initialized: bool, frags: list,
     return f
 
 
-def push_standing(p: Push, f, merging: bool, seen: set, max_base_lag: int) -> tuple[Optional[str], int]:
+def push_standing(p: ReceivedPush, f, merging: bool, seen: set, max_base_lag: int) -> tuple[Optional[str], int]:
     """The checks of a push against the fragment's state now (``merging``: its open round is being merged):
     ("closed", 0) when the fragment takes no more pushes, else (None, lag); raises PushRefused for a stale push or
     a duplicate (``seen``: accepted (island, fragment, base_version))."""

@@ -35,7 +35,7 @@ import numpy as np
 
 from ...wire import codecs
 from ...wire.frames import CodecError
-from .pushes import Push
+from .pushes import ReceivedPush
 
 log = logging.getLogger("yeto.syncer")
 
@@ -48,7 +48,7 @@ WAIT_LOG_S = 60.0   # a round that waits below its floor says so at most this of
 @dataclass
 class Contribution:
     """One accepted push in a round: its weights and how it is held."""
-    push: Push
+    push: ReceivedPush
     weight_raw: float            # its on-time weight (checked and capped: rounds/weights.py)
     folded: bool = False         # in the accumulator (or, held, kept encoded for the merge)
     lag: int = 0

@@ -34,7 +34,7 @@ import collections
 import logging
 from typing import Optional
 
-from .pushes import Push
+from .pushes import ReceivedPush
 
 __all__ = ["WeightBook", "MAX_RATIO", "KEPT", "low_median"]
 
@@ -63,7 +63,7 @@ class WeightBook:
         self.told_zero: set = set()                             # (island, incarnation) warned of pushes of no steps
 
     # ------------------------------------------------------------------------------------------ checks
-    def steps(self, p: Push) -> int:
+    def steps(self, p: ReceivedPush) -> int:
         """The push's steps, at most its local step's growth since this process's previous push of the fragment."""
         steps = int(p.steps)
         if not p.local_step:   # (an island that does not count its steps: only the cap bounds it)
@@ -73,7 +73,7 @@ class WeightBook:
             steps = min(steps, max(0, int(p.local_step) - prev[1]))
         return min(steps, int(p.local_step))
 
-    def tokens_per_step(self, p: Push) -> float:
+    def tokens_per_step(self, p: ReceivedPush) -> float:
         have = self.tps.get(p.island)
         if have is not None and have[0] == p.incarnation:
             return have[1]
@@ -82,7 +82,7 @@ class WeightBook:
         known = [v for i, (_, v) in self.tps.items() if i != p.island]
         return _median(known) if known else 1.0
 
-    def claimed(self, p: Push) -> float:
+    def claimed(self, p: ReceivedPush) -> float:
         """The push's weight from its checked fields, before the cap."""
         if self.mode == "equal":
             return 1.0
@@ -106,7 +106,7 @@ class WeightBook:
             ref = low_median(others)
         return None if ref is None else MAX_RATIO * ref
 
-    def weight(self, p: Push) -> tuple[float, float, bool]:
+    def weight(self, p: ReceivedPush) -> tuple[float, float, bool]:
         """(weight, claimed weight, held): ``held`` when nobody else is on record yet: weigh it at merge time."""
         raw = self.claimed(p)
         if raw <= 0 and self.mode != "equal":
@@ -118,7 +118,7 @@ class WeightBook:
             return raw, raw, True
         return min(raw, MAX_RATIO * ref), raw, False
 
-    def _zero_steps(self, p: Push) -> None:
+    def _zero_steps(self, p: ReceivedPush) -> None:
         """Say once per island process that its pushes carry no new steps (they weigh nothing)."""
         key = (p.island, p.incarnation)
         if key not in self.told_zero and len(self.told_zero) < 4096:
@@ -127,7 +127,7 @@ class WeightBook:
                         "nothing until they count steps (a loop without Megatron's train_step must report them; "
                         "said once per island process)", p.island, p.fragment, p.steps, p.local_step)
 
-    def merged(self, p: Push, raw: float) -> None:
+    def merged(self, p: ReceivedPush, raw: float) -> None:
         """A push was merged: its local step, its tokens per step (the island process's first) and its capped
         on-time weight ``raw`` go on record."""
         self.last_step[(p.island, p.fragment)] = (p.incarnation, int(p.local_step))
