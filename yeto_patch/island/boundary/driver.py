@@ -235,11 +235,11 @@ class Boundaries:
                     frag = p.frags[f]
                     if frag.push is None or frag.push.phase is not PushPhase.AT_SYNCER or frag.answered():
                         continue
-                    if frag.newer_at_hand():
-                        continue   # goes in now as a newer base; the wait for the answer goes on after it
-                    if frag.anchor_version > frag.push.base_version:   # merged past it: ask again (bounded rate)
-                        p.link.ask_again(f, frag.push.base_version)
-                    out = False
+                    newer = frag.newer_at_hand()
+                    if newer or frag.anchor_version > frag.push.base_version:   # merged past it: ask again
+                        p.link.ask_again(f, frag.push.base_version)              # (at most every ASK_AGAIN_S)
+                    if not newer:   # (a newer base goes in now; the wait for the answer goes on after it)
+                        out = False
                 return out
             p.await_ready(ready, desc)
             waited_ms = round((time.perf_counter() - t0) * 1000, 2)

@@ -39,7 +39,7 @@ class Installer:
 
     # ------------------------------------------------------------------------------------- synchronous
     def now(self, spec: BaseSpec, mode: str, why: str) -> None:
-        """Every rank: write the base of `spec` held by rank 0 through the island (mode replace, blend or keep);
+        """Every rank: write the base of `spec` that rank 0 received through the island (mode replace, blend or keep);
         it becomes the anchor; the push it answers (if any) is logged as answered."""
         p = self.parts
         frag = p.frags[spec.fragment]
@@ -63,7 +63,7 @@ class Installer:
 
     # ------------------------------------------------------------------------------------- staged
     def stage(self, spec: BaseSpec) -> None:
-        """Every rank: hand fragment `spec.fragment`'s arrived base (held by rank 0) to the background lane."""
+        """Every rank: hand fragment `spec.fragment`'s arrived base (rank 0 received it) to the background lane."""
         p = self.parts
         frag = p.frags[spec.fragment]
         sources = alpha = None

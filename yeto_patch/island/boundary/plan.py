@@ -112,7 +112,7 @@ def needs_plan(step: int, total: int, due: Sequence[int], any_push: bool) -> boo
 
 
 def base_spec(fragment) -> BaseSpec:
-    """Rank 0: the spec of the base held for `fragment` (checked: base updates must apply to the anchor)."""
+    """Rank 0: the spec of the base that arrived for `fragment` (checked: base updates must apply to the anchor)."""
     b = fragment.side.arrived
     answers = fragment.answers(b)
     if not b.relative:
@@ -131,7 +131,7 @@ def stageable(fragment) -> bool:
 
 
 def install_due(fragment, step: int, rule: InstallRule) -> bool:
-    """A base held for `fragment` may go in at `step`: there is no push of this island, the base does not answer
+    """The base staged or arrived for `fragment` may go in at `step`: there is no push of this island, the base does not answer
     the push at the syncer (a newer base: at once), or `step` is the push's step + tau or later (the step the plan
     fixes for an answer, whenever it arrived)."""
     p = fragment.push
@@ -140,8 +140,8 @@ def install_due(fragment, step: int, rule: InstallRule) -> bool:
     if p.phase is not PushPhase.AT_SYNCER:
         return False
     st = fragment.staging
-    held = st.answers if st is not None else fragment.answers(fragment.side.arrived)
-    return not held or step >= rule.install_step(p.step)
+    answers = st.answers if st is not None else fragment.answers(fragment.side.arrived)
+    return not answers or step >= rule.install_step(p.step)
 
 
 def armable(fragment, step: int, rule: InstallRule, ready: AbstractSet[int]) -> bool:

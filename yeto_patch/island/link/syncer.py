@@ -146,7 +146,7 @@ class SyncerLink:
         self._lock = threading.RLock()        # the connection and the unanswered pushes (training and redial threads)
         self._unanswered: dict = {}           # fragment -> [_Unanswered] in the order handed
         self._conn_no = 0                     # the current connection's number (sent_on)
-        self._news: list = []                 # Reconnected / Sent records for the next poll
+        self._news = collections.deque()      # Reconnected / Sent records for the next poll (any thread appends)
         self._closed = False
 
     # ---------------------------------------------------------------------------------------------- connecting
@@ -333,7 +333,7 @@ class SyncerLink:
                               f"--resume")
 
     def _reconcile(self, w, cause, attempts) -> None:
-        """(lock held, the reconnecting thread) Every unanswered push goes again, in order: one the syncer merged
+        """(under the lock, the reconnecting thread) Every unanswered push goes again, in order: one the syncer merged
         meanwhile is refused as a duplicate (counted once), one it merged past without it is carried into its next
         round (or refused as stale beyond its --max-base-lag), as the syncer decides. A push relative to a version
         the syncer does not have (it resumed from an older checkpoint) cannot be merged: it is dropped, said here,
@@ -392,11 +392,10 @@ class SyncerLink:
             return True
 
     def _queue(self, u: _Unanswered) -> None:
-        """(lock held) Queue `u` on the current connection's sender."""
+        """(under the lock) Queue `u` on the current connection's sender."""
         from yeto_patch.wire.client import SyncerRefusal, recoverable
         client, sender, conn, push = self.client, self.sender, self._conn_no, u.push
         u.sent_on = None
-        patience = self.patience(push.step)
 
         def send():
             t = time.perf_counter()
@@ -404,14 +403,14 @@ class SyncerLink:
                 try:
                     client.push(push.fragment, base_version=push.base_version, local_step=push.step,
                                 steps=push.steps, tokens=push.tokens, codec=push.codec, block=push.block,
-                                body=push.body, final=push.final, blend=push.blend, patience=patience)
+                                body=push.body, final=push.final, blend=push.blend,
+                                patience=self.patience(push.step))
                     break
                 except SyncerRefusal as e:   # an earlier push's refusal, raised before this one went out:
                     self.refusals.append(e)   # the training thread handles it (poll); send this push still
-            with self._lock:
-                if self._conn_no == conn:
-                    u.sent_on = conn
-                self._news.append(Sent(push.fragment, push.base_version, round((time.perf_counter() - t) * 1000, 2)))
+            if self._conn_no == conn:   # (no lock here: a submit that waits for room holds it)
+                u.sent_on = conn
+            self._news.append(Sent(push.fragment, push.base_version, round((time.perf_counter() - t) * 1000, 2)))
         try:
             sender.submit(send, push.nbytes, timeout=self.settings.timeout)
         except Exception as e:  # noqa: BLE001
@@ -419,10 +418,12 @@ class SyncerLink:
                 raise
             self._lost(e)   # the reconnect sends every unanswered push again, this one included
 
-    def _answered(self, fragment: int, upto: int) -> None:
-        """(lock held) A merge took this island's push of `fragment` relative to `upto`: it and the older ones
-        (sent before it on one connection, so the syncer had them first) are answered."""
-        keep = [u for u in self._unanswered.get(fragment, ()) if u.push.base_version > upto]
+    def _answered(self, fragment: int, upto: int, sent_only: bool = False) -> None:
+        """(under the lock) A merge took this island's push of `fragment` relative to `upto`: it and the older ones
+        (sent before it on one connection, so the syncer had them first) are answered. `sent_only`: only those
+        that went out whole on the current connection (a base without merge figures says no more)."""
+        keep = [u for u in self._unanswered.get(fragment, ())
+                if u.push.base_version > upto or (sent_only and u.sent_on != self._conn_no)]
         self._unanswered[fragment] = keep
 
     def unanswered(self) -> list:
@@ -483,14 +484,17 @@ class SyncerLink:
                 a = ArrivedBase(b, took_by(b), now)
                 if a.took is not None and a.took >= 0:
                     self._answered(a.fragment, a.took)
+                elif a.took is None:   # no merge figures (an older or restarted syncer): a push that went out on
+                    self._answered(a.fragment, a.version - 1, sent_only=True)   # this link is at the syncer
                 arrived.append(a)
                 if b.merge and self.record is not None:   # the syncer's figures of the merge (the boundary log)
                     self.record("merge", step=self.step(), fragment=b.fragment, version=b.version, **b.merge)
         return self._take_news() + Inbox(bases=tuple(arrived), refusals=tuple(refused))
 
     def _take_news(self) -> Inbox:
-        with self._lock:
-            news, self._news = self._news, []
+        news = []
+        while self._news:
+            news.append(self._news.popleft())
         return Inbox(reconnected=tuple(n for n in news if isinstance(n, Reconnected)),
                      sent=tuple(n for n in news if isinstance(n, Sent)))
 
