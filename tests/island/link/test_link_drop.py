@@ -33,38 +33,56 @@ def _install(st, answers):
     return st.installed(b.version, answers=answers)
 
 
-def test_a_push_handed_to_a_cut_link_after_a_newer_base_is_sent_and_merged(tmp_path):
-    s, addr = make_server(islands=2, fragments=2, rounds={"quorum": 1, "grace_s": 0.0},
-                          merge={"max_base_lag": 4})
-    try:
-        (b,), _, layout, _ = join_all(addr, ["b"])   # b initializes the run
-        port = int(addr.rsplit(":", 1)[1])
-        link = SyncerLink(settings(tmp_path, port), MANIFEST, step=lambda: 7)
+class Run:
+    """A syncer merging with quorum 1 (grace 0), island b (a scripted client that initializes the run) and island
+    a's SyncerLink with its fragments at v0; b's first push merges v1 without a, and a has received v1."""
+
+    def __init__(self, tmp_path):
+        self.s, addr = make_server(islands=2, fragments=2, rounds={"quorum": 1, "grace_s": 0.0},
+                                   merge={"max_base_lag": 4})
+        (self.b,), _, _, _ = join_all(addr, ["b"])
+        self.link = link = SyncerLink(settings(tmp_path, int(addr.rsplit(":", 1)[1])), MANIFEST, step=lambda: 7)
         w = link.open()
-        frags = Fragments(w.layout, w.numels, [int(np.prod(sh)) for _, sh, _ in MANIFEST], announced=w.fragments)
+        self.frags = frags = Fragments(w.layout, w.numels, [int(np.prod(sh)) for _, sh, _ in MANIFEST],
+                                       announced=w.fragments)
         link.attach(frags)
-        records = []
-        link.record = lambda event, **kw: records.append((event, kw))
+        self.records = []
+        link.record = lambda event, **kw: self.records.append((event, kw))
         _poll_until(link, frags, lambda: all(st.side.arrived is not None for st in frags), "initial bases")
         for st in frags:
             _install(st, answers=True)
         link.resilient = True
-        st = frags[0]
-
-        def b_pushes(version):
-            delta = np.full(st.numel, 0.125, np.float32)
-            b.push(0, base_version=version, local_step=4 * (version + 1), steps=4, tokens=40, codec="f32",
-                   body=codecs.encode("f32", delta, 256))
-            b.wait_base(0, version + 1, 20)
-
-        b_pushes(0)   # v1: merged without island a
+        self.st = st = frags[0]
+        self.b_pushes(0)   # v1: merged without island a
         _poll_until(link, frags, lambda: st.side.arrived is not None and st.side.arrived.version == 1, "v1 at a")
 
+    def b_pushes(self, version):
+        """b's push relative to `version`, merged at once (quorum 1); returns b's new base."""
+        delta = np.full(self.st.numel, 0.125, np.float32)
+        self.b.push(0, base_version=version, local_step=4 * (version + 1), steps=4, tokens=40, codec="f32",
+                    body=codecs.encode("f32", delta, 256))
+        return self.b.wait_base(0, version + 1, 20)
+
+    def a_pushes_into_a_cut_link(self):
+        """a's push, relative to its anchor v0, made after v1 arrived and handed over as the link is cut."""
+        st = self.st
         st.count(5)
-        st.begin_push(8)   # a's push, relative to its anchor v0, made after v1 arrived
-        link.client.conn.sock.shutdown(socket.SHUT_RDWR)   # the link is cut as the push is handed over
+        st.begin_push(8)
+        self.link.client.conn.sock.shutdown(socket.SHUT_RDWR)
         st.push_handed(PushWire(codecs.encode("f32", np.full(st.numel, -0.5, np.float32), 256), "f32"))
-        link.send_push(st.outgoing(blend=False))
+        self.link.send_push(st.outgoing(blend=False))
+
+    def close(self):
+        self.link.close()
+        self.b.close()
+        self.s.stop()
+
+
+def test_a_push_handed_to_a_cut_link_after_a_newer_base_is_sent_and_merged(tmp_path):
+    run = Run(tmp_path)
+    try:
+        link, frags, st, records, b_pushes = run.link, run.frags, run.st, run.records, run.b_pushes
+        run.a_pushes_into_a_cut_link()
 
         # the island's driver: newer bases go in as newer bases; the push waits for its own answer
         newer, answered_by, b_again = [], None, False
@@ -84,14 +102,33 @@ def test_a_push_handed_to_a_cut_link_after_a_newer_base_is_sent_and_merged(tmp_p
                 b_pushes(1)
                 b_again = True
         if not b_again:   # (the round after v1 closes in any case: a push of a's that reached the syncer is in it)
-            b_pushes(1)
+            run.b_pushes(1)
             _poll_until(link, frags, lambda: any(e == "merge" and kw["version"] == 2 for e, kw in records), "v2")
         merged = [kw for e, kw in records if e == "merge" and kw["fragment"] == 0 and "lag" in kw]
         assert merged, f"a's push was never merged nor refused: {records}"
         assert answered_by == merged[0]["version"] and merged[0]["lag"] == merged[0]["version"] - 1
         assert 1 in newer, newer                           # v1 went in as a newer base, not as the answer
         assert [e for e, _ in records].count("reconnect") == 1 and link.unanswered() == []
-        link.close()
-        b.close()
     finally:
-        s.stop()
+        run.close()
+
+
+def test_the_reconnecting_thread_sends_the_held_push_without_waiting_for_a_poll(tmp_path):
+    """An island in a long compute pause does not poll: its link, once back, sends the push at once."""
+    run = Run(tmp_path)
+    try:
+        first = run.link.client
+        run.a_pushes_into_a_cut_link()
+        deadline = time.monotonic() + 10
+        while run.link.outage is None:   # the poll that notices the cut (it starts the reconnect) ...
+            assert time.monotonic() < deadline, "the cut link was never noticed"
+            run.frags.receive(run.link.poll())
+            time.sleep(0.05)
+        while run.link.client is first:
+            assert time.monotonic() < deadline, "no reconnect"
+            run.link.wait(0.5)   # ... and no poll after it: the reconnecting thread rings the bell when it is up
+        time.sleep(0.5)
+        base = run.b_pushes(1)   # the round after v1 closes: a's push, sent again by the reconnect, is in it
+        assert base.merge is not None and base.merge["islands"] == 2, base.merge
+    finally:
+        run.close()
