@@ -576,7 +576,8 @@ def staged_vs_write(cfg_kwargs, mode, updates=0, alpha=0.5, chunk_bytes=1 << 14,
     """The same base installed by write (the synchronous path) and by stage on a background group + an install:
     route "in_step": install_masters per leaf optimizer with params=False, then that leaf's own
     _copy_main_params_to_model_params and Megatron's parameter all-gather (what the optimizer step does right
-    after the engine's install point); route "after_step": install_masters with params, then refresh_holders (the Installer's after-step install).
+    after the engine's install point); route "after_step": install_masters with params, then refresh_holders
+    (the Installer's after-step install).
     Per rank, every master, anchor and param compared bit for bit: they must all be equal."""
     from yeto_patch.island.masters.refs import leaf_optimizers
     ctx, man, view = _setup(cfg_kwargs, 1, chunk_bytes=chunk_bytes)
