@@ -365,6 +365,12 @@ class Fragment:
         st.phase, st.job, st.why, st.wait_s = BasePhase.ARMED, job, why, wait_s
         return st
 
+    def in_step(self, seconds: float) -> None:
+        """The armed base's share of the time an install point inside the optimizer step took."""
+        if self.staging is None or self.staging.phase is not BasePhase.ARMED:
+            raise EngineError(f"internal: {self.describe()}: no armed base installed in the step")
+        self.staging.in_step_s += seconds
+
     def installed(self, version: int, keep_counts: bool = False, answers: bool = True) -> Optional[Push]:
         """The base of `version` is the anchor now. `answers`: it answers the push at the syncer (returned, and
         done); otherwise it is a newer base and the push still waits for its answer. The staged base, if any,

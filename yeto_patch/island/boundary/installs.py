@@ -100,7 +100,7 @@ class Installer:
             self._copy_error = self._copy_error or e
         dt = time.perf_counter() - t0
         for frag in armed:
-            frag.staging.in_step_s += dt / len(armed)
+            frag.in_step(dt / len(armed))
 
     def finish(self) -> None:
         """Every rank, after the optimizer step: install what the step's install points did not (a skipped
