@@ -32,7 +32,8 @@ Declaring a hook module (add its name to ``HOOK_MODULES``)::
     def unpatch() -> None: ...
     def patched() -> list: ...                         # "<module>.<owner>.<attribute>" / "<module>.<attribute>"
 
-(``_wrap.function_hook`` and ``_optimizer_step.hook_functions`` build the three functions for the usual cases.)
+(``_wrap.hook`` builds the three functions, once for every hook module; ``_optimizer_step.hook_functions`` feeds it
+the declared optimizer methods.)
 A target is defined when its owner has the attribute in its own namespace. After ``patch()`` ran on an import,
 every REQUIRED target that the module does not define is recorded in ``errors()`` and logged once (a release that
 renamed ``save_checkpoint`` would otherwise silently break island restart). ``survey()`` walks the declarations

@@ -37,40 +37,7 @@ def copy_wrapper(wrapped, instance, args, kwargs):
 WRAPPERS = {"step": step_wrapper, COPY: copy_wrapper}
 
 
-def patch_targets(module, targets, tag) -> list:
-    """Wrap each declared (class, method) of ``module`` that the class defines itself (inherited methods are
-    covered where they are defined). Returns the qualified names wrapped now or before."""
-    done = []
-    for t in targets:
-        cls = getattr(module, t.owner, None)
-        if cls is None or t.attribute not in vars(cls):
-            continue
-        _wrap.wrap(cls, t.attribute, WRAPPERS[t.attribute], tag)
-        if _wrap.is_wrapped(cls, t.attribute):
-            done.append(f"{module.__name__}.{t.name}")
-    return done
-
-
 def hook_functions(target: str, targets, tag: str):
     """``(patch, unpatch, patched)`` of a hook module wrapping the declared optimizer methods (``step``,
-    ``_copy_main_params_to_model_params``) of module ``target``."""
-    import sys
-
-    def patch(module=None) -> list:
-        """Wrap the declared methods (idempotent); returns what is wrapped."""
-        return patch_targets(module or sys.modules[target], targets, tag)
-
-    def unpatch() -> None:
-        module = sys.modules.get(target)
-        for t in targets if module is not None else ():
-            cls = getattr(module, t.owner, None)
-            if cls is not None:
-                _wrap.unwrap(cls, t.attribute)
-
-    def patched() -> list:
-        module = sys.modules.get(target)
-        return [] if module is None else [
-            f"{target}.{t.name}" for t in targets
-            if getattr(module, t.owner, None) is not None and _wrap.is_wrapped(getattr(module, t.owner), t.attribute)]
-
-    return patch, unpatch, patched
+    ``_copy_main_params_to_model_params``) of module ``target`` (``_wrap.hook``)."""
+    return _wrap.hook(target, [(t.owner, t.attribute, WRAPPERS[t.attribute]) for t in targets], tag)

@@ -83,22 +83,45 @@ def unwrap(owner, name) -> bool:
     return False
 
 
-def function_hook(target: str, name: str, wrapper, tag: str):
-    """``(patch, unpatch, patched)`` of a hook module wrapping function ``name`` of module ``target``."""
+def hook(target: str, wraps, tag: str, required=()):
+    """``(patch, unpatch, patched)`` of a hook module, written once for every hook: ``wraps`` lists
+    ``(owner, attribute, wrapper)`` of module ``target``: a class name, or None for a module-level function. An
+    attribute the owner does not define itself (inherited) is wrapped where it is defined, not here; an owner the
+    module lacks is skipped unless it is in ``required`` (then ``patch`` raises AttributeError)."""
     import sys
+    wraps = tuple(wraps)
+
+    def owner_of(module, owner):
+        return module if owner is None else getattr(module, owner, None)
 
     def patch(module=None) -> list:
-        """Wrap ``target.name`` (idempotent); returns what is wrapped."""
-        wrap(module or sys.modules[target], name, wrapper, tag)
-        return patched()
+        """Wrap what is defined (idempotent); returns what is wrapped."""
+        module = module or sys.modules[target]
+        for owner, attribute, wrapper in wraps:
+            o = owner_of(module, owner)
+            if o is None:
+                if owner in required:
+                    raise AttributeError(f"{target} has no {owner}")
+                continue
+            wrap(o, attribute, wrapper, tag)
+        return _patched(module)
 
     def unpatch() -> None:
         module = sys.modules.get(target)
-        if module is not None:
-            unwrap(module, name)
+        for owner, attribute, _ in wraps if module is not None else ():
+            o = owner_of(module, owner)
+            if o is not None:
+                unwrap(o, attribute)
+
+    def _patched(module) -> list:
+        out = []
+        for owner, attribute, _ in wraps if module is not None else ():
+            o = owner_of(module, owner)
+            if o is not None and is_wrapped(o, attribute):
+                out.append(f"{target}.{attribute}" if owner is None else f"{target}.{owner}.{attribute}")
+        return out
 
     def patched() -> list:
-        module = sys.modules.get(target)
-        return [f"{target}.{name}"] if module is not None and is_wrapped(module, name) else []
+        return _patched(sys.modules.get(target))
 
     return patch, unpatch, patched

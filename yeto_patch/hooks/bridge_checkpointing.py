@@ -44,20 +44,6 @@ def load_checkpoint_wrapper(wrapped, instance, args, kwargs):
     return result
 
 
-_HOOKS = (_wrap.function_hook(TARGET, "save_checkpoint", save_checkpoint_wrapper, __name__),
-          _wrap.function_hook(TARGET, "load_checkpoint", load_checkpoint_wrapper, __name__))
-
-
-def patch(module=None) -> list:
-    for p, _, _ in _HOOKS:
-        p(module)
-    return patched()
-
-
-def unpatch() -> None:
-    for _, u, _ in _HOOKS:
-        u()
-
-
-def patched() -> list:
-    return [name for _, _, pd in _HOOKS for name in pd()]
+patch, unpatch, patched = _wrap.hook(TARGET, [
+    (None, "save_checkpoint", save_checkpoint_wrapper),
+    (None, "load_checkpoint", load_checkpoint_wrapper)], __name__)

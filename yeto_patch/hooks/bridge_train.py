@@ -73,4 +73,4 @@ def train_step_wrapper(wrapped, instance, args, kwargs):
                            on_early_exit=lambda: _exit_after_this_iteration(bound, facts["iteration"]))
 
 
-patch, unpatch, patched = _wrap.function_hook(TARGET, "train_step", train_step_wrapper, __name__)
+patch, unpatch, patched = _wrap.hook(TARGET, [(None, "train_step", train_step_wrapper)], __name__)

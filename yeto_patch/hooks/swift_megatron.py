@@ -94,30 +94,5 @@ _WRAPPERS = {"train_step": train_step_wrapper, "save_checkpoint": save_checkpoin
              "_load_checkpoint": load_checkpoint_wrapper}
 
 
-def _cls(module=None):
-    import sys
-    module = module or sys.modules.get(TARGET)
-    return getattr(module, CLASS, None) if module is not None else None
-
-
-def patch(module=None) -> list:
-    cls = _cls(module)
-    if cls is None:
-        raise AttributeError(f"{TARGET} has no {CLASS}")
-    for name in METHODS:
-        _wrap.wrap(cls, name, _WRAPPERS[name], __name__)
-    return patched()
-
-
-def unpatch() -> None:
-    cls = _cls()
-    if cls is not None:
-        for name in METHODS:
-            _wrap.unwrap(cls, name)
-
-
-def patched() -> list:
-    cls = _cls()
-    if cls is None:
-        return []
-    return [f"{TARGET}.{CLASS}.{n}" for n in METHODS if _wrap.is_wrapped(cls, n)]
+patch, unpatch, patched = _wrap.hook(TARGET, [(CLASS, n, _WRAPPERS[n]) for n in METHODS], __name__,
+                                     required=(CLASS,))

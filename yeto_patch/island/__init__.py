@@ -14,14 +14,13 @@ import importlib
 
 _EXPORTS = {
     "yeto_patch.island.masters.collective": ("IslandComm", "IslandError"),
-    "yeto_patch.island.masters.view": ("DEFAULT_CHUNK_BYTES", "MasterView", "collect_arrays", "find_masters"),
-    "yeto_patch.island.masters.names": ("Entry", "LocalParam", "Manifest", "ManifestError", "build_manifest",
-                                        "local_params"),
+    "yeto_patch.island.masters.view": ("MasterView", "collect_arrays"),
+    "yeto_patch.island.masters.refs": ("find_masters",),
+    "yeto_patch.island.masters.names": ("build_manifest",),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = ["IslandComm", "IslandError", "MasterView", "DEFAULT_CHUNK_BYTES", "collect_arrays", "find_masters",
-           "Entry", "LocalParam", "Manifest", "ManifestError", "build_manifest", "local_params"]
+__all__ = ["IslandComm", "IslandError", "MasterView", "collect_arrays", "find_masters", "build_manifest"]
 
 
 def __getattr__(name):

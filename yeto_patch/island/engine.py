@@ -231,7 +231,7 @@ class Engine:
                     held=[spec.fragment for spec in specs if spec.own_weights])
 
     def _have_all_bases(self):
-        self.parts.link.poll()
+        self.parts.frags.receive(self.parts.link.poll())
         return all(frag.side.arrived is not None for frag in self.parts.frags)
 
     def _send_init(self, f):
@@ -277,7 +277,7 @@ class Engine:
         from yeto_patch.island.boundary import sync_state
         for frag in sync_state.restore(state, arrays, self.parts.frags, versions, keep, self.rank,
                                        self.settings.error_feedback, fixed_roster):
-            self.parts.link.send_push(frag)
+            self.parts.link.send_push(frag.outgoing(self.parts.rule.blend, again=True))
 
     # ================================================================================ per step
     def _after_step(self):
@@ -338,7 +338,7 @@ class Engine:
                 return None
             got.update(out)
             for frag in p.frags:
-                frag.side.arrived = got.get(frag.index)
+                frag.final_base(got.get(frag.index))
             return [got[f].version for f in range(len(p.frags))]
         while True:
             versions = p.channel.rank0(finish, "the final model")

@@ -63,7 +63,7 @@ def join(settings, model, optimizer, vocab_size, step: Callable[[], int], total:
                         channel=channel, view=view, io=io, frags=frags,
                         pushes=_push_lane(settings, view, io, frags, comm.rank),
                         bases=_base_lane(settings, view, comm.rank), step=step, total=total, link=link,
-                        log=boundary_log)
+                        log=boundary_log, patience=_patience(settings, link, step) if link is not None else None)
     installer = Installer(parts)
     return Joined(settings, parts, installer, Boundaries(parts, installer, bool(welcome["final"])),
                   list(welcome["needs_init"]), bool(welcome["fixed_roster"]))
@@ -120,6 +120,7 @@ def _connect(settings, manifest, declared, boundary_log, step, runs):
     """Rank 0: the link to the syncer, connected (waiting for a syncer not up yet, see link/syncer.py); returns
     (link, welcome as JSON), or (None, {"vocab_rows": ...}) when the run pads the vocabulary otherwise."""
     from yeto_patch.island.link.sharded import ShardedLink
+    from yeto_patch.island.masters.builds import explain_refusal
     from yeto_patch.island.masters.names import run_vocab_rows
     from yeto_patch.wire.frames import PeerError
     link = ShardedLink(settings, manifest.wire_manifest(), start_digests=declared, step=step,
@@ -128,11 +129,21 @@ def _connect(settings, manifest, declared, boundary_log, step, runs):
         w = link.open()
     except PeerError as e:   # the run pads the vocabulary otherwise: connect again with its rows
         rows = run_vocab_rows(e.message, manifest.wire_manifest()) if e.code == "manifest" else None
-        if rows is None:
+        if rows is None:   # another build or configuration: say which option aligns the islands
+            if e.code == "manifest" and explain_refusal(e.message):
+                raise PeerError(e.code, e.message + explain_refusal(e.message)) from e
             raise
         return None, {"vocab_rows": rows}
     return link, dict(layout=w.layout, numels=w.numels, fragments=w.fragments, versions=w.versions,
                       needs_init=list(w.needs_init), final=bool(w.final), fixed_roster=bool(w.fixed_roster))
+
+
+def _patience(settings, link, step):
+    """Rank 0: the patience of a wait for `what` (link/patience.py: the timeout counts only while the syncer is
+    unreachable)."""
+    from yeto_patch.island.link.patience import Patience
+    source = f"the syncer at {settings.syncer}"
+    return lambda what: Patience(settings.timeout, link, what, source, step=step)
 
 
 def _push_lane(settings, view, io, frags, rank: int):

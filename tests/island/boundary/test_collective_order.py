@@ -22,6 +22,7 @@ from yeto_patch.island.boundary.parts import IslandParts
 from yeto_patch.island.boundary.plan import InstallRule
 from yeto_patch.island.boundary.push_lane import NOTHING, Encoded
 from yeto_patch.island.engine import Engine
+from yeto_patch.island.records import ArrivedBase, Inbox
 from yeto_patch.wire.values import Base
 
 NUMEL = 4
@@ -216,8 +217,11 @@ class Link:
         self.due = []   # [polls left, fragment]
         self.pacing = random.Random(seed)   # (YETO_DILOCO_SYNC_EVERY=auto: the fleet's pace and this island's rate)
 
-    def send_push(self, frag):
-        self.due.append([self.rng.randint(0, 4), frag.index])
+    def send_push(self, push):
+        self.due.append([self.rng.randint(0, 4), push.fragment])
+
+    def ask_again(self, fragment, base_version):
+        return False
 
     def _base(self, f):
         self.versions[f] += 1
@@ -227,14 +231,16 @@ class Link:
         return Base(f, self.versions[f], "f32", np.zeros(NUMEL, np.float32))
 
     def poll(self):
+        got = []
         for d in self.due:
             d[0] -= 1
         for d in [d for d in self.due if d[0] < 0]:
             self.due.remove(d)
-            self.frags[d[1]].side.take_base(self._base(d[1]))
+            got.append(ArrivedBase(self._base(d[1]), None, 0.0))
         if self.rng.random() < 0.05:   # merged by a quorum without this island
             f = self.rng.randrange(len(self.frags))
-            self.frags[f].side.take_base(self._base(f))
+            got.append(ArrivedBase(self._base(f), None, 0.0))
+        return Inbox(bases=tuple(got))
 
     def wait(self, t):
         pass
@@ -253,9 +259,6 @@ class Link:
 
     def rate(self):
         return self.pacing.choice([2.0, 5.0])   # (slower than the fleet: H between tau + 1 and H / 2)
-
-    def catch_up(self, frag, h):
-        return self.pacing.choice([0, 0, 1, h // 2])
 
     def init_requested(self):
         return []

@@ -61,8 +61,8 @@ def test_a_base_arriving_while_the_push_is_in_the_lane_waits_for_the_push():
     fs[1].side.arrived = base(1, 2)            # merged without this island while its push is still gathered
     fs[2].side.arrived = base(2, 2)
     assert plan(5, 100, [], fs, False, TAU2).stage == [BaseSpec(2, 2)]
-    fs[1].push_handed(None)                    # handed to the link: as any sent push
-    assert plan(5, 100, [], fs, False, TAU2).stage == [BaseSpec(1, 2), BaseSpec(2, 2)]
+    fs[1].push_handed(None)                    # handed to the link: the base made before it is not its answer
+    assert plan(5, 100, [], fs, False, TAU2).stage == [BaseSpec(1, 2, answers=False), BaseSpec(2, 2)]
 
 
 def test_an_old_or_equal_base_is_not_staged():
@@ -97,7 +97,7 @@ def test_the_syncers_final_cut_installs_nothing_and_pushes_nothing():
 def test_plan_round_trips_through_json_with_named_fields():
     p = Plan([0, 1], [3], False, False, [BaseSpec(2, 5, 1, True)], [BaseSpec(1, 4)], [0])
     d = json.loads(json.dumps(p.as_json()))
-    assert d["install"] == [{"fragment": 2, "version": 5, "updates": 1, "own_weights": True}]
+    assert d["install"] == [{"fragment": 2, "version": 5, "updates": 1, "own_weights": True, "answers": True}]
     assert Plan.from_json(d) == p
     auto = Plan([0], sync_every=12, shift={0: 3})   # YETO_DILOCO_SYNC_EVERY=auto: rank 0's H and catch-up
     d = json.loads(json.dumps(auto.as_json()))

@@ -92,14 +92,14 @@ def test_submit_returns_at_once_and_the_push_comes_out_when_its_stage_ends():
     job = submit(p, fs[1], 12)
     assert time.perf_counter() - t0 < 0.5 and view.snapshots == [[1]]
     assert (job.push.base_version, job.push.steps, job.push.tokens, job.nbytes) == (3, 1, 7, 40)
-    assert p.in_flight(1) and p.take_finished() == []
+    assert 1 in p.jobs and p.take_finished() == []
     time.sleep(0.1)
     assert "background gather/encode: 0 of 20 values" in p.behind(1)
     view.release.set()
     p.wait_all("test")
     (done,) = p.take_finished()
     body, gather_s, encode_s = done.result
-    assert done is job and body.size == 20 and not p.in_flight(1) and gather_s >= 0
+    assert done is job and body.size == 20 and 1 not in p.jobs and gather_s >= 0
     p.close()
 
 

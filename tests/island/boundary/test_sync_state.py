@@ -92,7 +92,7 @@ def test_restore_keeps_progress_where_the_anchor_is_current_and_skips_where_merg
     assert fs[0].skip == 2 and fs[1].skip == 0
     assert (fs[1].steps_since, fs[1].tokens_since) == (1, 3) and fs[0].steps_since == 0
     assert (fs[1].push.step, fs[1].push.base_version, fs[1].push.phase.value) == (12, 5, "at syncer")
-    assert fs[1].side.repushed == {5} and fs[1].side.wire.codec == "int8"
+    assert fs[1].side.wire.codec == "int8" and fs[1].outgoing(blend=True, again=True).again   # sent again
     np.testing.assert_array_equal(fs[1].side.wire.body, np.arange(10, dtype=np.uint8))
     np.testing.assert_array_equal(fs[0].side.residual, np.full(4, 0.5, np.float32))
     other = Fragments(old.layout, old.numels, [4, 3, 3], rank0=False)   # another rank: the same push, no body

@@ -2,7 +2,7 @@
 SyncerLinkLike with the same signature, so the engine can use either."""
 import inspect
 
-from yeto_patch.island.link.protocol import SyncerLinkLike
+from yeto_patch.island.records import SyncerLinkLike
 from yeto_patch.island.link.sharded import ShardedLink
 from yeto_patch.island.link.syncer import SyncerLink
 

@@ -56,19 +56,19 @@ def joined(tmp_path, syncer):
     link.attach(frags)
     for f in w.needs_init:
         link.send_init(f, [values[i] for i in w.layout[f]])
-    until(link, lambda: all(st.side.arrived is not None for st in frags), "initial bases")
+    until(link, frags, lambda: all(st.side.arrived is not None for st in frags), "initial bases")
     for st in frags:
         st.installed(st.side.arrived.version)
         st.side.arrived = None
     return link, frags, values
 
 
-def until(link, ready, what, timeout=20.0):
+def until(link, frags, ready, what, timeout=20.0):
     deadline = time.monotonic() + timeout
     while not ready():
         assert time.monotonic() < deadline, what
         link.wait(0.5)
-        link.poll()
+        frags.receive(link.poll())
 
 
 def push(link, st, delta, final=False):
@@ -77,7 +77,7 @@ def push(link, st, delta, final=False):
     st.count(5)
     st.begin_push(2, final)
     st.push_handed(PushWire(body, "f32"))
-    link.send_push(st)
+    link.send_push(st.outgoing(blend=False))
 
 
 def stop_all(servers):
@@ -112,7 +112,7 @@ def test_pushes_go_to_each_fragments_owner_and_the_final_model_comes_from_every_
             assert [f.index for f in s.coord.frags if f.has_base] == s.coord.owned
         for st in frags:   # (small enough for the outlier guard's cold start: the base is about 1 per value)
             push(link, st, np.full(st.numel, 0.05 * (1 + st.index), np.float32))
-        until(link, lambda: all(st.answered() for st in frags), "merged bases")
+        until(link, frags, lambda: all(st.answered() for st in frags), "merged bases")
         for st in frags:
             flat = np.concatenate([values[i].reshape(-1) for i in st.entries])
             np.testing.assert_array_equal(st.side.arrived.values, flat - np.float32(0.05 * (1 + st.index)))

@@ -158,7 +158,7 @@ def _joined(tmp_path, port):
     while not all(st.side.arrived is not None for st in frags):
         assert time.monotonic() < deadline, "no initial bases"
         link.wait(0.5)
-        link.poll()
+        frags.receive(link.poll())
     for st in frags:
         st.installed(st.side.arrived.version)
         st.side.arrived = None
@@ -171,15 +171,15 @@ def _push(link, st, step, delta):
     st.count(5)
     st.begin_push(step)
     st.push_handed(PushWire(body, "f32"))
-    link.send_push(st)
+    link.send_push(st.outgoing(blend=False))
 
 
-def _await(link, st, version):
+def _await(link, frags, st):
     deadline = time.monotonic() + 20
     while not st.answered():
         assert time.monotonic() < deadline, "no answer"
         link.wait(0.5)
-        link.poll()
+        frags.receive(link.poll())
 
 
 def test_a_push_is_answered_by_the_merged_base(tmp_path):
@@ -191,7 +191,7 @@ def test_a_push_is_answered_by_the_merged_base(tmp_path):
         flat = np.concatenate([values[i].reshape(-1) for i in st.entries])
         delta = np.full(st.numel, 0.25, np.float32)
         _push(link, st, 2, delta)
-        _await(link, st, 0)
+        _await(link, frags, st)
         assert st.side.arrived.version == 1 and st.side.wire.send_ms >= 0
         np.testing.assert_array_equal(st.side.arrived.values, flat - delta)   # one island, plain averaging: base - delta
         link.close()
@@ -213,7 +213,7 @@ def test_a_cut_link_is_replaced_and_the_unanswered_push_sent_again(tmp_path):
         flat = np.concatenate([values[i].reshape(-1) for i in st.entries])
         delta = np.full(st.numel, -1.0, np.float32)
         _push(link, st, 2, delta)
-        _await(link, st, 0)
+        _await(link, frags, st)
         assert link.client is not first and link.client.incarnation == first.incarnation
         assert st.side.arrived.version == 1
         np.testing.assert_array_equal(st.side.arrived.values, flat - delta)   # merged once
@@ -238,7 +238,7 @@ def test_a_lost_link_before_start_completes_fails_instead_of_reconnecting(tmp_pa
         with pytest.raises(Exception) as ei:
             while time.monotonic() < deadline:
                 link.wait(0.5)
-                link.poll()
+                frags.receive(link.poll())
         from yeto_patch.wire.client import recoverable
         assert recoverable(ei.value)
         link.close()

@@ -576,7 +576,8 @@ def staged_vs_write(cfg_kwargs, mode, updates=0, alpha=0.5, chunk_bytes=1 << 14,
     """The same base installed by write (the synchronous path) and by stage on a background group + an install:
     route "in_step": install_masters per leaf optimizer with params=False, then that leaf's own
     _copy_main_params_to_model_params and Megatron's parameter all-gather (what the optimizer step does right
-    after the engine's install point); route "after_step": install_staged (masters, params, refresh_holders).
+    after the engine's install point); route "after_step": install_masters with params, then refresh_holders
+    (the Installer's after-step install).
     Per rank, every master, anchor and param compared bit for bit: they must all be equal."""
     from yeto_patch.island.masters.refs import leaf_optimizers
     ctx, man, view = _setup(cfg_kwargs, 1, chunk_bytes=chunk_bytes)
@@ -631,7 +632,9 @@ def staged_vs_write(cfg_kwargs, mode, updates=0, alpha=0.5, chunk_bytes=1 << 14,
         left = staged[0].uninstalled
         megatron_param_gather()
     else:
-        view.install_staged(staged[0], mode, blend_alpha)
+        view.install_masters(staged[0], params=True)
+        if view.needs_refresh():
+            view.refresh_holders(staged[0].entries)
         left = staged[0].uninstalled
         megatron_param_gather()
     untouched = untouched and all(np.array_equal(src[e], k[e]) for src, k in zip(srcs, kept) for e in src)

@@ -48,9 +48,6 @@ class BackgroundLane:
             self.jobs[key] = job
         self._q.put(job)
 
-    def in_flight(self, f: int) -> bool:
-        return f in self.jobs
-
     def finished(self, f: int) -> bool:
         """Fragment f's job exists and its work ended."""
         job = self.jobs.get(f)

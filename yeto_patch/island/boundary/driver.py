@@ -28,7 +28,7 @@ from yeto_patch.island.boundary.fragment import PushPhase, PushWire
 from yeto_patch.island.boundary.installs import Installer
 from yeto_patch.island.boundary.parts import IslandParts
 from yeto_patch.island.boundary.plan import BaseSpec, Plan, base_spec, needs_plan, overdue, plan, stageable
-from yeto_patch.island.boundary.schedule import Cadence, suggest
+from yeto_patch.island.boundary.schedule import Cadence, catch_up, suggest
 from yeto_patch.island.errors import EngineError
 
 log = logging.getLogger("yeto_patch")
@@ -45,8 +45,9 @@ class PlannedStep:
 @dataclass(frozen=True)
 class Answer:
     """How one awaited answer is installed (rank 0's decision, broadcast): "staged" (already in the lane),
-    "stage" (staged now, then installed) or "now" (synchronously: an adoption after a restart, or the island's
-    own weights)."""
+    "stage" (staged now, then installed), "now" (synchronously: an adoption after a restart, or the island's
+    own weights), "settle" (refused, with nothing newer than the anchor: the push is done) or "none" (no push
+    left). A base that does not answer the push (its ``spec.answers``) goes in by the same routes."""
     route: str
     spec: Optional[BaseSpec] = None
 
@@ -55,7 +56,7 @@ class Answer:
 
     @classmethod
     def from_json(cls, d: dict) -> "Answer":
-        if d["route"] not in ("staged", "stage", "now"):
+        if d["route"] not in ("staged", "stage", "now", "settle", "none"):
             raise EngineError(f"internal: unknown install route {d['route']!r}")
         return cls(d["route"], None if d["spec"] is None else BaseSpec.from_json(d["spec"]))
 
@@ -89,8 +90,8 @@ class Boundaries:
         handed = []
         for job in p.pushes.take_finished():
             frag, enc = job.fragment, job.result
-            frag.push_handed(PushWire(enc.body, p.settings.push_dtype, job.figures(enc, p.step())))
-            p.link.send_push(frag)
+            frag.push_handed(PushWire.of(enc.body, job.figures(enc, p.step())))
+            p.link.send_push(frag.outgoing(p.rule.blend))
             handed.append(frag.index)
         return handed
 
@@ -125,7 +126,7 @@ class Boundaries:
         def decide():
             handed = self.handover()
             p.bases.check()
-            p.link.poll()
+            p.frags.receive(p.link.poll())
             ready = {frag.index for frag in p.frags if p.bases.finished(frag.index)}
             out = plan(step, p.total, due, p.frags, p.link.final_cut, p.rule, ready)
             if p.settings.sync_auto:
@@ -140,7 +141,13 @@ class Boundaries:
         boundary of each fragment pushing now comes when its round merged without it (schedule.py)."""
         p, h = self.parts, self.cadence.h
         plan_.sync_every = suggest(p.settings.sync_every, p.rule.tau, p.link.rate(), p.link.pace(), h)
-        plan_.shift = {f: k for f in plan_.push if (k := p.link.catch_up(p.frags[f], h))}
+        rate, now = p.link.rate(), time.monotonic()
+        plan_.shift = {}
+        for f in plan_.push:
+            at = p.frags[f].behind_by()
+            k = 0 if at is None else catch_up(now - at, 1.0 / rate if rate else None, h, p.rule.tau)
+            if k:
+                plan_.shift[f] = k
 
     def begin(self, plan_: Plan) -> None:
         """Every rank: the plan's new H and boundary shifts go to the cadence (from the next boundaries on), its
@@ -195,15 +202,18 @@ class Boundaries:
     def skip(self, f: int) -> None:
         """Every rank: fragment f's round at this boundary was merged with this island's push before it
         restarted (the steps since were trained again): pushing again would count that progress twice."""
-        self.parts.frags[f].skip -= 1
+        self.parts.frags[f].skipped()
         if self.parts.rank == 0:
             log.info("yeto-patch: step %d: fragment %d's round at this boundary was merged before the restart "
                      "(with this island's push of then); not pushing it again", self.parts.step(), f)
 
     # ------------------------------------------------------------------------------------- answers
     def await_answers(self, frags: List[int], what: Optional[str]) -> None:
-        """Every rank: wait until rank 0 holds a base answering each fragment's push (its push handed to the link
-        first: a base may not overtake it), then install it after the step."""
+        """Every rank: wait until rank 0 holds the answer of each fragment's push (its push handed to the link
+        first: a base may not overtake it), then install it after the step. The answer is a base whose merge took
+        the push, or a refusal (then the newest base, or nothing newer than the anchor: the push is settled). A
+        newer base that did not take the push goes in as a newer base meanwhile, and the wait goes on; while it
+        waits so, rank 0 asks the link to send the push again (the syncer merges it or refuses it)."""
         p = self.parts
         in_lane = [f for f in frags if p.frags[f].push_phase is PushPhase.IN_LANE]
         if in_lane:   # our own background work first (tau = 0 waits here for the push it just made)
@@ -212,24 +222,36 @@ class Boundaries:
             self.drain(f"the pushes of fragments {in_lane}", in_lane)
         desc = what or self._waiting_for(frags)
         t0 = time.perf_counter()
-        handed: List[int] = []
+        pending = [f for f in frags if p.frags[f].push is not None]
+        while pending:
+            handed: List[int] = []
 
-        def ready():
-            handed.extend(self.handover())
-            p.bases.check()
-            p.link.poll()
-            return all(p.frags[f].push is None or (p.frags[f].push.phase is PushPhase.AT_SYNCER
-                                                   and p.frags[f].answered()) for f in frags)
-        p.await_ready(ready, desc)
-        waited_ms = round((time.perf_counter() - t0) * 1000, 2)
+            def ready():
+                handed.extend(self.handover())
+                p.bases.check()
+                p.frags.receive(p.link.poll())
+                out = True
+                for f in pending:
+                    frag = p.frags[f]
+                    if frag.push is None or frag.push.phase is not PushPhase.AT_SYNCER or frag.answered():
+                        continue
+                    newer = frag.newer_at_hand()
+                    if newer or frag.anchor_version > frag.push.base_version:   # merged past it: ask again
+                        p.link.ask_again(f, frag.push.base_version)              # (at most every ASK_AGAIN_S)
+                    if not newer:   # (a newer base goes in now; the wait for the answer goes on after it)
+                        out = False
+                return out
+            p.await_ready(ready, desc)
+            waited_ms = round((time.perf_counter() - t0) * 1000, 2)
 
-        def routes():
-            return {"handed": handed, "routes": {str(f): self._answer_route(f, waited_ms).as_json()
-                                                 for f in frags}}
-        out = p.channel.rank0(routes, "answered versions")
-        self.mark_handed(out["handed"])
-        for f in frags:
-            self._install_answer(f, Answer.from_json(out["routes"][str(f)]))
+            def routes():
+                return {"handed": handed, "routes": {str(f): self._answer_route(f, waited_ms).as_json()
+                                                     for f in pending}}
+            out = p.channel.rank0(routes, "answered versions")
+            self.mark_handed(out["handed"])
+            for f in pending:
+                self._install_answer(f, Answer.from_json(out["routes"][str(f)]))
+            pending = [f for f in pending if p.frags[f].push is not None]
 
     def _waiting_for(self, frags) -> str:
         """The wait's description (every rank can make it: pushes are the same on every rank)."""
@@ -250,18 +272,31 @@ class Boundaries:
                             "step %d, still in %s", p.step(), p.rule.tau, f, push.step, p.pushes.behind(f))
 
     def _answer_route(self, f: int, waited_ms: float) -> Answer:
-        """Rank 0: how fragment f's answer is installed (see ``Answer``)."""
+        """Rank 0: how fragment f's answer (or the newer base that goes in first) is installed (see ``Answer``)."""
         frag = self.parts.frags[f]
-        if frag.side.wire is not None:
-            frag.side.wire.figures["wait_ms"] = waited_ms
+        if frag.push is None:
+            return Answer("none")
+        frag.note_wait(waited_ms)
         if frag.staging is not None:
             return Answer("staged")
+        b = frag.side.arrived
+        if b is None or b.version <= frag.anchor_version and not frag.side.adopt:
+            return Answer("settle")   # refused, and nothing newer than the anchor: the push is done
         return Answer("stage" if stageable(frag) else "now", base_spec(frag))
 
     def _install_answer(self, f: int, answer: Answer) -> None:
         """Every rank: install fragment f's answer after the step, by the route rank 0 chose."""
+        p = self.parts
+        if answer.route == "none":
+            return
+        if answer.route == "settle":
+            push = p.frags[f].settle()
+            if p.rank == 0:
+                p.log.write("settled", step=p.step(), fragment=f, base_version=push.base_version,
+                            push_step=push.step)
+            return
         if answer.route == "now":
-            self.installer.now(answer.spec, self.parts.rule.mode, why="answer")
+            self.installer.now(answer.spec, p.rule.mode, why="answer")
             return
         if answer.route == "stage":
             self.installer.stage(answer.spec)

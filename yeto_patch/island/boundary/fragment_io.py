@@ -48,12 +48,7 @@ class FragmentIO:
         carried, created here)."""
         from yeto_patch.island.boundary.push_encoder import PushEncoder
         s = self.settings
-        residual = None
-        if s.error_feedback:
-            side = frag.side
-            if side.residual is None:
-                side.residual = np.zeros(frag.numel, dtype=np.float32)
-            residual = side.residual
+        residual = frag.residual_buffer() if s.error_feedback else None
         return PushEncoder(s.push_dtype, s.block, frag.numel, piece_elems=max(s.chunk_bytes // 4, s.block),
                            residual=residual, what=f"fragment {frag.index} delta", entry_starts=frag.shape.starts,
                            entry_names=[self.manifest.entries[e].name for e in frag.entries])

@@ -39,47 +39,39 @@ class Installer:
 
     # ------------------------------------------------------------------------------------- synchronous
     def now(self, spec: BaseSpec, mode: str, why: str) -> None:
-        """Every rank: write the base of `spec` held by rank 0 through the island (mode replace, blend or keep);
+        """Every rank: write the base of `spec` that rank 0 received through the island (mode replace, blend or keep);
         it becomes the anchor; the push it answers (if any) is logged as answered."""
         p = self.parts
         frag = p.frags[spec.fragment]
         t0 = time.perf_counter()
-        base = self._take_arrived(frag, spec) if p.rank == 0 else None
+        base = frag.take_arrived(spec.version, spec.updates, spec.own_weights) if p.rank == 0 else None
         p.io.install(frag, base, p.rule.alpha_for(mode), spec.updates, spec.own_weights)
-        self._installed(frag, spec.version, mode, why, (time.perf_counter() - t0) * 1000, spec.updates, {})
-
-    def _take_arrived(self, frag: Fragment, spec: BaseSpec):
-        """Rank 0: the arrived base the plan named (checked against `spec`)."""
-        side = frag.side
-        base, side.arrived = side.arrived, None
-        if base is None or base.version != spec.version or \
-                (len(base.deltas) if base.relative else 0) != spec.updates or bool(base.held) != spec.own_weights:
-            raise EngineError(f"internal: fragment {frag.index}'s base is not the planned v{spec.version}")
-        return base
+        self._installed(frag, spec.version, mode, why, (time.perf_counter() - t0) * 1000, spec.updates,
+                        spec.answers, {})
 
     def _installed(self, frag: Fragment, version: int, mode: str, why: str, ms: float, updates: int,
-                   extra: dict) -> None:
-        """Every rank: fragment `frag`'s anchor is base `version` now; rank 0 logs the push it answers. A base
-        blended in (or kept) leaves the local progress since the previous push in place: its steps and tokens are
-        still counted for the next push; one that replaces the masters starts counting again."""
-        push = frag.installed(version, keep_counts=mode in ("blend", "keep"))
+                   answers: bool, extra: dict) -> None:
+        """Every rank: fragment `frag`'s anchor is base `version` now; rank 0 logs the push it answers (none for a
+        newer base that does not answer it: the push waits on). A base blended in (or kept) leaves the local
+        progress since the previous push in place: its steps and tokens are still counted for the next push; one
+        that replaces the masters starts counting again."""
+        wire = frag.side.wire if self.parts.rank == 0 and answers else None
+        push = frag.installed(version, keep_counts=mode in ("blend", "keep"), answers=answers)
         if self.parts.rank == 0:
-            side = frag.side
-            wire, side.wire = side.wire, None
-            self.parts.log.installed(self.parts.step(), frag.index, version, mode, why, ms, updates, push, wire,
-                                     **extra)
+            self.parts.log.installed(self.parts.step(), frag.index, version, mode, why if answers else "newer",
+                                     ms, updates, push, wire, **extra)
 
     # ------------------------------------------------------------------------------------- staged
     def stage(self, spec: BaseSpec) -> None:
-        """Every rank: hand fragment `spec.fragment`'s arrived base (held by rank 0) to the background lane."""
+        """Every rank: hand fragment `spec.fragment`'s arrived base (rank 0 received it) to the background lane."""
         p = self.parts
         frag = p.frags[spec.fragment]
         sources = alpha = None
         if p.rank == 0:
-            base = self._take_arrived(frag, spec)
+            base = frag.take_arrived(spec.version, spec.updates, spec.own_weights)
             sources = p.io.base_sources(frag, base, spec.updates)
             alpha = p.rule.alpha_or_none
-        frag.stage(spec.version, spec.updates)
+        frag.stage(spec.version, spec.updates, spec.answers)
         p.bases.submit(frag, spec.version, spec.updates, sources, alpha)
 
     def arm(self, f: int, why: str) -> None:
@@ -108,7 +100,7 @@ class Installer:
             self._copy_error = self._copy_error or e
         dt = time.perf_counter() - t0
         for frag in armed:
-            frag.staging.in_step_s += dt / len(armed)
+            frag.in_step(dt / len(armed))
 
     def finish(self) -> None:
         """Every rank, after the optimizer step: install what the step's install points did not (a skipped
@@ -145,7 +137,7 @@ class Installer:
     def _bookkeep(self, frag: Fragment, finish_s: float, after_step: bool) -> None:
         st, job = frag.staging, frag.staging.job
         ms = (st.wait_s + st.in_step_s + finish_s) * 1000
-        self._installed(frag, st.version, self.parts.rule.mode, st.why, ms, st.updates,
+        self._installed(frag, st.version, self.parts.rule.mode, st.why, ms, st.updates, st.answers,
                         dict(stage_ms=round((job.work_s or 0.0) * 1000, 2),
                              stage_cpu_ms=round((job.cpu_s or 0.0) * 1000, 2),
                              staged_wait_ms=round(st.wait_s * 1000, 2), staged_bytes=job.nbytes,

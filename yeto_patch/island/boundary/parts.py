@@ -18,7 +18,7 @@ if TYPE_CHECKING:   # (the modules below import torch; this one stays light)
     from yeto_patch.island.boundary.log import BoundaryLog
     from yeto_patch.island.boundary.plan import InstallRule
     from yeto_patch.island.boundary.push_lane import PushLane
-    from yeto_patch.island.link.protocol import SyncerLinkLike
+    from yeto_patch.island.records import SyncerLinkLike
     from yeto_patch.island.masters.collective import IslandComm
     from yeto_patch.island.masters.view import MasterView
 
@@ -39,6 +39,7 @@ class IslandParts:
     total: int                          # the step of the final cut
     link: Optional["SyncerLinkLike"] = None   # rank 0
     log: Optional["BoundaryLog"] = None       # rank 0
+    patience: Optional[Callable[[str], object]] = None   # rank 0: a wait's patience (link/patience.Patience) for `what`
 
     def slice_s(self) -> float:
         """Longest time rank 0 blocks before the island's other ranks hear from it again (they wait in a gloo
@@ -47,15 +48,13 @@ class IslandParts:
 
     def await_ready(self, ready: Callable[[], bool], what: str, serve_init: Optional[Callable[[int], None]] = None):
         """Every rank: loop until rank 0's `ready()` is True; the wait fails once the syncer has been unreachable
-        for YETO_DILOCO_TIMEOUT (island/link/patience.py) and goes on while the syncer is alive, saying every
-        minute what its rounds wait for. With `serve_init` the whole island answers the syncer's INIT requests
-        meanwhile (rank 0 logs once what it waits for)."""
+        for YETO_DILOCO_TIMEOUT (rank 0's ``patience``, built by startup.py) and goes on while the syncer is alive,
+        saying every minute what its rounds wait for. With `serve_init` the whole island answers the syncer's INIT
+        requests meanwhile (rank 0 logs once what it waits for)."""
         s = self.settings
         source = f"the syncer at {s.syncer}"
-        patience = None
-        if self.link is not None:   # (rank 0, no collective) the timeout counts only while the syncer is unreachable
-            from yeto_patch.island.link.patience import Patience
-            patience = Patience(s.timeout, self.link, what, source, step=self.step)
+        # (rank 0, no collective) the timeout counts only while the syncer is unreachable
+        patience = self.patience(what) if self.patience is not None else None
         self.channel.await_ready(ready, what, timeout=s.timeout, slice_s=self.slice_s(),
                                  wait=lambda t: self.link.wait(t), source=source, step=self.step,
                                  requests=(lambda: self.link.init_requested()) if serve_init else None,

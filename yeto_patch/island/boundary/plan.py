@@ -64,17 +64,20 @@ class InstallRule:
 
 @dataclass(frozen=True)
 class BaseSpec:
-    """A base rank 0 holds for a fragment: its version, its number of base updates (0: an absolute base) and
+    """A base rank 0 holds for a fragment: its version, its number of base updates (0: an absolute base),
     whether it is this island's own weights plus those updates (``own_weights``: the syncer matched the start
-    digests this island declared)."""
+    digests this island declared) and whether it answers the fragment's push at the syncer (``answers``: False
+    for a newer base whose merge did not take it: it goes in and the push still waits)."""
     fragment: int
     version: int
     updates: int = 0
     own_weights: bool = False
+    answers: bool = True
 
     @classmethod
     def from_json(cls, d: dict) -> "BaseSpec":
-        return cls(int(d["fragment"]), int(d["version"]), int(d["updates"]), bool(d["own_weights"]))
+        return cls(int(d["fragment"]), int(d["version"]), int(d["updates"]), bool(d["own_weights"]),
+                   bool(d.get("answers", True)))
 
 
 @dataclass
@@ -109,14 +112,15 @@ def needs_plan(step: int, total: int, due: Sequence[int], any_push: bool) -> boo
 
 
 def base_spec(fragment) -> BaseSpec:
-    """Rank 0: the spec of the base held for `fragment` (checked: base updates must apply to the anchor)."""
+    """Rank 0: the spec of the base that arrived for `fragment` (checked: base updates must apply to the anchor)."""
     b = fragment.side.arrived
+    answers = fragment.answers(b)
     if not b.relative:
-        return BaseSpec(fragment.index, b.version)
+        return BaseSpec(fragment.index, b.version, answers=answers)
     if not b.held and b.start != fragment.anchor_version:
         raise EngineError(f"yeto-patch: fragment {fragment.index}: the syncer's base update applies to v{b.start}, "
                           f"but this island's anchor is v{fragment.anchor_version}")
-    return BaseSpec(fragment.index, b.version, len(b.deltas), bool(b.held))
+    return BaseSpec(fragment.index, b.version, len(b.deltas), bool(b.held), answers)
 
 
 def stageable(fragment) -> bool:
@@ -127,10 +131,17 @@ def stageable(fragment) -> bool:
 
 
 def install_due(fragment, step: int, rule: InstallRule) -> bool:
-    """A base held for `fragment` may go in at `step`: it answers no push of this island, or `step` is the push's
-    step + tau or later (the step the plan fixes for it, whenever the base arrived)."""
+    """The base staged or arrived for `fragment` may go in at `step`: there is no push of this island, the base does not answer
+    the push at the syncer (a newer base: at once), or `step` is the push's step + tau or later (the step the plan
+    fixes for an answer, whenever it arrived)."""
     p = fragment.push
-    return p is None or (p.phase is PushPhase.AT_SYNCER and step >= rule.install_step(p.step))
+    if p is None:
+        return True
+    if p.phase is not PushPhase.AT_SYNCER:
+        return False
+    st = fragment.staging
+    answers = st.answers if st is not None else fragment.answers(fragment.side.arrived)
+    return not answers or step >= rule.install_step(p.step)
 
 
 def armable(fragment, step: int, rule: InstallRule, ready: AbstractSet[int]) -> bool:

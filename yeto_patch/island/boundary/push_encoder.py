@@ -19,9 +19,12 @@ from yeto_patch.wire.frames import CodecError
 
 
 class PushBody(np.ndarray):
-    """An encoded push (uint8, the wire layout) that also knows the L2 norm of the float32 delta it encodes
-    (before error feedback is added and before quantization): ``delta_norm`` (None until encoded)."""
+    """An encoded push (uint8, the wire layout) that knows the codec and block it was encoded with (they travel
+    with it to the link and the sync state) and the L2 norm of the float32 delta it encodes (before error
+    feedback is added and before quantization): ``delta_norm`` (None until encoded)."""
     delta_norm = None
+    codec = None
+    block = None
 
 
 class PushEncoder:
@@ -31,12 +34,13 @@ class PushEncoder:
         codecs.check_codec(codec, block)
         self.codec, self.block, self.numel = codec, int(block), int(numel)
         self.body = np.empty(codecs.encoded_nbytes(codec, numel, block), dtype=np.uint8).view(PushBody)
+        self.body.codec, self.body.block = codec, self.block
         self.sumsq = 0.0      # of the delta's values fed so far
         self.blockwise = codec in ("int8", "int4", "int4-log")
         self.nblocks = -(-numel // block) if self.blockwise else 0
         unit = self.block if self.blockwise else 2
         self.piece = max(unit, (int(piece_elems) // unit) * unit)
-        self.stage = np.empty(min(self.piece, max(numel, 1)), dtype=np.float32)
+        self.buffer = np.empty(min(self.piece, max(numel, 1)), dtype=np.float32)
         self.fill = 0
         self.pos = 0          # elements encoded so far
         self.received = 0     # elements fed so far
@@ -54,11 +58,11 @@ class PushEncoder:
         self.received += a.size
         i = 0
         while i < a.size:
-            n = min(a.size - i, self.stage.size - self.fill)
-            self.stage[self.fill:self.fill + n] = a[i:i + n]
+            n = min(a.size - i, self.buffer.size - self.fill)
+            self.buffer[self.fill:self.fill + n] = a[i:i + n]
             self.fill += n
             i += n
-            if self.fill == self.stage.size:
+            if self.fill == self.buffer.size:
                 self._emit()
 
     def finish(self) -> np.ndarray:
@@ -81,7 +85,7 @@ class PushEncoder:
     def _emit(self) -> None:
         import time
         t0 = time.perf_counter()
-        x = self.stage[:self.fill]
+        x = self.buffer[:self.fill]
         n, pos = x.size, self.pos
         self.sumsq += float(np.dot(x, x))
         if self.residual is not None:

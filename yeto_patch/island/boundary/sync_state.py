@@ -25,6 +25,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import xxhash
 
+from yeto_patch.wire.codecs import DEFAULT_BLOCK
+
 __all__ = ["SyncStateError", "state_path", "write_state", "read_state", "read_meta", "capture", "save", "mismatch", "load",
            "restore", "saved_runs"]
 
@@ -196,12 +198,11 @@ def restore(state: dict, arrays: Dict[str, np.ndarray], fragments, versions: Dic
         answered = 1 if saved is not None and int(saved["base_version"]) == anchor else 0
         trained_again = int(versions[frag.index]) - anchor - answered
         if frag.index not in keep and trained_again > 0 and fixed_roster:
-            frag.skip = trained_again
+            frag.skip_boundaries(trained_again)
     resend = []
     for f in sorted(keep):
         frag = fragments[f]
-        frag.steps_since = int(state["steps_since"][f])
-        frag.tokens_since = int(state["tokens_since"][f])
+        frag.restore(state["steps_since"][f], state["tokens_since"][f])
         rec = state["pending"].get(str(f))
         if rec is None:
             continue
@@ -209,15 +210,15 @@ def restore(state: dict, arrays: Dict[str, np.ndarray], fragments, versions: Dic
                     bool(rec.get("final", False)))
         wire = None
         if rank == 0:
-            wire = PushWire(arrays[f"push.{f}"], str(rec["codec"]), {"bytes": int(rec.get("bytes", 0))})
-            frag.side.repushed.add(push.base_version)
+            wire = PushWire(arrays[f"push.{f}"], str(rec["codec"]), {"bytes": int(rec.get("bytes", 0))},
+                            block=int(state.get("block") or DEFAULT_BLOCK))
             resend.append(frag)
         frag.resume_push(push, wire)
     if rank == 0 and error_feedback:
         for frag in fragments:
             r = arrays.get(f"residual.{frag.index}")
             if r is not None and r.size == frag.numel:
-                frag.side.residual = r.astype(np.float32, copy=True)
+                frag.restore_residual(r.astype(np.float32, copy=True))
     return resend
 
 
@@ -257,4 +258,4 @@ def load(path: str, iteration: int, arrays: Dict[str, np.ndarray], settings, *, 
     log.info("yeto-patch: resuming the island's sync state of iteration %d from %s (anchors at versions "
              "%s, %d push(es) awaiting their answer)", iteration, path, meta["anchor_version"],
              len(meta["pending"]))
-    return {k: meta[k] for k in ("anchor_version", "steps_since", "tokens_since", "pending")}
+    return {k: meta.get(k) for k in ("anchor_version", "steps_since", "tokens_since", "pending", "block")}

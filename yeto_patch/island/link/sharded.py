@@ -17,6 +17,7 @@ from typing import Callable
 
 from yeto_patch.island.errors import EngineError
 from yeto_patch.island.link.syncer import SyncerLink
+from yeto_patch.island.records import EMPTY, Inbox, OutgoingPush
 
 log = logging.getLogger("yeto_patch")
 
@@ -136,16 +137,19 @@ class ShardedLink:
     def rate(self) -> float:
         return self.links[0].rate()
 
-    def catch_up(self, frag, h: int) -> int:
-        return self.owner[frag.index].catch_up(frag, h)
-
     @property
     def clock(self):
         return self.links[0].clock
 
     # ---------------------------------------------------------------------------------------------- data
-    def send_push(self, frag) -> None:
-        self.owner[frag.index].send_push(frag)
+    def send_push(self, push: OutgoingPush) -> None:
+        self.owner[push.fragment].send_push(push)
+
+    def ask_again(self, fragment: int, base_version: int) -> bool:
+        return self.owner[fragment].ask_again(fragment, base_version)
+
+    def unanswered(self) -> list:
+        return sorted(k for link in self.links for k in link.unanswered())
 
     def send_init(self, f: int, arrays) -> None:
         self.owner[f].send_init(f, arrays)
@@ -165,10 +169,12 @@ class ShardedLink:
         else:
             self.arrival.wait(max(0.0, min(timeout, 0.5)))
 
-    def poll(self) -> None:
+    def poll(self) -> Inbox:
         self.arrival.clear()   # (before polling: whatever arrives after this wakes the next wait)
+        out = EMPTY
         for link in self.links:
-            link.poll()
+            out = out + link.poll()
+        return out
 
     def final_model(self, last_step: int, deadline: float, slice_s: float, drain: bool):
         """The final model from every shard ({fragment: Base}), or None to try again; FINAL goes to every shard

@@ -9,11 +9,22 @@ the wait for the syncer's first message have their own short bound (``attempt_ti
 link fails an attempt quickly and the back-off applies even when YETO_DILOCO_TIMEOUT is short. Errors that a retry
 cannot help (a bad key, another run's manifest, a refusal) end the attempts at once.
 
+The link moves records (island/records.py) and writes no fragment: the boundary hands it ``OutgoingPush`` records
+and takes an ``Inbox`` from every ``poll``. It keeps its own unanswered pushes, each until the syncer answers it:
+a base whose merge took it (the BASE's merge figures name this island's lag in the merge: ``records.took_by``;
+pushes of one fragment go out in order on one connection, so such a merge also answers the older ones) or a
+refusal. Nothing else removes one: a push handed over while the link is stalled or being replaced is sent once it
+is up.
+
 After a lost link (syncer restart, cut link, dead peer) the link reconnects in the background (the island trains on
-until it needs an answer: its tau bound), keeps the incarnation and reconciles: every unanswered push is sent again
-(the syncer refuses it as a duplicate if it had it: counted once either way; one it merged past without it is
-carried into its next round, within its --max-base-lag); the current bases come with every welcome; a fragment
-where the syncer is behind this island (it resumed from an older checkpoint) adopts the syncer's base.
+until it needs an answer: its tau bound), keeps the incarnation, and the reconnecting thread itself sends every
+unanswered push again (the syncer refuses it as a duplicate if it had it: counted once either way; one it merged
+past without it is carried into its next round, within its --max-base-lag) and wakes whoever waits on the link:
+a restored link is used at once, not at the island's next poll. The current bases come with every welcome; the
+``Reconnected`` record tells the fragments the syncer's versions (one behind this island, which resumed from an
+older checkpoint, is adopted). An island blocked at its tau bound for a push whose round merged without it asks
+again (``ask_again``: the push is sent again, at most every ASK_AGAIN_S): the syncer merges it, or refuses it as a
+duplicate or stale, each an answer.
 
 The link also carries what waits need (``island/link/patience.py``): whether the syncer is reachable, what its
 heartbeats say this island's rounds wait for, the fleet's pace, and this island's step and compute rate (sent in
@@ -31,11 +42,12 @@ from typing import Callable, Optional
 
 from yeto_patch.island.errors import EngineError, describe
 from yeto_patch.island.link.patience import Patience, StepClock
-from yeto_patch.island.masters.builds import explain_refusal
-from yeto_patch.wire.frames import PeerError
+from yeto_patch.island.records import (EMPTY, ArrivedBase, Inbox, OutgoingPush, Reconnected, Refusal, Sent,
+                                       took_by)
 
 log = logging.getLogger("yeto_patch")
 CONNECT_TIMEOUT_S = 10.0   # the longest one attempt waits for a TCP connect and for the syncer's CHALLENGE
+ASK_AGAIN_S = 5.0          # an island blocked for a push's answer sends it again at most this often
 
 
 def attempt_timeout(total: float) -> float:
@@ -91,16 +103,29 @@ def load_key(settings) -> Optional[bytes]:
     return key
 
 
+class _Unanswered:
+    """One push the link holds until the syncer answers it: the record, whether it went out fully on the current
+    connection (``sent_on``: the connection's number), whether it was sent again (a duplicate refusal is expected)
+    and when it was last asked again."""
+    __slots__ = ("push", "sent_on", "again", "asked_at")
+
+    def __init__(self, push: OutgoingPush):
+        self.push = push
+        self.sent_on: Optional[int] = None
+        self.again = bool(push.again)
+        self.asked_at = 0.0
+
+
 class SyncerLink:
     """Rank 0's connection to the syncer. `settings`: syncer, island_id, timeout, insecure, send_queue_bytes,
-    block, key_file / key_from_env; `step()`: the island's step (for log lines); `record(event, **fields)`:
+    key_file / key_from_env, overlap_steps; `step()`: the island's step (for log lines); `record(event, **fields)`:
     the boundary log (or None)."""
 
     def __init__(self, settings, wire_manifest, *, start_digests=None, step: Callable[[], int] = lambda: 0,
                  record=None, address: Optional[str] = None, arrival=None, run_id: Optional[str] = None):
         self.settings = settings
         self.address = address or settings.syncer   # (one shard's, for a sharded syncer)
-        self.arrival = arrival                      # an Event the client sets on every arrival (sharded.py)
+        self.arrival = arrival or threading.Event()  # set on every arrival and when a reconnect ends (the bell)
         self.owned: Optional[list] = None           # the fragments this syncer (shard) owns, from its welcome
         self.run_id = run_id                        # the syncer's run: from the first welcome (or the sync state
         #                                             this island restarted from); a syncer of another run is refused
@@ -111,14 +136,17 @@ class SyncerLink:
         self.key = load_key(settings)
         self.client = None
         self.sender = None
-        self.fragments = None        # set by attach() once the layout is known
+        self.layout = None           # (layout, numels) set by attach() once known: a reconnect must find the same
         self.resilient = False       # after start: a lost link is replaced instead of failing the island
         self.outage: Optional[float] = None   # when the link was lost (None: it is up)
         self.refusals = collections.deque()   # refusals the sender thread met (raised by poll)
         self.clock = StepClock()              # this island's step and compute rate
         self._final_wait: Optional[Patience] = None
         self._redial: Optional[tuple] = None  # (thread, result, cause, deadline) of a reconnect under way
-        self.arrived_at: dict = {}            # fragment -> (newest base version received, when: monotonic)
+        self._lock = threading.RLock()        # the connection and the unanswered pushes (training and redial threads)
+        self._unanswered: dict = {}           # fragment -> [_Unanswered] in the order handed
+        self._conn_no = 0                     # the current connection's number (sent_on)
+        self._news = collections.deque()      # Reconnected / Sent records for the next poll (any thread appends)
         self._closed = False
 
     # ---------------------------------------------------------------------------------------------- connecting
@@ -156,6 +184,7 @@ class SyncerLink:
     def _use(self, c) -> None:
         from yeto_patch.wire.sender import BackgroundSender
         self.client = c
+        self._conn_no += 1
         c.local_step, c.rate = max(c.local_step, self.clock.step), self.clock.rate
         self.sender = BackgroundSender(self.settings.send_queue_bytes, name="yeto-push-sender")
 
@@ -170,14 +199,10 @@ class SyncerLink:
                 said.append(True)
                 log.info("yeto-patch: the syncer at %s does not answer yet (%s: %s); trying again for up to %.0fs "
                          "(YETO_DILOCO_TIMEOUT)", self.address, type(e).__name__, e, left)
-        try:
-            c, w, n = self._dial(None, s.timeout, self.start_digests, time.monotonic() + s.timeout,
-                                 f"connect to the syncer at {self.address}", on_retry=waiting)
-        except PeerError as e:   # another build or configuration: say which option aligns the islands
-            if e.code != "manifest" or not explain_refusal(e.message):
-                raise
-            raise PeerError(e.code, e.message + explain_refusal(e.message)) from e
-        self._use(c)
+        c, w, n = self._dial(None, s.timeout, self.start_digests, time.monotonic() + s.timeout,
+                             f"connect to the syncer at {self.address}", on_retry=waiting)
+        with self._lock:
+            self._use(c)
         if n > 1:
             log.info("yeto-patch: connected to the syncer at %s (attempt %d)", self.address, n)
         self.owned = list(w.owned)
@@ -185,7 +210,8 @@ class SyncerLink:
         return w
 
     def attach(self, fragments) -> None:
-        self.fragments = fragments
+        """The fragments' layout (``layout``, ``numels``: read once; the link writes no fragment)."""
+        self.layout = ([[int(i) for i in frag] for frag in fragments.layout], list(fragments.numels))
 
     # ---------------------------------------------------------------------------------------------- liveness
     def stepped(self, step: int) -> None:
@@ -225,15 +251,7 @@ class SyncerLink:
             return 0.0
         return max(0.0, (int(push_step) + tau - self.clock.step) * step_s)
 
-    def catch_up(self, frag, h: int) -> int:
-        """Steps to bring fragment `frag`'s next boundary forward by, when it pushes now into a round that merged
-        without it (a base newer than its anchor arrived before the push; schedule.catch_up); 0 otherwise."""
-        from yeto_patch.island.boundary.schedule import catch_up
-        got = self.arrived_at.get(frag.index)
-        if got is None or got[0] <= frag.anchor_version or frag.side.adopt:
-            return 0
-        return catch_up(time.monotonic() - got[1], self.clock.step_s, h, self.settings.overlap_steps)
-
+    # ---------------------------------------------------------------------------------------------- reconnecting
     def reconnect(self, cause) -> None:
         """The link is gone: replace it (same incarnation) and reconcile, waiting for it; gives up
         YETO_DILOCO_TIMEOUT after the link was lost."""
@@ -241,34 +259,45 @@ class SyncerLink:
         self._redialed(block=True)
 
     def _lost(self, cause) -> None:
-        """The link is gone: redial in the background (same incarnation) while the island trains on; ``poll``
-        takes the new link when it is up (pushes made meanwhile are sent then)."""
-        if self._redial is not None:
-            return
-        s = self.settings
-        now = time.monotonic()
-        if self.outage is None:
-            self.outage = now
-        deadline = self.outage + s.timeout
-        log.warning("yeto-patch: step %d: lost the syncer at %s (%s: %s); reconnecting for up to %.0fs while "
-                    "training on", self.step(), self.address, type(cause).__name__, cause, deadline - now)
-        old_client, old_sender = self.client, self.sender
-        if old_sender is not None:
-            old_sender.abort(timeout=2.0)
-        if old_client is not None:
-            old_client.abort()
-        box: dict = {}
-
-        def redial():
-            try:
-                box["ok"] = self._dial(old_client.incarnation, min(s.timeout, 60.0), None, deadline, "reconnect")
-            except Exception as e:  # noqa: BLE001 - raised by _redialed on the training thread
-                box["err"] = e
-            if self._closed and "ok" in box:
-                box["ok"][0].abort()
-        th = threading.Thread(target=redial, name="yeto-redial", daemon=True)
-        self._redial = (th, box, cause, deadline)
+        """The link is gone: redial in the background (same incarnation) while the island trains on; the
+        reconnecting thread sends the unanswered pushes again and rings the bell when it is up."""
+        with self._lock:
+            if self._redial is not None:
+                return
+            s = self.settings
+            now = time.monotonic()
+            if self.outage is None:
+                self.outage = now
+            deadline = self.outage + s.timeout
+            log.warning("yeto-patch: step %d: lost the syncer at %s (%s: %s); reconnecting for up to %.0fs while "
+                        "training on", self.step(), self.address, type(cause).__name__, cause, deadline - now)
+            old_client, old_sender = self.client, self.sender
+            if old_sender is not None:
+                old_sender.abort(timeout=2.0)
+            if old_client is not None:
+                old_client.abort()
+            box: dict = {}
+            th = threading.Thread(target=self._redial_thread, args=(box, old_client.incarnation, cause, deadline),
+                                  name="yeto-redial", daemon=True)
+            self._redial = (th, box, cause, deadline)
         th.start()
+
+    def _redial_thread(self, box: dict, incarnation, cause, deadline) -> None:
+        s = self.settings
+        try:
+            c, w, attempts = self._dial(incarnation, min(s.timeout, 60.0), None, deadline, "reconnect")
+            if self._closed:
+                c.abort()
+                return
+            with self._lock:
+                self._use(c)
+                self._check_same_run(w)
+                self._reconcile(w, cause, attempts)
+            box["ok"] = True
+        except Exception as e:  # noqa: BLE001 - raised by _redialed on the training thread
+            box["err"] = e
+        finally:
+            self.arrival.set()   # whoever waits on the link hears of it now, not at its next poll
 
     def _redialed(self, block: bool) -> bool:
         """Take a background reconnect that ended (or wait for it when `block`): True when the link is up; an
@@ -282,21 +311,18 @@ class SyncerLink:
         self._redial = None
         if "err" in box:
             e, s = box["err"], self.settings
+            if isinstance(e, EngineError):
+                raise e
             late = time.monotonic() >= deadline
             raise EngineError(f"yeto-patch: lost the syncer at {self.address} at step {self.step()} "
                               f"({type(cause).__name__}: {cause}) and could not reconnect"
                               f"{' within YETO_DILOCO_TIMEOUT=%.0fs' % s.timeout if late else ''}: "
                               f"{describe(e, 'reconnect')}") from e
-        c, w, attempts = box["ok"]
-        self._use(c)
-        self._check_same_run(w)
-        self._reconcile(w, cause, attempts)
         return True
 
     def _check_same_run(self, w) -> None:
-        frags = self.fragments
-        if ([[int(i) for i in frag] for frag in w.layout] != frags.layout or list(w.numels) != frags.numels
-                or list(w.owned) != self.owned):
+        if self.layout is not None and ([[int(i) for i in frag] for frag in w.layout] != self.layout[0]
+                                        or list(w.numels) != self.layout[1] or list(w.owned) != self.owned):
             self.client.abort()
             raise EngineError(f"yeto-patch: the syncer at {self.address} came back with a different fragment "
                               f"layout (another --fragments, --shard or run); this island cannot continue with it")
@@ -307,60 +333,103 @@ class SyncerLink:
                               f"--resume")
 
     def _reconcile(self, w, cause, attempts) -> None:
-        """Every unanswered push goes again: one the syncer merged meanwhile is refused as a duplicate (counted
-        once), one it merged past without it is carried into its next round (or refused as stale beyond its
-        --max-base-lag), as the syncer decides."""
-        repush, adopt = [], []
-        for frag in (self.fragments[i] for i in self.owned):
-            v = int(w.versions[frag.index])
-            side = frag.side
-            if v < frag.anchor_version:
-                adopt.append(frag.index)
-                side.adopt = True
-            elif frag.push is not None and frag.push.base_version <= v and side.wire is not None:
-                repush.append(frag.index)
-                side.repushed.add(int(frag.push.base_version))
-                self.send_push(frag)
-        if adopt:
-            log.warning("yeto-patch: the syncer at %s is behind this island for fragments %s (it resumed from an "
-                        "older checkpoint: run it with --checkpoint-every 1 to lose nothing); adopting its bases",
-                        self.address, adopt)
+        """(under the lock, the reconnecting thread) Every unanswered push goes again, in order: one the syncer merged
+        meanwhile is refused as a duplicate (counted once), one it merged past without it is carried into its next
+        round (or refused as stale beyond its --max-base-lag), as the syncer decides. A push relative to a version
+        the syncer does not have (it resumed from an older checkpoint) cannot be merged: it is dropped, said here,
+        and the fragment adopts the syncer's base."""
+        versions = {f: int(w.versions[f]) for f in self.owned}
+        resent, dropped = [], []
+        for f in sorted(self._unanswered):
+            keep = []
+            for u in self._unanswered[f]:
+                if u.push.base_version > versions.get(f, -1):
+                    dropped.append(u.push.key)
+                    continue
+                u.again = True
+                keep.append(u)
+                resent.append(u.push.key)
+                self._queue(u)
+            self._unanswered[f] = keep
+        if dropped:
+            log.warning("yeto-patch: the syncer at %s is behind this island (it resumed from an older checkpoint: run "
+                        "it with --checkpoint-every 1 to lose nothing): its base is adopted and the pushes "
+                        "(fragment, base version) %s, relative to versions it never made, are dropped",
+                        self.address, dropped)
         secs = time.monotonic() - self.outage
         log.warning("yeto-patch: step %d: reconnected to the syncer at %s after %.1fs (attempt %d, versions %s); "
-                    "pushing again fragments %s", self.step(), self.address, secs, attempts, w.versions, repush)
+                    "pushing again (fragment, base version) %s", self.step(), self.address, secs, attempts,
+                    w.versions, resent)
+        self._news.append(Reconnected(versions, tuple(resent), round(secs, 3)))
         if self.record is not None:
             self.record("reconnect", step=self.step(), cause=f"{type(cause).__name__}: {cause}",
-                        seconds=round(secs, 3), versions=list(w.versions), repushed=repush, adopted=adopt)
+                        seconds=round(secs, 3), versions=list(w.versions), repushed=[f for f, _ in resent],
+                        dropped=[list(k) for k in dropped])
 
     # ---------------------------------------------------------------------------------------------- data
-    def send_push(self, frag) -> None:
-        """Queue fragment `frag`'s push (its ``Push`` and rank 0's ``PushWire``) on the background sender (a lost
-        link: reconnect, which sends it again)."""
-        from yeto_patch.island.boundary.plan import InstallRule
+    def send_push(self, push: OutgoingPush) -> None:
+        """Hold `push` until the syncer answers it and queue it on the background sender (a lost link: the
+        reconnect sends it)."""
+        with self._lock:
+            u = _Unanswered(push)
+            self._unanswered.setdefault(push.fragment, []).append(u)
+            if self._redial is None:
+                self._queue(u)
+
+    def ask_again(self, fragment: int, base_version: int) -> bool:
+        """The island is blocked for this push's answer and its round merged without it: send it again (once it
+        went out on this connection, at most every ASK_AGAIN_S). The syncer merges it, or refuses it as a
+        duplicate (it holds it) or stale: each answers it. True when it was sent again."""
+        with self._lock:
+            u = next((u for u in self._unanswered.get(fragment, ()) if u.push.base_version == base_version), None)
+            now = time.monotonic()
+            if u is None or self._redial is not None or u.sent_on != self._conn_no or now - u.asked_at < ASK_AGAIN_S:
+                return False
+            u.asked_at, u.again = now, True
+            log.info("yeto-patch: step %d: fragment %d's push relative to v%d is still unanswered and its round merged "
+                     "without it: sending it again", self.step(), fragment, base_version)
+            self._queue(u)
+            return True
+
+    def _queue(self, u: _Unanswered) -> None:
+        """(under the lock) Queue `u` on the current connection's sender."""
         from yeto_patch.wire.client import SyncerRefusal, recoverable
-        if self._redial is not None:
-            return   # the link is being replaced: the reconnect sends every unanswered push
-        s = self.settings
-        client, push, wire, f = self.client, frag.push, frag.side.wire, frag.index
-        body = wire.body
+        client, sender, conn, push = self.client, self.sender, self._conn_no, u.push
+        u.sent_on = None
 
         def send():
             t = time.perf_counter()
             while True:
                 try:
-                    client.push(f, base_version=push.base_version, local_step=push.step, steps=push.steps,
-                                tokens=push.tokens, codec=wire.codec, block=s.block, body=body,
-                                final=push.final, blend=InstallRule.of(s).blend, patience=self.patience(push.step))
+                    client.push(push.fragment, base_version=push.base_version, local_step=push.step,
+                                steps=push.steps, tokens=push.tokens, codec=push.codec, block=push.block,
+                                body=push.body, final=push.final, blend=push.blend,
+                                patience=self.patience(push.step))
                     break
                 except SyncerRefusal as e:   # an earlier push's refusal, raised before this one went out:
                     self.refusals.append(e)   # the training thread handles it (poll); send this push still
-            wire.send_ms = round((time.perf_counter() - t) * 1000, 2)
+            if self._conn_no == conn:   # (no lock here: a submit that waits for room holds it)
+                u.sent_on = conn
+            self._news.append(Sent(push.fragment, push.base_version, round((time.perf_counter() - t) * 1000, 2)))
         try:
-            self.sender.submit(send, int(body.nbytes), timeout=s.timeout)
+            sender.submit(send, push.nbytes, timeout=self.settings.timeout)
         except Exception as e:  # noqa: BLE001
             if not recoverable(e):
                 raise
             self._lost(e)   # the reconnect sends every unanswered push again, this one included
+
+    def _answered(self, fragment: int, upto: int, sent_only: bool = False) -> None:
+        """(under the lock) A merge took this island's push of `fragment` relative to `upto`: it and the older ones
+        (sent before it on one connection, so the syncer had them first) are answered. `sent_only`: only those
+        that went out whole on the current connection (a base without merge figures says no more)."""
+        keep = [u for u in self._unanswered.get(fragment, ())
+                if u.push.base_version > upto or (sent_only and u.sent_on != self._conn_no)]
+        self._unanswered[fragment] = keep
+
+    def unanswered(self) -> list:
+        """(fragment, base_version) of the pushes the link holds, in order."""
+        with self._lock:
+            return [u.push.key for f in sorted(self._unanswered) for u in self._unanswered[f]]
 
     def send_init(self, f: int, arrays) -> None:
         self.client.send_init(f, arrays)
@@ -373,16 +442,22 @@ class SyncerLink:
         return self.client.final_cut
 
     def wait(self, timeout: float) -> None:
-        """Block up to `timeout` (at most 0.5 s) for the next message from the syncer; a lost link or a refusal
-        surfaces from the next poll, which knows how to handle it."""
-        self.client.wait_activity(min(timeout, 0.5))
+        """Block up to `timeout` (at most 0.5 s) for the next message from the syncer, or for a reconnect to end;
+        a lost link or a refusal surfaces from the next poll, which knows how to handle it."""
+        t = max(0.0, min(timeout, 0.5))
+        if self._redial is not None:
+            self.arrival.wait(t)
+            self.arrival.clear()
+        else:
+            self.client.wait_activity(t)
 
-    def poll(self) -> None:
-        """Move what the client received into the fragments' `arrived` (newest per fragment); surface failures.
-        After start a lost link is replaced (``reconnect``) instead of failing the island."""
+    def poll(self) -> Inbox:
+        """What arrived since the last poll (bases with what their merge took, refusals, sends, a reconnect);
+        surface failures. After start a lost link is replaced (``reconnect``) instead of failing the island."""
         from yeto_patch.wire.client import SyncerRefusal, recoverable
         if not self._redialed(block=False):
-            return   # reconnecting in the background: nothing arrives meanwhile
+            return self._take_news()   # reconnecting in the background: nothing arrives meanwhile
+        refused = []
         while True:
             try:
                 if self.refusals:
@@ -392,40 +467,57 @@ class SyncerLink:
                 bases = self.client.poll()
                 break
             except SyncerRefusal as e:
-                if not self._expected_refusal(e):
+                r = self._expected_refusal(e)
+                if r is None:
                     raise
+                refused.append(r)
             except Exception as e:  # noqa: BLE001 - classified below
                 if not self.resilient or not recoverable(e):
                     raise
                 self._lost(e)
-                return
+                return self._take_news() + Inbox(refusals=tuple(refused))
         self.outage = None
         now = time.monotonic()
-        for b in bases:
-            self.fragments[b.fragment].side.take_base(b)
-            if b.merge and self.record is not None:   # the syncer's figures of the merge (the boundary log)
-                self.record("merge", step=self.step(), fragment=b.fragment, version=b.version, **b.merge)
-            if b.version > self.arrived_at.get(b.fragment, (-1, 0.0))[0]:
-                self.arrived_at[b.fragment] = (b.version, now)
+        arrived = []
+        with self._lock:
+            for b in bases:
+                a = ArrivedBase(b, took_by(b), now)
+                if a.took is not None and a.took >= 0:
+                    self._answered(a.fragment, a.took)
+                elif a.took is None:   # no merge figures (an older or restarted syncer): a push that went out on
+                    self._answered(a.fragment, a.version - 1, sent_only=True)   # this link is at the syncer
+                arrived.append(a)
+                if b.merge and self.record is not None:   # the syncer's figures of the merge (the boundary log)
+                    self.record("merge", step=self.step(), fragment=b.fragment, version=b.version, **b.merge)
+        return self._take_news() + Inbox(bases=tuple(arrived), refusals=tuple(refused))
 
-    def _expected_refusal(self, e) -> bool:
-        """A refusal that needs no action: a push the syncer already holds, or one it merged past."""
-        if e.code == "duplicate":   # sent again after a lost link, or by this island before a restart:
-            side = self.fragments[e.fragment].side if isinstance(e.fragment, int) and 0 <= e.fragment < len(
-                self.fragments) else None
-            if side is None or e.base_version not in side.repushed:   # the syncer counts the first once
-                log.info("yeto-patch: step %d: the syncer already holds this island's push of fragment %s "
-                         "relative to v%s (made before a restart); it counts once", self.step(), e.fragment,
-                         e.base_version)
-            if side is not None:
-                side.repushed.discard(e.base_version)
-            return True
-        if e.code == "stale":   # merged past it without this island: the newer base answers the push
-            log.warning("yeto-patch: step %d: the syncer refused the push of fragment %s relative to v%s "
-                        "as stale (it merged on without this island); pulling its current base", self.step(),
-                        e.fragment, e.base_version)
-            return True
-        return False
+    def _take_news(self) -> Inbox:
+        news = []
+        while self._news:
+            news.append(self._news.popleft())
+        return Inbox(reconnected=tuple(n for n in news if isinstance(n, Reconnected)),
+                     sent=tuple(n for n in news if isinstance(n, Sent)))
+
+    def _expected_refusal(self, e) -> Optional[Refusal]:
+        """A refusal that answers a push without failing the island: a push the syncer already holds (duplicate),
+        or one it merged past beyond its --max-base-lag (stale). Its reason is logged here and by the syncer."""
+        if e.code not in ("duplicate", "stale"):
+            return None
+        f, v = e.fragment, e.base_version
+        if not (isinstance(f, int) and isinstance(v, int)):
+            return None
+        with self._lock:
+            mine = self._unanswered.get(f, [])
+            u = next((u for u in mine if u.push.base_version == v), None)
+            self._unanswered[f] = [x for x in mine if x is not u]
+        if e.code == "duplicate":   # sent again after a lost link or a restart, or asked again: counted once
+            (log.debug if u is not None and u.again else log.info)(
+                "yeto-patch: step %d: the syncer already holds this island's push of fragment %s relative to v%s; "
+                "it counts once", self.step(), f, v)
+        else:
+            log.warning("yeto-patch: step %d: the syncer refused the push of fragment %s relative to v%s as stale "
+                        "(it merged on without this island): %s", self.step(), f, v, e.message)
+        return Refusal(f, v, e.code, str(e.message))
 
     def final_model(self, last_step: int, deadline: float, slice_s: float, drain: bool):
         """``finish`` for at most `slice_s`; an EngineError once the syncer has been unreachable for

@@ -80,12 +80,12 @@ class Item:
 def build_items(e: int, lay: EntryLayout, chunk: int) -> List[Item]:
     outer, s, T, seg = lay.geometry
     row = s * T * seg
-    held = outer * row
+    padded = outer * row   # the values of this island's (padded) rows
     # the run's vocabulary rows beyond this island's padded rows (names.py vocab_rows): virtual here
     tail = [Item(e, off, min(chunk, lay.full_numel - off), None, 0, 0, virtual=True)
-            for off in range(held, lay.full_numel, chunk)]
+            for off in range(padded, lay.full_numel, chunk)]
     items = []
-    truncated = lay.full_numel < held
+    truncated = lay.full_numel < padded
     if not truncated and row <= chunk:
         k = max(1, chunk // row)
         for o0 in range(0, outer, k):

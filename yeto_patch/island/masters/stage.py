@@ -20,7 +20,6 @@ owned by a ``MasterView`` and using its public interface: layout, rounds, transf
   installed after the step at the tau bound or at tau = 0), it installs after the step with ``params=True`` and
   ``refresh_holders`` (collective, on the view's group) sends the owners' new parameters to the ranks without a
   master of them.
-- ``install_staged(staged, mode, alpha)``: the after-the-step install of everything (masters, params, holders).
 
 Bits: every master, anchor and model parameter ends up exactly as ``write`` leaves them (the blend is the same
 float32 operation, ``value * (1 - alpha) + alpha * master``, on the same operands), and a replica's parameter is
@@ -299,17 +298,3 @@ class MasterStage:
             for param, buf in copies:
                 param.copy_(buf)
         self.view.comm.agree(pending_err, "refresh: parameters")
-
-    def install_staged(self, staged: StagedBase, mode: str, alpha: Optional[float] = None) -> None:
-        """Every rank (collective when some rank holds parameters without their master): install `staged` after
-        the optimizer step: masters, params, anchors (``install_masters``), then the other holders' params
-        (``refresh_holders``). `mode`/`alpha` must be what the base was staged for."""
-        from yeto_patch.island.masters.collective import IslandError
-        want = None if mode == "replace" else alpha
-        if mode not in ("replace", "blend") or (want is None) != (staged.alpha is None) or \
-                (want is not None and float(want) != staged.alpha):
-            raise IslandError(f"install_staged: the base was staged for alpha={staged.alpha}, not {mode} "
-                              f"alpha={alpha}")
-        self.install_masters(staged, params=True)
-        if self.needs_refresh():
-            self.refresh_holders(staged.entries)

@@ -259,9 +259,6 @@ class MasterView:
     def refresh_holders(self, indices: Sequence[int]) -> None:
         self._stage.refresh_holders(indices)
 
-    def install_staged(self, staged: StagedBase, mode: str, alpha: Optional[float] = None) -> None:
-        self._stage.install_staged(staged, mode, alpha)
-
     def holder_sets(self) -> list:
         return self._stage.holder_sets()
 
