@@ -86,9 +86,9 @@ def quick_grid():
 SPARSE_CURVE = ("int4", "topk:0.1+int4", "topk:0.05+int4", "topk:0.05+int2", "topk:0.02+int2", "topk:0.01+int2")
 
 
-def sparse_grid(dtypes=SPARSE_CURVE):
+def sparse_grid(dtypes=SPARSE_CURVE, H=50):
     for dt in dtypes:
-        yield dict(M=2, H=50, dtype=dt, ef=True, tau=TAU)
+        yield dict(M=2, H=H, dtype=dt, ef=True, tau=min(TAU, H // 2))
 
 
 def demo_flags(c, a):
@@ -242,6 +242,7 @@ def main(argv=None):
     ap.add_argument("--sparse", nargs="?", const=",".join(SPARSE_CURVE), default=None, metavar="DTYPES",
                     help="the sparse push dtype's bytes/quality curve at the target setting (comma-separated "
                          "push dtypes; default: %(const)s)")
+    ap.add_argument("--sparse-h", type=int, default=50, help="H of the --sparse curve")
     ap.add_argument("--only", action="append", default=[], help="run only configurations whose label "
                     "contains this text (repeatable), e.g. 'M=2 H=50 int4 ef'")
     ap.add_argument("--sweep", action="append", default=[],
@@ -275,7 +276,7 @@ def main(argv=None):
     ap.add_argument("--reference-dp", action="store_true",
                     help="the reference also trains its own data-parallel run (a sanity check of the baseline)")
     a = ap.parse_args(argv)
-    configs = list(sparse_grid(a.sparse.split(",")) if a.sparse else quick_grid() if a.quick else full_grid())
+    configs = list(sparse_grid(a.sparse.split(","), a.sparse_h) if a.sparse else quick_grid() if a.quick else full_grid())
     if a.only:
         configs = [c for c in configs if any(s in label(c) for s in a.only)] or \
             [c for c in full_grid() if any(s in label(c) for s in a.only)]
