@@ -22,7 +22,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import codec_names, sparse
+from . import codec_jit, codec_names, sparse
 from .codec_kernels import BLOCK_ENCODERS, DECODERS, F32, LIMIT, enc_bf16, enc_f32, validate_plain
 from .frames import CodecError
 from .pieces import nblocks as _nblocks
@@ -122,7 +122,7 @@ def encode(codec: str, x: np.ndarray, block: int = DEFAULT_BLOCK, name: str = "t
         nb = _nblocks(n, block)
         scales = out[: 4 * nb].view(F32)
         codes = out[4 * nb:]
-        fn = BLOCK_ENCODERS[codec]
+        fn = codec_jit.encoder(codec) or BLOCK_ENCODERS[codec]
         _run(n, block, lambda a, b: fn(x, scales, codes, a, b, block, name), threads)
     return out
 
@@ -185,6 +185,9 @@ def decode(codec: str, buf, numel: int, block: int = DEFAULT_BLOCK, out: Optiona
 
 
 def _decoder(codec: str):
+    fused = codec_jit.decoder(codec)
+    if fused is not None:
+        return fused
     if codec in DECODERS:
         return DECODERS[codec]
     return lambda codes, lay, out, a, b, block, acc, w: sparse.decode_piece(lay, codes, out, a, b, acc, w)

@@ -1,0 +1,162 @@
+"""The numba kernels of :mod:`.codec_jit` (imported on first use: importing numba costs about half a second, which
+a process that never encodes a block codec should not pay). Formats: docs/protocol.md; the numpy reference:
+codec_kernels.py."""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from .codec_kernels import LIMIT
+
+_LIMIT_BITS = int(np.float32(LIMIT).view(np.int32))
+_MAGIC = np.float32(12582912.0)
+_jit = numba.njit(nogil=True, cache=True, boundscheck=False, fastmath=False, error_model="numpy")
+
+
+# Loops index slices with their own range variable: numba then knows the index is not negative and LLVM
+# vectorizes the loop (an index like lo + i keeps a negative-index wraparound test that prevents it).
+@_jit
+def absmax_bits(xb):
+    """The largest |x| bit pattern (int32) of xb (any NaN/inf compares above every finite value)."""
+    m = np.int32(0)
+    for i in range(xb.size):
+        m = max(m, xb[i] & np.int32(0x7FFFFFFF))
+    return m
+
+@_jit
+def pack(nib, cb):
+    """cb[p] = nib[2p] | nib[2p+1] << 4 (nib holds one more zero when its count is odd)."""
+    for p in range(cb.size):
+        q = np.uint64(2 * p)
+        cb[p] = np.uint8(nib[q] | (nib[q + np.uint64(1)] << 4))
+
+@_jit
+def enc_block(x, scales, codes, a, b, block, kind, k, div, tiny):
+    """kind 0: int8, 1: int4, 2: int4-log, over blocks of x[a:b]; returns -1, or the first block holding a
+    value the codecs refuse (nothing of that block written). ``(v + MAGIC) - MAGIC`` is the reference's
+    magic-number rounding (round half to even) kept in float32. Branch-free inner loops over one
+    block, then the nibbles are packed from a block-sized scratch."""
+    xi = x.view(np.int32)
+    one = np.empty(1, np.int32)
+    onef = one.view(np.float32)
+    nib = np.empty(block + 1, np.int32)
+    kf = np.float32(k)
+    dv = np.float32(div)
+    nb = (b - a + block - 1) // block
+    j0 = a // block
+    for jb in range(nb):
+        lo = a + jb * block
+        hi = min(b, lo + block)
+        m = hi - lo
+        xb = x[lo:hi]
+        one[0] = absmax_bits(xi[lo:hi])
+        if one[0] > _LIMIT_BITS:
+            return j0 + jb
+        amax = onef[0]
+        scales[j0 + jb] = amax / dv
+        inv = kf / max(amax, tiny)
+        if kind == 0:
+            cb = codes[lo:hi]
+            for i in range(m):
+                cb[i] = np.uint8(np.int32((xb[i] * inv + _MAGIC) - _MAGIC) & 0xFF)
+            continue
+        nb_ = nib[:m]
+        if kind == 1:
+            for i in range(m):
+                nb_[i] = np.int32((xb[i] * inv + _MAGIC) - _MAGIC) + 8
+        else:   # the reference's arithmetic: the exponent field of t = |x| * inv, through a float32 view
+            xib = xi[lo:hi]
+            tf = nb_.view(np.float32)
+            for i in range(m):
+                tf[i] = abs(xb[i]) * inv
+            for i in range(m):
+                lvl = min(max((nb_[i] >> 23) - 120, 0), 7)
+                nb_[i] = lvl | ((np.int32(xib[i] < 0) & np.int32(lvl > 0)) << 3)
+        nib[m] = 0
+        pack(nib, codes[lo >> 1:(lo >> 1) + ((m + 1) >> 1)])
+    return -1
+
+@_jit
+def dec_int8(codes, scales, dst, a, b, block, w, add):
+    ci = codes.view(np.int8)
+    wf = np.float32(w)
+    j0 = a // block
+    for jb in range((b - a + block - 1) // block):
+        lo = a + jb * block
+        hi = min(b, lo + block)
+        s = scales[j0 + jb]
+        if w != 1.0:
+            s = s * wf
+        cb = ci[lo:hi]
+        db = dst[lo:hi]
+        if add:
+            for i in range(hi - lo):
+                db[i] = db[i] + np.float32(cb[i]) * s
+        else:
+            for i in range(hi - lo):
+                db[i] = np.float32(cb[i]) * s
+    return 0
+
+@_jit
+def dec_nib(codes, scales, dst, a, b, block, w, add, lut, linear, logbits):
+    """int4 (linear) and int4-log (logbits; lut: nibble -> factor of the scale, for an odd last value)."""
+    wf = np.float32(w)
+    tmp = np.empty(block + 1, np.int32)
+    j0 = a // block
+    for jb in range((b - a + block - 1) // block):
+        lo = a + jb * block
+        hi = min(b, lo + block)
+        s = scales[j0 + jb]
+        if w != 1.0:
+            s = s * wf
+        m = hi - lo
+        pairs = m >> 1
+        cb = codes[lo >> 1:(lo >> 1) + ((m + 1) >> 1)]
+        db = dst[lo:hi]
+        if linear:   # int4: (nibble - 8) * scale, arithmetic rather than a table
+            if add:
+                for p in range(pairs):
+                    c = np.int32(cb[p])
+                    q = np.uint64(2 * p)
+                    db[q] = db[q] + (np.float32(c & 15) - np.float32(8.0)) * s
+                    db[q + np.uint64(1)] = db[q + np.uint64(1)] + (np.float32(c >> 4) - np.float32(8.0)) * s
+            else:
+                for p in range(pairs):
+                    c = np.int32(cb[p])
+                    q = np.uint64(2 * p)
+                    db[q] = (np.float32(c & 15) - np.float32(8.0)) * s
+                    db[q + np.uint64(1)] = (np.float32(c >> 4) - np.float32(8.0)) * s
+        elif logbits:   # int4-log: the level's float32 built from its bits, then scaled (no table lookup)
+            tb = tmp[:2 * pairs]
+            for p in range(pairs):
+                c = np.int32(cb[p])
+                q = np.uint64(2 * p)
+                lo4 = c & 7
+                hi4 = (c >> 4) & 7
+                tb[q] = ((c & 8) << 28) | (np.int32(lo4 > 0) * ((120 + lo4) << 23))
+                tb[q + np.uint64(1)] = ((c & 128) << 24) | (np.int32(hi4 > 0) * ((120 + hi4) << 23))
+            tf = tb.view(np.float32)
+            if add:
+                for i in range(2 * pairs):
+                    db[i] = db[i] + tf[i] * s
+            else:
+                for i in range(2 * pairs):
+                    db[i] = tf[i] * s
+        elif add:
+            for p in range(pairs):
+                c = np.int32(cb[p])
+                q = np.uint64(2 * p)
+                db[q] = db[q] + lut[c & 15] * s
+                db[q + np.uint64(1)] = db[q + np.uint64(1)] + lut[c >> 4] * s
+        else:
+            for p in range(pairs):
+                c = np.int32(cb[p])
+                q = np.uint64(2 * p)
+                db[q] = lut[c & 15] * s
+                db[q + np.uint64(1)] = lut[c >> 4] * s
+        if m & 1:
+            v = lut[np.int32(cb[pairs]) & 15] * s
+            db[m - 1] = db[m - 1] + v if add else v
+    return 0
+
+
