@@ -87,3 +87,35 @@ def test_threads_do_not_change_the_bytes():
         a = codecs.decode_accumulate(codec, one, x.size, 0.7, np.zeros_like(x), 256, threads=1)
         assert a.tobytes() == codecs.decode_accumulate(codec, one, x.size, 0.7, np.zeros_like(x), 256,
                                                        threads=3).tobytes()
+
+
+SPARSE = ("topk:0.02+int2", "topk:0.05+int4", "topk:0.1+int8", "topk:0.5+int2")
+
+
+@pytest.mark.parametrize("codec", SPARSE)
+@pytest.mark.parametrize("block", [8, 63, 256, 1024])
+@pytest.mark.parametrize("kind", ["normal", "wide", "grid", "tiny"])
+def test_sparse_byte_equal_to_the_reference(codec, block, kind, reference):
+    rng = np.random.default_rng(block * 3 + len(kind) + len(codec))
+    for n in (1, block - 1, 3 * block + 5, pieces.PIECE + block + 1):
+        x = _data(rng, n, kind)
+        want = reference(lambda: codecs.encode(codec, x, block))
+        assert codecs.encode(codec, x, block).tobytes() == want.tobytes(), (codec, block, kind, n)
+        acc0 = rng.standard_normal(n).astype(np.float32)
+        for w in (1.0, -0.3):
+            r = reference(lambda: codecs.decode_accumulate(codec, want, n, w, acc0.copy(), block))
+            assert codecs.decode_accumulate(codec, want, n, w, acc0.copy(), block).tobytes() == r.tobytes()
+        r = reference(lambda: codecs.decode(codec, want, n, block))
+        assert codecs.decode(codec, want, n, block).tobytes() == r.tobytes()
+
+
+@pytest.mark.parametrize("bad", [np.nan, -np.inf, 3.1e38])
+def test_sparse_refusals_are_the_reference_s(bad, reference):
+    x = np.ones(3000, np.float32)
+    x[1234] = bad
+
+    def message():
+        with pytest.raises(CodecError) as e:
+            codecs.encode("topk:0.02+int2", x, 256, name="w")
+        return str(e.value), e.value.code
+    assert message() == reference(message)

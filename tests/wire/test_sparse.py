@@ -1,6 +1,5 @@
 """The sparse push dtype ``topk:F+intB``: names, golden bytes, byte-equality with a naive per-block reference,
 decode / accumulate / range / guard figures, error feedback, and refusal of everything a peer controls."""
-import math
 
 import numpy as np
 import pytest
@@ -83,7 +82,10 @@ def reference_encode(name: str, x: np.ndarray, block: int) -> bytes:
         mags = [np.float32(abs(xb[i])) for i in keep]
         if bits == 2:
             nz = sum(1 for m in mags if m != 0)
-            scale = np.float32(math.fsum(float(m) for m in mags) / max(nz, 1))
+            tot = 0.0
+            for m in mags:   # float64, in index order
+                tot += float(m)
+            scale = np.float32(tot / max(nz, 1))
         else:
             scale = np.float32(max(mags)) if mags else np.float32(0)
         tiny = np.float32(lm / float(np.finfo(np.float32).max) * (1 + 2.0 ** -20))

@@ -1,4 +1,5 @@
-"""Fused codec kernels (numba): one pass per block for int8, int4 and int4-log, byte-equal to the numpy kernels
+"""Fused codec kernels (numba): one pass per block for int8, int4, int4-log (here) and the sparse codecs (their
+dispatch is in sparse.py), byte-equal to the numpy kernels
 of :mod:`.codec_kernels` (the reference; tests/wire/test_codec_jit.py compares them on every layout).
 
 A kernel reads a block once for its absolute maximum and the range check and once more, while the block is still
@@ -20,7 +21,7 @@ import numpy as np
 from .codec_kernels import _LUT_INT4LOG_F, TINY
 from .codec_kernels import BLOCK_ENCODERS as _NP_ENCODERS
 
-__all__ = ["available", "enabled", "set_enabled", "encoder", "decoder"]
+__all__ = ["available", "enabled", "set_enabled", "encoder", "decoder", "kernels"]
 
 _KIND = {"int8": (0, 127.0, 127.0), "int4": (1, 7.0, 7.0), "int4-log": (2, 4.0 / 3.0, 1.0)}
 # nibble -> factor of the scale: int4 ``nibble - 8``; int4-log the reference's table (nibble 8, a sign without a
@@ -47,6 +48,11 @@ def set_enabled(on: bool) -> None:
     """Use the fused kernels (the default when numba is installed) or the numpy reference kernels."""
     global _enabled
     _enabled = bool(on)
+
+
+def kernels():
+    """The numba kernels' module (imported, and numba with it, on the first call)."""
+    return _k()
 
 
 def _k():

@@ -160,3 +160,162 @@ def dec_nib(codes, scales, dst, a, b, block, w, add, lut, linear, logbits):
     return 0
 
 
+
+
+# --------------------------------------------------------------------------------------------- sparse (topk)
+@_jit
+def _kth_largest(s, kth):
+    """The kth largest (1-based) of the int32 values s (reordered in place): a quickselect."""
+    lo, hi = 0, s.size - 1
+    want = s.size - kth          # its position in ascending order
+    while lo < hi:
+        p = s[(lo + hi) >> 1]
+        i, j = lo, hi
+        while i <= j:
+            while s[i] < p:
+                i += 1
+            while s[j] > p:
+                j -= 1
+            if i <= j:
+                t = s[i]
+                s[i] = s[j]
+                s[j] = t
+                i += 1
+                j -= 1
+        if want <= j:
+            hi = j
+        elif want >= i:
+            lo = i
+        else:
+            return s[want]
+    return s[want]
+
+
+@_jit
+def sparse_enc(x, out, a, b, block, k, k_last, width, vb, vb_last, off_idx, off_val, bits, tiny):
+    """Blocks of x[a:b] into ``out`` (the whole encoding; sparse.py's layout and reference rules); returns -1 or
+    the first block holding a value the codecs refuse."""
+    xi = x.view(np.int32)
+    ab = np.empty(block, np.int32)
+    abf = ab.view(np.float32)
+    sel = np.empty(block, np.int32)
+    work = np.empty(block, np.int32)
+    one = np.empty(1, np.float32)
+    onei = one.view(np.int32)
+    lm = (1 << (bits - 1)) - 1
+    lmf = np.float32(lm)
+    nb = (b - a + block - 1) // block
+    j0 = a // block
+    for jb in range(nb):
+        j = j0 + jb
+        lo = a + jb * block
+        hi = min(b, lo + block)
+        n = hi - lo
+        kk = k if n == block else k_last
+        vbb = vb if n == block else vb_last
+        xb = xi[lo:hi]
+        m = np.int32(0)
+        for i in range(n):
+            v = xb[i] & np.int32(0x7FFFFFFF)
+            ab[i] = v
+            m = max(m, v)
+        if m > _LIMIT_BITS:
+            return j
+        # the kk largest magnitudes, ties to the lower index, in index order
+        if kk == n:
+            for i in range(n):
+                sel[i] = i
+        else:
+            for i in range(n):
+                work[i] = ab[i]
+            t = _kth_largest(work[:n], kk)
+            gt = 0
+            for i in range(n):
+                gt += 1 if ab[i] > t else 0
+            need = kk - gt
+            c = 0
+            for i in range(n):
+                v = ab[i]
+                if v > t or (v == t and need > 0):
+                    if v == t:
+                        need -= 1
+                    sel[c] = i
+                    c += 1
+        # scale
+        if bits == 2:
+            tot = 0.0
+            nz = 0
+            for c in range(kk):
+                f = abf[sel[c]]
+                tot += np.float64(f)
+                nz += 1 if f != 0 else 0
+            s = np.float32(tot / max(nz, 1))
+        else:
+            s = np.float32(0.0)
+            for c in range(kk):
+                s = max(s, abf[sel[c]])
+        one[0] = s
+        p4 = 4 * j
+        si = onei[0]
+        out[p4] = np.uint8(si & 0xFF)
+        out[p4 + 1] = np.uint8((si >> 8) & 0xFF)
+        out[p4 + 2] = np.uint8((si >> 16) & 0xFF)
+        out[p4 + 3] = np.uint8((si >> 24) & 0xFF)
+        inv = lmf / max(s, tiny)
+        ib = off_idx + width * j * k
+        vbase = off_val + j * vb
+        for q in range(vbb):
+            out[vbase + q] = 0
+        for c in range(kk):
+            i = sel[c]
+            if width == 1:
+                out[ib + c] = np.uint8(i)
+            else:
+                out[ib + 2 * c] = np.uint8(i & 0xFF)
+                out[ib + 2 * c + 1] = np.uint8(i >> 8)
+            q = np.float32(np.float32(abf[i] * inv + _MAGIC) - _MAGIC)
+            mm = np.int32(min(q, lmf))
+            code = mm | ((np.int32(xb[i] < 0) & np.int32(mm > 0)) << (bits - 1))
+            bit = c * bits
+            out[vbase + (bit >> 3)] |= np.uint8(code << (bit & 7))
+    return -1
+
+
+@_jit
+def sparse_dec(data, dst, a, b, block, k, k_last, width, vb, vb_last, off_idx, off_val, bits, w, add, lut):
+    """Values [a, b) of validated sparse ``data``: dst[lo + index] = lut[code] * scale (dst[a:b] zeroed first), or
+    dst[lo + index] += lut[code] * (scale * w) when accumulating."""
+    wf = np.float32(w)
+    mask = (1 << bits) - 1
+    if not add:
+        for i in range(a, b):
+            dst[i] = np.float32(0.0)
+    nb = (b - a + block - 1) // block
+    j0 = a // block
+    one = np.empty(4, np.uint8)
+    onef = one.view(np.float32)
+    for jb in range(nb):
+        j = j0 + jb
+        lo = a + jb * block
+        n = min(b, lo + block) - lo
+        kk = k if n == block else k_last
+        for q in range(4):
+            one[q] = data[4 * j + q]
+        s = onef[0]
+        if w != 1.0:
+            s = s * wf
+        ib = off_idx + width * j * k
+        vbase = off_val + j * vb
+        for c in range(kk):
+            if width == 1:
+                i = np.int64(data[ib + c])
+            else:
+                i = np.int64(data[ib + 2 * c]) | (np.int64(data[ib + 2 * c + 1]) << 8)
+            bit = c * bits
+            code = (np.int32(data[vbase + (bit >> 3)]) >> (bit & 7)) & mask
+            v = lut[code] * s
+            if add:
+                dst[lo + i] = dst[lo + i] + v
+            else:
+                dst[lo + i] = v
+    return 0

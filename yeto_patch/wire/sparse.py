@@ -13,7 +13,8 @@ block and ``k_last = min(K, size of the last block)`` in the last one (all littl
 
 Encoder (the reference the tests compare with): the ``K`` largest ``|x|`` of the block, ties to the lower index;
 ``scale`` = the block's absmax for ``B >= 4`` (``m = rint(|x| * L / scale)``, ``L = 2**(B-1) - 1``), and for
-``B = 2`` (sign or zero) the mean magnitude of the kept non-zero values (``m = 1`` when ``|x| >= scale / 2``).
+``B = 2`` (sign or zero) the mean magnitude of the kept non-zero values (their float64 sum in index order, over
+their count, as float32; ``m = 1`` when ``|x| >= scale / 2``).
 What is not sent is carried by the island's error feedback (``codecs.residual``).
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import codec_names
+from . import codec_jit, codec_names
 from .codec_kernels import F32, LIMIT
 from .frames import CodecError
 
@@ -149,7 +150,9 @@ def _encode_rows(xr: np.ndarray, k: int, bits: int):
     lm = (1 << (bits - 1)) - 1
     if bits == 2:
         nz = np.count_nonzero(ak, axis=1)
-        s = (ak.sum(axis=1, dtype=np.float64) / np.maximum(nz, 1)).astype(np.float32)
+        # (a float64 sum in index order: cumsum is sequential where sum is pairwise)
+        tot = np.cumsum(ak, axis=1, dtype=np.float64)[:, -1] if ak.shape[1] else np.zeros(ak.shape[0])
+        s = (tot / np.maximum(nz, 1)).astype(np.float32)
     else:
         s = ak.max(axis=1) if ak.shape[1] else np.zeros(ak.shape[0], np.float32)
     inv = np.float32(lm) / np.maximum(s, _TINY[bits])
@@ -173,8 +176,13 @@ def _refuse(xs: np.ndarray, name: str, offset: int) -> None:
 def encode_piece(lay: Layout, x: np.ndarray, out: np.ndarray, a: int, b: int, name: str) -> None:
     """Encode values [a, b) (block-aligned; only the last piece may end in a partial block) into ``out``."""
     xs = x[a:b]
-    _refuse(xs, name, a)
     blk, bits = lay.block, lay.spec.bits
+    if codec_jit.enabled():   # the fused kernel (byte-equal; tests/wire/test_codec_jit.py)
+        bad = codec_jit.kernels().sparse_enc(x, out, a, b, blk, lay.k, lay.k_last, lay.width, lay.vb, lay.vb_last,
+                                             lay.off_idx, lay.off_val, bits, _TINY[bits])
+        if bad < 0:
+            return
+    _refuse(xs, name, a)
     j0 = a // blk
     pf = (b - a) // blk
     scales = out[: 4 * lay.nb].view(F32)
@@ -223,6 +231,11 @@ def _parts(lay: Layout, a: int, b: int):
 def decode_piece(lay: Layout, data: np.ndarray, out, a: int, b: int, acc, w: float) -> None:
     """Values [a, b) of validated ``data`` into ``out[a:b]`` (dense), or ``acc[a:b] += w * values`` touching
     only the kept positions."""
+    if codec_jit.enabled():
+        codec_jit.kernels().sparse_dec(data, out if acc is None else acc, a, b, lay.block, lay.k, lay.k_last,
+                                       lay.width, lay.vb, lay.vb_last, lay.off_idx, lay.off_val, lay.spec.bits,
+                                       float(w), acc is not None, _LEVELS[lay.spec.bits])
+        return
     if acc is None:
         out[a:b] = 0.0
     dst = out if acc is None else acc
