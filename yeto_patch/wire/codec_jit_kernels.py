@@ -192,6 +192,54 @@ def _kth_largest(s, kth):
 
 
 @_jit
+def _kth_largest_few(v, kth, top):
+    """The kth largest of v when kth is small: the kth largest so far kept sorted ascending in top[:kth]; a value
+    enters only when it beats the smallest of them (rare after the first values), so this is about one compare
+    per value."""
+    for i in range(kth):   # insertion sort of the first kth values
+        x = v[i]
+        j = i
+        while j > 0 and top[j - 1] > x:
+            top[j] = top[j - 1]
+            j -= 1
+        top[j] = x
+    floor = top[0]
+    for i in range(kth, v.size):
+        x = v[i]
+        if x > floor:
+            j = 0
+            while j + 1 < kth and top[j + 1] < x:
+                top[j] = top[j + 1]
+                j += 1
+            top[j] = x
+            floor = top[0]
+    return floor
+
+
+@_jit
+def _kth_largest_cut(v, kth, cand, top):
+    """The kth largest of v: every one of kth chunks has its maximum at or above the smallest of those maxima, so
+    the kth largest is too; only the values at or above it (a few more than kth, found by a vectorized pass) go
+    through the exact selection."""
+    n = v.size
+    cs = n // kth
+    floor = np.int32(0x7FFFFFFF)
+    for c in range(kth):
+        lo = c * cs
+        hi = n if c == kth - 1 else lo + cs
+        m = np.int32(-1)
+        for i in range(lo, hi):
+            m = max(m, v[i])
+        floor = min(floor, m)
+    nc = 0
+    for i in range(n):
+        if v[i] >= floor:
+            cand[nc] = v[i]
+            nc += 1
+    return _kth_largest_few(cand[:nc], kth, top)
+
+
+@_jit
 def sparse_enc(x, out, a, b, block, k, k_last, width, vb, vb_last, off_idx, off_val, bits, tiny):
     """Blocks of x[a:b] into ``out`` (the whole encoding; sparse.py's layout and reference rules); returns -1 or
     the first block holding a value the codecs refuse."""
@@ -226,21 +274,37 @@ def sparse_enc(x, out, a, b, block, k, k_last, width, vb, vb_last, off_idx, off_
             for i in range(n):
                 sel[i] = i
         else:
-            for i in range(n):
-                work[i] = ab[i]
-            t = _kth_largest(work[:n], kk)
+            if kk * 8 <= n:
+                t = _kth_largest_cut(ab[:n], kk, sel, work)   # (sel and work: scratch until t is known)
+            else:
+                for i in range(n):
+                    work[i] = ab[i]
+                t = _kth_largest(work[:n], kk)
             gt = 0
-            for i in range(n):
-                gt += 1 if ab[i] > t else 0
+            for i in range(n):   # the values above t, in index order (rare: a well-predicted branch)
+                if ab[i] > t:
+                    sel[gt] = i
+                    gt += 1
             need = kk - gt
-            c = 0
-            for i in range(n):
-                v = ab[i]
-                if v > t or (v == t and need > 0):
-                    if v == t:
-                        need -= 1
-                    sel[c] = i
-                    c += 1
+            if need > 0:   # and the first `need` values equal to t, merged in index order
+                c = kk - 1
+                g = gt - 1
+                ties = 0
+                for i in range(n):
+                    if ab[i] == t:
+                        work[ties] = i
+                        ties += 1
+                        if ties == need:
+                            break
+                e = need - 1
+                while e >= 0:   # merge from the back: sel[:gt] and work[:need], both increasing
+                    if g >= 0 and sel[g] > work[e]:
+                        sel[c] = sel[g]
+                        g -= 1
+                    else:
+                        sel[c] = work[e]
+                        e -= 1
+                    c -= 1
         # scale
         if bits == 2:
             tot = 0.0
