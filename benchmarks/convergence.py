@@ -14,6 +14,8 @@ in total), cached per setting.
     python benchmarks/convergence.py --only "M=2 H=50 int4 ef tau=5" --steps 800
     python benchmarks/convergence.py --sweep outer_lr=0.5,0.7,1.0   # what closes a gap (see --help)
     python benchmarks/convergence.py --quick --no-reference         # without the reference (faster)
+    python benchmarks/convergence.py --sparse --no-reference        # the sparse push dtype's bytes/quality curve:
+                                                     # int4 (ef) and topk:F+intB over F and B at the target setting
 
 Every configuration is also run by benchmarks/diloco_reference.py (skip with --no-reference): textbook DiLoCo in
 plain PyTorch on the same model, data, seed and inner optimizer (fp32, exact pushes), and the lone island (one
@@ -78,6 +80,15 @@ def quick_grid():
     yield dict(M=2, H=50, dtype="f32", ef=False, tau=0)
     yield dict(M=2, H=10, dtype="int4", ef=True, tau=TAU)
     yield dict(M=4, H=50, dtype="int4", ef=True, tau=TAU)
+
+
+#: the sparse push dtype's curve at the target setting (M=2, H=50, tau=5, error feedback): int4 first, the anchor
+SPARSE_CURVE = ("int4", "topk:0.1+int4", "topk:0.05+int4", "topk:0.05+int2", "topk:0.02+int2", "topk:0.01+int2")
+
+
+def sparse_grid(dtypes=SPARSE_CURVE, H=50):
+    for dt in dtypes:
+        yield dict(M=2, H=H, dtype=dt, ef=True, tau=min(TAU, H // 2))
 
 
 def demo_flags(c, a):
@@ -190,15 +201,16 @@ def loss_table(rows, target=1.01):
 
 def bytes_table(rows):
     warm = any(r.get("warmup_steps") for r in rows)
-    head = "| config | MB between | MB all-reduce | bytes ratio | push ratio | same model | wall s |"
+    head = "| config | MB pushed | MB between | MB all-reduce | bytes ratio | push ratio | same model | wall s |"
     if warm:  # with a synchronous warm-up the ratios above include its K steps of all-reduce
         head += " warm-up K | bytes ratio, DiLoCo steps only | push ratio, DiLoCo steps only |"
-    lines = [head, "|" + "---|" * (10 if warm else 7)]
+    lines = [head, "|" + "---|" * (11 if warm else 8)]
     for r in rows:
         if "error" in r:
             continue
         lines.append(
-            f"| {label(r['config'])} | {_mb(r['bytes_between'])} | {_mb(r['allreduce_bytes'])} | "
+            f"| {label(r['config'])} | {_mb(r['bytes_pushed'])} | {_mb(r['bytes_between'])} | "
+            f"{_mb(r['allreduce_bytes'])} | "
             f"{(r['bytes_ratio'] or 0):.0f}x | {(r['upload_ratio'] or 0):.0f}x | "
             f"{'yes' if r['islands_identical'] else 'NO'} | {r['wall_s']:.0f} |"
             + (f" {r.get('warmup_steps') or 0} | {(r.get('bytes_ratio_diloco_only') or 0):.0f}x | "
@@ -227,6 +239,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="the target configuration and a few neighbours")
+    ap.add_argument("--sparse", nargs="?", const=",".join(SPARSE_CURVE), default=None, metavar="DTYPES",
+                    help="the sparse push dtype's bytes/quality curve at the target setting (comma-separated "
+                         "push dtypes; default: %(const)s)")
+    ap.add_argument("--sparse-h", type=int, default=50, help="H of the --sparse curve")
     ap.add_argument("--only", action="append", default=[], help="run only configurations whose label "
                     "contains this text (repeatable), e.g. 'M=2 H=50 int4 ef'")
     ap.add_argument("--sweep", action="append", default=[],
@@ -260,7 +276,7 @@ def main(argv=None):
     ap.add_argument("--reference-dp", action="store_true",
                     help="the reference also trains its own data-parallel run (a sanity check of the baseline)")
     a = ap.parse_args(argv)
-    configs = list(quick_grid() if a.quick else full_grid())
+    configs = list(sparse_grid(a.sparse.split(","), a.sparse_h) if a.sparse else quick_grid() if a.quick else full_grid())
     if a.only:
         configs = [c for c in configs if any(s in label(c) for s in a.only)] or \
             [c for c in full_grid() if any(s in label(c) for s in a.only)]

@@ -57,7 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from yeto_patch.syncer.model.checkpoint import read_checkpoint  # noqa: E402
-from yeto_patch.wire import auth, codecs, secure  # noqa: E402
+from yeto_patch.wire import auth, codec_names, codecs, secure, sparse  # noqa: E402
 from yeto_patch.wire.client import SyncerClient  # noqa: E402
 from yeto_patch.wire.frames import HEADER, HEADER_SIZE, MAGIC, MAX_PAYLOAD, MsgType, ProtocolError  # noqa: E402
 from yeto_patch.wire.handshake import PROTOCOL, IslandHello  # noqa: E402
@@ -513,13 +513,42 @@ def run_case(addr, case: Case, timeout: float, key: bytes = None, island: str = 
 
 
 # ---------------------------------------------------------------------------------------- hostile pushes
+SPARSE_FUZZ = ("topk:0.02+int2", "topk:0.05+int4", "topk:0.1+int8")
+BAD_SPARSE = ["topk:0.020+int2", "topk:2e-2+int2", "TOPK:0.02+int2", "topk:0.6+int2", "topk:0.0001+int2",
+              "topk:0.02+int3", "topk:0.02+int16", "topk:0.02+int2 ", "topk:1+int2", "topk:0.02", "topk:" + "1" * 40]
+
+
+def bad_sparse_body(r: random.Random, codec: str, good: bytes, n: int) -> bytes:
+    """``good`` (a sparse encoding of n zeros, block 256: indices 0..K-1) with one block's indices out of its
+    block (the partial last block), out of order or repeated, or a value's unused bits set."""
+    lay = sparse.layout(codec_names.sparse(codec), n, 256)
+    b = bytearray(good)
+    hows = ["order", "repeat"] + (["range"] if lay.tail else []) + (["padding"] if (lay.k * lay.spec.bits) % 8 else [])
+    how = r.choice(hows)
+    j = lay.nfull if how == "range" or not lay.nfull else r.randrange(lay.nfull)
+    k = lay.k_last if j == lay.nfull else lay.k
+    i0 = lay.off_idx + j * lay.k          # width 1 at block 256
+    if how == "range":
+        b[i0 + k - 1] = r.randrange(lay.tail, 256)
+    elif how == "order" or k == 1:
+        b[i0] = b[i0 + k - 1] if k > 1 else 255 if j == lay.nfull else b[i0]
+        if k > 1:
+            b[i0 + k - 1] = 0
+    elif how == "repeat":
+        b[i0 + 1] = b[i0]
+    else:
+        b[lay.off_val + (j + 1) * lay.vb - 1] |= 0x80
+    return bytes(b)
+
+
 class PushFuzzer:
     """Bad PUSHes (and ignored junk) on one authenticated connection; every PUSH must be refused."""
 
     def __init__(self, rng: random.Random, versions: list, numels: list):
         self.rng, self.v, self.numels = rng, versions, numels
+        self.codecs = codecs.CODECS + SPARSE_FUZZ
         self.zero = {(f, c): codecs.encode(c, np.zeros(n, np.float32)).tobytes()
-                     for f, n in enumerate(numels) for c in codecs.CODECS}
+                     for f, n in enumerate(numels) for c in self.codecs}
 
     def make(self):
         """(message type, meta, body, expected refusal code or None for an ignored message)."""
@@ -531,7 +560,7 @@ class PushFuzzer:
                 "codec": "f32", "block": 256, "numel": n, "final": r.random() < 0.3}
         body = self.zero[(f, "f32")]
         kind = r.choices(["fragment", "missing", "counter", "base", "stale", "codec", "size", "nonfinite",
-                          "ignored", "outlier"], [2, 1, 2, 2, 1, 2, 3, 5, 1, 2])[0]
+                          "ignored", "outlier", "sparse"], [2, 1, 2, 2, 1, 2, 3, 5, 1, 2, 3])[0]
         if kind == "fragment":
             g = pick([len(self.numels), 99, -1, 1 << 63, "0", None, 1.5, [0], {"i": 0}, True, False])
             meta["fragment"] = g
@@ -554,10 +583,13 @@ class PushFuzzer:
             return MsgType.PUSH, meta, body, "stale"
         if kind == "codec":
             if r.random() < 0.6:
-                meta["codec"] = pick(["f64", "", "F32", "int3", "int4 ", "\u2603", None, 7, ["f32"]])
-            else:
+                meta["codec"] = pick(["f64", "", "F32", "int3", "int4 ", "\u2603", None, 7, ["f32"]] + BAD_SPARSE)
+            elif r.random() < 0.5:
                 meta["codec"] = pick(["int4", "int4-log"])
                 meta["block"] = pick([1, 3, 255, 1 << 25, 1 << 40])
+            else:   # a valid sparse name with a block its 16-bit indices cannot address
+                meta["codec"] = pick(SPARSE_FUZZ)
+                meta["block"] = pick([(1 << 16) + 1, 1 << 20, 1 << 24])
             return MsgType.PUSH, meta, body, "bad-codec"
         if kind == "outlier":  # within every codec check, but a norm far above anything the fragment has seen
             nb = -(-n // 256)
@@ -570,7 +602,10 @@ class PushFuzzer:
                 body = np.concatenate([np.full(nb, scale, np.float32).view(np.uint8),
                                        np.full(-(-n // 2) if k == 0x77 else n, k, np.uint8)]).tobytes()
             return MsgType.PUSH, meta, body, "outlier"
-        codec = pick(codecs.CODECS)
+        if kind == "sparse":   # well-sized, finite scales, but indices or padding a decoder must not trust
+            meta["codec"] = pick(SPARSE_FUZZ)
+            return MsgType.PUSH, meta, bad_sparse_body(r, meta["codec"], self.zero[(f, meta["codec"])], n), "bad-push"
+        codec = pick(self.codecs)
         meta["codec"] = codec
         good = self.zero[(f, codec)]
         if kind == "size":

@@ -2,9 +2,11 @@
 """Soak test over slow and lossy links (loopback only).
 
     python benchmarks/soak.py [--quick] [--rounds 40] [--numel 262144] [--seed 0] [--json out.json]
+                              [--push-dtypes f32,topk:0.05+int2,int4]
 
 Three scripted islands (wire-level SyncerClient islands, no Megatron) run a fixed roster (--islands 3, quorum 3,
-``--exact``, f32 pushes, tau = 0: each island pushes relative to the newest base it holds and waits for the merged
+``--exact``, pushes in the codecs of ``--push-dtypes``, one per island in turn (default f32; --quick: f32, the
+sparse topk:0.05+int2 and int4), tau = 0: each island pushes relative to the newest base it holds and waits for the merged
 base) through a relay that adds 50-200 ms latency per connection, throttles every direction to a few MB/s,
 pauses reading a direction for 1-5 s at random and cuts connections at random. The islands reconnect with the
 same incarnation and push again what was not answered (``duplicate`` means counted). Faults stop once every
@@ -240,6 +242,8 @@ def delta(island: str, f: int, v: int, base: np.ndarray, seed: int) -> np.ndarra
 
 def run_island(name, addr, man, values, args, stats, stop):
     inc = 1000 + ISLANDS.index(name)
+    dtypes = args.push_dtypes.split(",")
+    codec = dtypes[ISLANDS.index(name) % len(dtypes)]
     bases: dict = {}
     final = None
     while not stop.is_set():
@@ -258,8 +262,8 @@ def run_island(name, addr, man, values, args, stats, stop):
                 for f in todo:
                     v = bases[f].version
                     try:
-                        c.push(f, base_version=v, local_step=v + 1, steps=1, tokens=1, codec="f32",
-                               body=codecs.encode("f32", delta(name, f, v, bases[f].values, args.seed)), wait=True)
+                        c.push(f, base_version=v, local_step=v + 1, steps=1, tokens=1, codec=codec,
+                               body=codecs.encode(codec, delta(name, f, v, bases[f].values, args.seed)), wait=True)
                         stats["pushes"] += 1
                     except SyncerRefusal as e:
                         if e.code != "duplicate":
@@ -376,7 +380,13 @@ def parse_args(argv=None):
     p.add_argument("--max-seconds", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
+    p.add_argument("--push-dtypes", default=None, help="the islands' push codecs, one per island in turn "
+                   "(default f32; --quick: f32,topk:0.05+int2,int4)")
     a = p.parse_args(argv)
+    if a.push_dtypes is None:
+        a.push_dtypes = "f32,topk:0.05+int2,int4" if a.quick else "f32"
+    for d in a.push_dtypes.split(","):
+        codecs.check_codec(d)
     if a.quick:
         a.rounds, a.numel, a.pause_max, a.pause_every, a.cut_every = 8, 4096, 2.0, 1.5, 2.5
         a.max_seconds = min(a.max_seconds, 120.0)

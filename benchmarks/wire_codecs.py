@@ -9,7 +9,7 @@ Throughput is GB/s of float32 input (numel * 4 bytes / seconds), best of --repea
 measures numpy's memcpy (np.copyto of the float32 array: read bandwidth = bytes read / s), xxh3_64 over the
 float32 bytes, and a naive one-line numpy implementation of each codec (same format, no blocking/threads),
 then prints ratios: encode/memcpy, decode/memcpy, encode/naive, decode/naive.
-Targets on the 2-core reference machine (int8/int4/int4-log): encode >= 0.5x memcpy, decode >= 0.7x memcpy,
+Targets on the 2-core reference machine (int8/int4/int4-log): encode >= 0.8x memcpy, decode >= 0.9x memcpy,
 both >= 3x naive.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import xxhash
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from yeto_patch.wire import codec_kernels, codecs, pieces  # noqa: E402
+from yeto_patch.wire import codec_jit, codec_kernels, codec_names, codecs, pieces  # noqa: E402
 
 TARGETS = {"int8", "int4", "int4-log"}
 
@@ -101,13 +101,18 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=None, help="timed repeats, best kept (default 3)")
     ap.add_argument("--block", type=int, default=codecs.DEFAULT_BLOCK)
     ap.add_argument("--threads", type=int, default=None, help="codec threads (default min(4, cpus))")
-    ap.add_argument("--codecs", default=",".join(codecs.CODECS))
+    ap.add_argument("--codecs", default=",".join(codecs.CODECS + ("topk:0.02+int2", "topk:0.05+int4")),
+                    help="(the sparse topk:F+intB codecs have no naive column: tests/wire/test_sparse.py checks "
+                         "them byte-equal to a per-value reference)")
     ap.add_argument("--no-naive", action="store_true", help="skip the naive implementations")
+    ap.add_argument("--numpy", action="store_true", help="the numpy reference kernels instead of the fused (numba) "
+                    "ones")
     args = ap.parse_args(argv)
     mib = args.mib if args.mib is not None else (16.0 if args.quick else 256.0)
     repeat = args.repeat or (1 if args.quick else 3)
     if args.threads:
         codecs.set_threads(args.threads)
+    codec_jit.set_enabled(not args.numpy)
     n = int(mib * (1 << 20)) // 4
     rng = np.random.default_rng(0)
     x = rng.standard_normal(n, dtype=np.float32)
@@ -117,11 +122,12 @@ def main(argv=None):
     np.copyto(dst, x)
     xx = gb / best(lambda: xxhash.xxh3_64_intdigest(x), repeat)
     print(f"input: {mib:g} MiB float32 ({n} values), block {args.block}, codec threads {pieces.threads()}, "
-          f"best of {repeat}; cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}")
+          f"best of {repeat}; cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}; kernels: "
+          f"{'fused (numba)' if codec_jit.enabled() else 'numpy'}")
     print("memcpy = np.copyto of the float32 input (single thread), measured in the same rounds as each row")
     print("cpu columns: the same ratios in GB per CPU-second (all threads), robust when other processes load "
           "the machine")
-    hdr = (f"{'codec':9} {'B/value':>7} {'memcpy':>7} {'enc GB/s':>8} {'dec GB/s':>8} {'enc/mcpy':>8} "
+    hdr = (f"{'codec':14} {'B/value':>7} {'memcpy':>7} {'enc GB/s':>8} {'dec GB/s':>8} {'enc/mcpy':>8} "
            f"{'dec/mcpy':>8} {'cpu enc':>7} {'cpu dec':>7} {'naive enc':>9} {'naive dec':>9} {'enc/naive':>9} "
            f"{'dec/naive':>9} {'max err':>9}")
     print(hdr)
@@ -143,7 +149,7 @@ def main(argv=None):
         cm, ce, cd = (gb / max(1e-9, min(c for _, c in v)) for v in (tm, te, td))
         mcpy_all.append(memcpy)
         err = float(np.abs(dst - x).max() / np.abs(x).max())
-        if args.no_naive:
+        if args.no_naive or codec_names.sparse(codec):
             ne = nd = float("nan")
         else:
             ref = naive_encode(codec, x, args.block)
@@ -156,13 +162,15 @@ def main(argv=None):
                 print(f"  !! {codec}: the naive decoding differs from the codec's")
                 ok = False
             del ref
-        print(f"{codec:9} {nbytes / n:7.3f} {memcpy:7.2f} {e:8.2f} {d:8.2f} {e / memcpy:8.2f} {d / memcpy:8.2f} "
+        if codec_names.sparse(codec):   # the sparse decode is exact only at the kept values
+            err = float(np.abs(dst - x)[dst != 0].max(initial=0) / np.abs(x).max())
+        print(f"{codec:14} {nbytes / n:7.3f} {memcpy:7.2f} {e:8.2f} {d:8.2f} {e / memcpy:8.2f} {d / memcpy:8.2f} "
               f"{ce / cm:7.2f} {cd / cm:7.2f} {ne:9.2f} {nd:9.2f} {e / ne:9.1f} {d / nd:9.1f} {err:9.2e}")
         if codec in TARGETS:
-            if e < 0.5 * memcpy or d < 0.7 * memcpy or (not args.no_naive and (e < 3 * ne or d < 3 * nd)):
+            if e < 0.8 * memcpy or d < 0.9 * memcpy or (not args.no_naive and (e < 3 * ne or d < 3 * nd)):
                 below.append(codec)
     print(f"xxh3_64 digest: {xx:.2f} GB/s ({xx / max(mcpy_all or [1]):.2f}x the best memcpy)")
-    print("targets (int8/int4/int4-log): encode >= 0.5x memcpy, decode >= 0.7x memcpy, both >= 3x naive: "
+    print("targets (int8/int4/int4-log): encode >= 0.8x memcpy, decode >= 0.9x memcpy, both >= 3x naive: "
           + ("met" if not below else "NOT met for " + ", ".join(below)))
     return 0 if ok else 1
 

@@ -18,7 +18,8 @@ ALLOWED = {
     "island": {"wire", "config"},
     "hooks": {"island", "wire", "config"},
 }
-OPTIONAL = {"yeto_patch.demo.plot"}   # needs the 'plot' extra (matplotlib)
+OPTIONAL = {"yeto_patch.demo.plot": "matplotlib",   # the 'plot' extra
+            "yeto_patch.wire.codec_jit_kernels": "numba"}   # the fused codecs (pinned; the numpy kernels without)
 
 
 def _modules():
@@ -28,7 +29,7 @@ def _modules():
 @pytest.mark.parametrize("name", _modules())
 def test_module_imports(name):
     if name in OPTIONAL:
-        pytest.importorskip("matplotlib")
+        pytest.importorskip(OPTIONAL[name])
     importlib.import_module(name)
 
 

@@ -34,13 +34,14 @@ import textwrap
 import threading
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
-from .config_values import (TRUE_WORDS, ConfigError, Parser, address, boolean, choice, duration, integer,
+from .config_values import (TRUE_WORDS, ConfigError, Parser, address, boolean, choice, codec, duration, integer,
                             island_id, number, or_auto, size, sync_every, text)
+from .wire import codec_names
 
 __all__ = ["ConfigError", "Settings", "TABLE", "VARIABLES", "Var", "attached", "from_env", "get", "markdown",
            "reset"]
 
-PUSH_DTYPES = ("f32", "bf16", "int8", "int4", "int4-log")
+PUSH_DTYPES = codec_names.DENSE   # and the sparse family topk:F+intB (wire.codec_names)
 AUTO_TAU_MAX = 5   # YETO_DILOCO_OVERLAP_STEPS=auto: min(AUTO_TAU_MAX, H // 2)
 AUTO_H = 100       # YETO_DILOCO_SYNC_EVERY=auto: H at the fleet's pace (auto:N for another)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -98,7 +99,7 @@ TABLE = (
         f"a fragment (fragments take turns over H); `auto` (`auto:N`): {AUTO_H} (N) on the fastest island, fewer "
         "on slower ones: all push at the fleet's pace and phase", int,
         show=lambda s: f"auto:{s.sync_every}" if s.sync_auto else s.sync_every),
-    Var("YETO_DILOCO_PUSH_DTYPE", "push_dtype", choice(PUSH_DTYPES), "int4", "wire dtype of pushed deltas", str),
+    Var("YETO_DILOCO_PUSH_DTYPE", "push_dtype", codec(), "int4", "pushes' wire dtype", str),
     Var("YETO_DILOCO_BLOCK", "block", integer(8, 65536, "elements per quantization scale"), 256,
         "quantization block size (elements per float32 scale)", int),
     Var("YETO_DILOCO_ERROR_FEEDBACK", "error_feedback", or_auto(boolean()), None,

@@ -2,12 +2,15 @@
 
 Each parser is a ``Parser`` (``parse(name, raw, default)`` raising ``ConfigError`` naming the variable, ``fmt`` for
 doctor, ``accepts`` for the docs). They hold no state and know no variable; which variable uses which parser, and
-the rules between variables, are config.py's. This module imports nothing heavy and nothing else of yeto-patch.
+the rules between variables, are config.py's. This module imports nothing heavy and nothing else of yeto-patch
+but ``wire.codec_names`` (stdlib only: the one list of codec names).
 """
 from __future__ import annotations
 
 import re
 from typing import Any, Callable, NamedTuple
+
+from .wire import codec_names
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
@@ -144,6 +147,18 @@ def choice(choices) -> Parser:
                 return c
         raise ConfigError(f"{name}={raw!r} is not accepted: use one of {', '.join(choices)}")
     return Parser(parse, lambda v: v, ", ".join(choices))
+
+
+def codec() -> Parser:
+    """A codec name (wire.codec_names: the dense names or ``topk:F+intB``), case and spacing free, canonical."""
+    def parse(name, raw, default):
+        if raw.strip() == "":
+            return default
+        v = codec_names.canonical(raw)
+        if v is None:
+            raise ConfigError(f"{name}={raw!r} is not accepted: use one of {codec_names.describe()}")
+        return v
+    return Parser(parse, lambda v: v, f"{', '.join(codec_names.PLAIN)}, int8, int4(-log), {codec_names.SPARSE_FORM}")
 
 
 def text(accepts: str = "text") -> Parser:

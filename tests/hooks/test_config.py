@@ -45,6 +45,11 @@ def test_auto_tau_and_error_feedback():
     assert from_env(env(YETO_DILOCO_ERROR_FEEDBACK="0")).error_feedback is False
 
 
+def test_sparse_push_dtype_is_canonicalised():
+    assert from_env(env(YETO_DILOCO_PUSH_DTYPE=" TopK:0.020 + INT2 ")).push_dtype == "topk:0.02+int2"
+    assert from_env(env(YETO_DILOCO_PUSH_DTYPE="topk:.1+int8", YETO_DILOCO_BLOCK="1024")).push_dtype == "topk:0.1+int8"
+
+
 def test_every_value_form():
     s = from_env(env(YETO_DILOCO_SYNC_EVERY="50", YETO_DILOCO_PUSH_DTYPE="INT4-LOG", YETO_DILOCO_BLOCK="128",
                      YETO_DILOCO_ERROR_FEEDBACK="yes", YETO_DILOCO_OVERLAP_STEPS="2",
@@ -77,6 +82,8 @@ def test_every_value_form():
     ("YETO_DILOCO_SYNC_EVERY", "banana", "integer"),
     ("YETO_DILOCO_SYNC_EVERY", "0", "[1, "),
     ("YETO_DILOCO_PUSH_DTYPE", "int3", "f32, bf16, int8, int4, int4-log"),
+    ("YETO_DILOCO_PUSH_DTYPE", "topk:0.7+int2", "topk:F+intB (F in 0.001..0.5"),
+    ("YETO_DILOCO_PUSH_DTYPE", "topk:0.02+int3", "B in 2/4/8"),
     ("YETO_DILOCO_BLOCK", "4", "[8, 65536]"),
     ("YETO_DILOCO_ERROR_FEEDBACK", "maybe", "1/0"),
     ("YETO_DILOCO_START_DIGEST", "perhaps", "1/0"),

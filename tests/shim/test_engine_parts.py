@@ -27,7 +27,7 @@ def test_schedule_more_fragments_than_steps():
     assert sorted(seen) == list(range(P))          # every fragment once per H steps
 
 
-@pytest.mark.parametrize("codec", codecs.CODECS)
+@pytest.mark.parametrize("codec", codecs.CODECS + ("topk:0.05+int2", "topk:0.1+int4"))
 @pytest.mark.parametrize("numel,piece,block", [(1000, 256, 64), (4097, 1024, 256), (5, 1 << 20, 256),
                                                (777, 100, 8)])
 def test_streamed_encoding_equals_whole(codec, numel, piece, block):
@@ -43,7 +43,7 @@ def test_streamed_encoding_equals_whole(codec, numel, piece, block):
     assert np.array_equal(body, whole)
 
 
-@pytest.mark.parametrize("codec", ["int4", "int8", "int4-log", "bf16"])
+@pytest.mark.parametrize("codec", ["int4", "int8", "int4-log", "bf16", "topk:0.1+int2"])
 def test_error_feedback_carries_the_residual(codec):
     rng = np.random.default_rng(3)
     numel, block = 3000, 128
@@ -59,8 +59,9 @@ def test_error_feedback_carries_the_residual(codec):
         total_true += x
     # with error feedback, what was sent plus what is still carried equals what was meant, to float precision
     assert np.allclose(total_sent + residual, total_true, atol=1e-5)
-    # and the carried error stays bounded (one quantization step), not growing with the rounds
-    assert np.abs(residual).max() < 0.02
+    # and the carried error stays bounded (one quantization step; sparse: what ~10 pushes of 10% leave), not growing
+    # with the rounds
+    assert np.abs(residual).max() < (0.06 if codec.startswith("topk") else 0.02)
 
 
 def test_non_finite_delta_names_the_fragment_and_tensor():

@@ -3,6 +3,8 @@ import argparse
 import signal
 import sys
 
+from yeto_patch.wire import codec_names
+
 DESCRIPTION = """\
 Run DiLoCo through yeto-patch on this machine: a local syncer and islands of a small real megatron-core GPT
 (default: one TP2 and one PP2 island, bf16, DistributedOptimizer, 2 ranks each), each launched with torchrun
@@ -47,13 +49,14 @@ def build_parser():
     g = p.add_argument_group("DiLoCo (YETO_* variables of the islands, flags of the syncer)")
     g.add_argument("--sync-every", "-H", type=int, default=50, help="H: steps between boundaries of a fragment")
     g.add_argument("--fragments", type=int, default=2, help="streaming fragments (take turns within H)")
-    g.add_argument("--push-dtype", default="int4", choices=["f32", "bf16", "int8", "int4", "int4-log"])
+    g.add_argument("--push-dtype", default="int4", type=_push_dtype, metavar="DTYPE",
+                   help=f"YETO_DILOCO_PUSH_DTYPE: {codec_names.describe()}")
     g.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--overlap-steps", "--tau", type=int, default=5, help="tau: steps a merged base may trail")
     g.add_argument("--merge-alpha", type=float, default=0.5)
     g.add_argument("--outer-lr", type=float, default=0.7)
     g.add_argument("--outer-momentum", type=float, default=0.9)
-    g.add_argument("--base-wire", choices=["f32", "bf16", "int8", "int4"], default="int4",
+    g.add_argument("--base-wire", choices=list(codec_names.BASE_WIRE), default="int4",
                    help="how the syncer sends merged bases (the syncer's --base-wire): int4/int8 send the "
                         "quantized change with error feedback (8x/4x fewer bytes than f32); the final model is "
                         "always f32")
@@ -134,3 +137,10 @@ def main(argv=None):
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _push_dtype(text: str) -> str:
+    name = codec_names.canonical(text)
+    if name is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: use {codec_names.describe()}")
+    return name

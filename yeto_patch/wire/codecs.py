@@ -1,4 +1,5 @@
-"""Codecs for one flat float32 vector: ``f32``, ``bf16``, ``int8``, ``int4``, ``int4-log``.
+"""Codecs for one flat float32 vector: ``f32``, ``bf16``, ``int8``, ``int4``, ``int4-log`` and the sparse
+``topk:F+intB`` family (names: :mod:`.codec_names`; layout and kernels: :mod:`.sparse`).
 
 Byte layouts (all little-endian; exact definitions in docs/protocol.md, section "Codecs"):
 
@@ -21,6 +22,7 @@ from typing import Optional
 
 import numpy as np
 
+from . import codec_jit, codec_names, sparse
 from .codec_kernels import BLOCK_ENCODERS, DECODERS, F32, LIMIT, enc_bf16, enc_f32, validate_plain
 from .frames import CodecError
 from .pieces import nblocks as _nblocks
@@ -28,9 +30,9 @@ from .pieces import run as _run
 from .pieces import set_threads
 
 __all__ = ["CODECS", "DEFAULT_BLOCK", "encoded_nbytes", "encode", "decode", "decode_accumulate", "decode_range",
-           "residual", "set_threads", "check_codec", "check_encoded"]
+           "residual", "set_threads", "check_codec", "check_encoded", "splice", "sparse_sumsq"]
 
-CODECS = ("f32", "bf16", "int8", "int4", "int4-log")
+CODECS = codec_names.DENSE   # the fixed names; the sparse family is codec_names.sparse(name)
 DEFAULT_BLOCK = 256
 MAX_BLOCK = 1 << 24
 # the largest valid scale of each block codec (LIMIT: the largest |x| they encode; codec_kernels.py)
@@ -39,12 +41,21 @@ _MAX_SCALE = {"int8": np.float32(LIMIT / 127), "int4": np.float32(LIMIT / 7), "i
 
 # ---------------------------------------------------------------------------------------------- helpers
 def check_codec(codec: str, block: int = DEFAULT_BLOCK) -> None:
-    if codec not in CODECS:
-        raise CodecError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
+    if not codec_names.known(codec):
+        shown = repr(codec[:codec_names.MAX_NAME]) if isinstance(codec, str) else type(codec).__name__
+        raise CodecError(f"unknown codec {shown} (known: {codec_names.describe()})")
     if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or not 1 <= block <= MAX_BLOCK:
         raise CodecError(f"block must be an integer in [1, {MAX_BLOCK}], got {block!r}")
     if codec in ("int4", "int4-log") and block % 2:
         raise CodecError(f"codec {codec} needs an even block size, got {block}")
+    spec = codec_names.sparse(codec)
+    if spec is not None:
+        sparse.check_block(spec, int(block))
+
+
+def _sparse_layout(codec: str, numel: int, block: int):
+    spec = codec_names.sparse(codec)
+    return None if spec is None else sparse.layout(spec, int(numel), int(block))
 
 
 def encoded_nbytes(codec: str, numel: int, block: int = DEFAULT_BLOCK) -> int:
@@ -56,6 +67,9 @@ def encoded_nbytes(codec: str, numel: int, block: int = DEFAULT_BLOCK) -> int:
         return 4 * numel
     if codec == "bf16":
         return 2 * numel
+    lay = _sparse_layout(codec, numel, block)
+    if lay is not None:
+        return lay.nbytes
     nb = _nblocks(numel, block)
     if codec == "int8":
         return 4 * nb + numel
@@ -101,11 +115,14 @@ def encode(codec: str, x: np.ndarray, block: int = DEFAULT_BLOCK, name: str = "t
         _run(n, block, lambda a, b: enc_f32(x, out, a, b, name), threads)
     elif codec == "bf16":
         _run(n, block, lambda a, b: enc_bf16(x, out, a, b, name), threads)
+    elif codec_names.sparse(codec):
+        lay = _sparse_layout(codec, n, block)
+        _run(n, block, lambda a, b: sparse.encode_piece(lay, x, out, a, b, name), threads)
     else:
         nb = _nblocks(n, block)
         scales = out[: 4 * nb].view(F32)
         codes = out[4 * nb:]
-        fn = BLOCK_ENCODERS[codec]
+        fn = codec_jit.encoder(codec) or BLOCK_ENCODERS[codec]
         _run(n, block, lambda a, b: fn(x, scales, codes, a, b, block, name), threads)
     return out
 
@@ -125,6 +142,10 @@ def _check_decode_args(codec, buf, numel, block):
         raise CodecError(f"numel must be a non-negative integer, got {numel!r}")
     b = _sized_bytes(codec, buf, int(numel), block)
     scales = None
+    lay = _sparse_layout(codec, numel, block)
+    if lay is not None:   # scales, indices and padding, all checked here: data that passes decodes
+        sparse.validate(lay, b)
+        return b, lay
     if codec not in ("f32", "bf16"):
         nb = _nblocks(int(numel), block)
         raw = b[: 4 * nb]
@@ -158,9 +179,18 @@ def decode(codec: str, buf, numel: int, block: int = DEFAULT_BLOCK, out: Optiona
               and out.flags.c_contiguous and out.flags.writeable):
         raise CodecError(f"out must be a writeable contiguous float32 array of shape ({numel},)")
     if numel:
-        fn = DECODERS[codec]
+        fn = _decoder(codec)
         _run(numel, block, lambda a, b: fn(codes, scales, out, a, b, block, None, 1.0), threads)
     return out
+
+
+def _decoder(codec: str):
+    fused = codec_jit.decoder(codec)
+    if fused is not None:
+        return fused
+    if codec in DECODERS:
+        return DECODERS[codec]
+    return lambda codes, lay, out, a, b, block, acc, w: sparse.decode_piece(lay, codes, out, a, b, acc, w)
 
 
 def decode_range(codec: str, buf, numel: int, start: int, count: int, block: int = DEFAULT_BLOCK) -> np.ndarray:
@@ -179,6 +209,10 @@ def decode_range(codec: str, buf, numel: int, start: int, count: int, block: int
     nb = _nblocks(numel, block)
     b0, b1 = start // block, _nblocks(start + count, block)
     lo, hi = b0 * block, min(b1 * block, numel)        # whole blocks (block is even for the nibble codecs)
+    lay = _sparse_layout(codec, numel, block)
+    if lay is not None:
+        out = decode(codec, sparse.sub_buffer(lay, b, b0, b1), hi - lo, block)
+        return out[start - lo: start - lo + count]
     codes = b[4 * nb:]
     if codec == "int8":
         sub_codes = codes[lo:hi]
@@ -205,7 +239,7 @@ def decode_accumulate(codec: str, buf, numel: int, weight: float, acc: np.ndarra
     if numel:
         if codec in ("f32", "bf16"):  # no scales were checked: validate the values first (acc unchanged)
             _run(numel, block, lambda a, b: validate_plain(codec, codes, a, b), threads)
-        fn = DECODERS[codec]
+        fn = _decoder(codec)
         _run(numel, block, lambda a, b: fn(codes, scales, None, a, b, block, acc, w), threads)
     return acc
 
@@ -218,3 +252,39 @@ def residual(codec: str, x: np.ndarray, block: int = DEFAULT_BLOCK, name: str = 
     out = decode(codec, enc, x.size, block, out=out, threads=threads)
     np.subtract(x, out, out=out)
     return out
+
+
+def splice(codec: str, body: np.ndarray, enc: np.ndarray, pos: int, n: int, numel: int,
+           block: int = DEFAULT_BLOCK) -> None:
+    """Copy ``enc``, the encoding of values ``[pos, pos + n)`` of a vector of ``numel`` (``pos`` a multiple of the
+    block, and of 2 for the plain codecs), to its places in ``body``, the encoding of the whole vector: a vector
+    can be encoded piece by piece into its final layout, bit-identical to encoding it at once."""
+    check_codec(codec, block)
+    enc = enc.view(np.uint8)
+    if enc.size != encoded_nbytes(codec, n, block) or body.size != encoded_nbytes(codec, numel, block) \
+            or pos < 0 or pos + n > numel or (codec_names.is_blockwise(codec) and pos % block):
+        raise CodecError(f"{codec}: cannot place {enc.size} bytes of values [{pos}, {pos + n}) in the encoding "
+                         f"of {numel} values (block {block})")
+    if codec in ("f32", "bf16"):
+        w = 4 if codec == "f32" else 2
+        body[w * pos: w * pos + enc.size] = enc
+        return
+    lay = _sparse_layout(codec, numel, block)
+    if lay is not None:
+        sparse.splice(lay, body, enc, pos, n)
+        return
+    nb, nbp, b0 = _nblocks(numel, block), _nblocks(n, block), pos // block
+    body[4 * b0: 4 * (b0 + nbp)] = enc[: 4 * nbp]
+    codes = body[4 * nb:]
+    if codec == "int8":
+        codes[pos: pos + n] = enc[4 * nbp:]
+    else:
+        codes[pos // 2: pos // 2 + (n + 1) // 2] = enc[4 * nbp:]
+
+def sparse_sumsq(codec: str, buf, numel: int, block: int = DEFAULT_BLOCK) -> tuple:
+    """(sum of squares, largest block mean square) of a sparse-codec body, validated first, from its scales and
+    a table of squared codes (no decode): the syncer's norm guard."""
+    b, lay = _check_decode_args(codec, buf, numel, block)
+    if lay is None or not isinstance(lay, sparse.Layout):
+        raise CodecError(f"{codec} is not a sparse codec")
+    return sparse.block_sumsq(lay, b)

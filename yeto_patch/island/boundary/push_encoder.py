@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from yeto_patch.wire import codecs
+from yeto_patch.wire import codec_names, codecs
 from yeto_patch.wire.frames import CodecError
 
 
@@ -36,9 +36,7 @@ class PushEncoder:
         self.body = np.empty(codecs.encoded_nbytes(codec, numel, block), dtype=np.uint8).view(PushBody)
         self.body.codec, self.body.block = codec, self.block
         self.sumsq = 0.0      # of the delta's values fed so far
-        self.blockwise = codec in ("int8", "int4", "int4-log")
-        self.nblocks = -(-numel // block) if self.blockwise else 0
-        unit = self.block if self.blockwise else 2
+        unit = self.block if codec_names.is_blockwise(codec) else 2
         self.piece = max(unit, (int(piece_elems) // unit) * unit)
         self.buffer = np.empty(min(self.piece, max(numel, 1)), dtype=np.float32)
         self.fill = 0
@@ -96,21 +94,7 @@ class PushEncoder:
             raise CodecError(f"{e}: the local model holds NaN/inf; refusing to push it") from None
         if self.residual is not None:
             self.residual[pos:pos + n] = x - codecs.decode(self.codec, enc, n, self.block)
-        enc = np.frombuffer(enc, dtype=np.uint8) if not isinstance(enc, np.ndarray) else enc.view(np.uint8)
-        body = self.body
-        if self.codec == "f32":
-            body[4 * pos:4 * (pos + n)] = enc
-        elif self.codec == "bf16":
-            body[2 * pos:2 * (pos + n)] = enc
-        else:
-            nbp = -(-n // self.block)
-            b0 = pos // self.block
-            body[4 * b0:4 * (b0 + nbp)] = enc[:4 * nbp]
-            codes = body[4 * self.nblocks:]
-            if self.codec == "int8":
-                codes[pos:pos + n] = enc[4 * nbp:]
-            else:
-                codes[pos // 2:pos // 2 + (n + 1) // 2] = enc[4 * nbp:]
+        codecs.splice(self.codec, self.body.view(np.ndarray), enc, pos, n, self.numel, self.block)
         self.pos += n
         self.fill = 0
         self.encode_s += time.perf_counter() - t0

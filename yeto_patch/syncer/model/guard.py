@@ -150,6 +150,9 @@ def push_stats(codec: str, body, numel: int, block: int, runner: ChunkRunner) ->
         elif codec == "bf16":
             total, top = _plain_stats(np.frombuffer(mv, np.uint16), runner,
                                       lambda h: (h.astype(np.uint32) << 16).view(np.float32))
+        elif codec not in codecs.CODECS:   # the sparse family: validated, from its scales and codes
+            with np.errstate(over="ignore", invalid="ignore"):
+                total, top = codecs.sparse_sumsq(codec, mv, numel, block)
         else:
             codecs.check_encoded(codec, mv, numel, block, threads=1)   # lengths and scales only: cheap
             with np.errstate(over="ignore", invalid="ignore"):

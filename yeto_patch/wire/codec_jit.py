@@ -1,0 +1,99 @@
+"""Fused codec kernels (numba): one pass per block for int8, int4, int4-log (here) and the sparse codecs (their
+dispatch is in sparse.py), byte-equal to the numpy kernels
+of :mod:`.codec_kernels` (the reference; tests/wire/test_codec_jit.py compares them on every layout).
+
+A kernel reads a block once for its absolute maximum and the range check and once more, while the block is still
+in L1, for its codes, instead of the dozen whole-piece numpy passes of the reference. The kernels release the GIL,
+so ``pieces.run`` spreads them over its threads as before. numba is imported and the kernels compiled on first use
+(about half a second for the import and one to three seconds per kernel, then cached in ``__pycache__``); when numba
+is not installed, or after ``set_enabled(False)``, the numpy kernels run. A value the block codecs refuse
+(non-finite, beyond ``LIMIT``) stops the kernel and the numpy kernel raises the error with its usual message.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import threading
+from typing import Callable, Optional
+
+import numpy as np
+
+from .codec_kernels import _LUT_INT4LOG_F, TINY
+from .codec_kernels import BLOCK_ENCODERS as _NP_ENCODERS
+
+__all__ = ["available", "enabled", "set_enabled", "encoder", "decoder", "kernels"]
+
+_KIND = {"int8": (0, 127.0, 127.0), "int4": (1, 7.0, 7.0), "int4-log": (2, 4.0 / 3.0, 1.0)}
+# nibble -> factor of the scale: int4 ``nibble - 8``; int4-log the reference's table (nibble 8, a sign without a
+# level, is never produced and decodes to -0 there and here)
+_INT4 = (np.arange(16) - 8).astype(np.float32)
+_LOG_LEVELS = np.ascontiguousarray(_LUT_INT4LOG_F.reshape(-1)[0:32:2])
+_DUMMY = np.empty(0, np.float32)
+_HAVE = importlib.util.find_spec("numba") is not None   # found, not imported (see codec_jit_kernels)
+_enabled = True
+_kernels = None
+_lock = threading.Lock()
+
+
+def available() -> bool:
+    """Whether numba is installed (the fused kernels can run)."""
+    return _HAVE
+
+
+def enabled() -> bool:
+    return _enabled and _HAVE
+
+
+def set_enabled(on: bool) -> None:
+    """Use the fused kernels (the default when numba is installed) or the numpy reference kernels."""
+    global _enabled
+    _enabled = bool(on)
+
+
+def kernels():
+    """The numba kernels' module (imported, and numba with it, on the first call)."""
+    return _k()
+
+
+def _k():
+    global _kernels
+    if _kernels is None:
+        with _lock:
+            if _kernels is None:
+                _kernels = importlib.import_module(f"{__package__}.codec_jit_kernels")
+    return _kernels
+
+
+def encoder(codec: str) -> Optional[Callable]:
+    """The fused encoder of a piece (``codec_kernels.BLOCK_ENCODERS``' signature), or None (not a block codec,
+    numba missing or disabled)."""
+    if codec not in _KIND or not enabled():
+        return None
+    kind, k, div = _KIND[codec]
+    tiny = np.float32(TINY[k])
+    kern = _k()
+
+    def enc(x, scales, codes, a, b, block, name):
+        bad = kern.enc_block(x, scales, codes, a, b, block, kind, k, div, tiny)
+        if bad >= 0:   # the reference kernel raises the error, with its message
+            lo = bad * block
+            _NP_ENCODERS[codec](x, scales, codes, lo, min(b, lo + block), block, name)
+            raise AssertionError("the fused encoder refused a block the reference accepted")
+    return enc
+
+
+def decoder(codec: str) -> Optional[Callable]:
+    """The fused decoder of a piece (``codec_kernels.DECODERS``' signature), or None."""
+    if codec not in _KIND or not enabled():
+        return None
+    kind = _KIND[codec][0]
+    lut = _INT4 if kind == 1 else _LOG_LEVELS
+    kern = _k()
+
+    def dec(codes, scales, out, a, b, block, acc, w):
+        dst, add = (out, False) if acc is None else (acc, True)
+        if kind == 0:
+            kern.dec_int8(codes, scales, dst, a, b, block, float(w), add)
+        else:
+            kern.dec_nib(codes, scales, dst, a, b, block, float(w), add, lut, kind == 1, kind == 2)
+    return dec
