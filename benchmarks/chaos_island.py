@@ -33,7 +33,7 @@ from yeto_patch import config  # noqa: E402
 from yeto_patch.island.boundary import sync_state  # noqa: E402
 from yeto_patch.island.boundary.fragment import Fragments, PushWire  # noqa: E402
 from yeto_patch.island.boundary.plan import InstallRule, install_due, overdue, plan  # noqa: E402
-from yeto_patch.island.boundary.schedule import Cadence, suggest  # noqa: E402
+from yeto_patch.island.boundary.schedule import Cadence, catch_up, suggest  # noqa: E402
 from yeto_patch.island.link.patience import Patience  # noqa: E402
 from yeto_patch.island.link.sharded import ShardedLink  # noqa: E402
 from yeto_patch.wire import auth, codecs  # noqa: E402
@@ -98,8 +98,7 @@ class Island:
         self.x, self.anchor = {}, {}
         versions = {}
         for st in self.frags:
-            b = st.side.arrived
-            st.side.arrived = None
+            b = self.take(st)
             versions[st.index] = b.version
             self.anchor[st.index] = np.array(b.values, np.float32)
             keep = state is not None and state["anchor_version"][st.index] == b.version
@@ -109,8 +108,11 @@ class Island:
             keep = {st.index for st in self.frags if state["anchor_version"][st.index] == versions[st.index]}
             self.step = int(saved["step"])
             for st in sync_state.restore(state, arrays, self.frags, versions, keep, 0, False, w.fixed_roster):
-                self.link.send_push(st)
+                self.link.send_push(st.outgoing(self.blend, again=True))
         self.link.resilient = True
+        # the codec's compiled kernels load before the run is timed (the product encodes in its background push
+        # lane, off the training thread; this island encodes inline)
+        codecs.encode(self.s.push_dtype, np.zeros(codecs.DEFAULT_BLOCK, np.float32))
         self.cadence = Cadence(self.s.sync_every, len(self.frags), self.step)
         self.t_start = time.time()   # (up from here: joined, with every base)
         self.record("start", restart=bool(self.a.restart), step0=self.step)
@@ -118,7 +120,7 @@ class Island:
     def all_arrived(self, init):
         for f in self.link.init_requested():
             self.link.send_init(f, [init[i] for i in self.frags[f].entries])
-        self.link.poll()
+        self.frags.receive(self.link.poll())
         return all(st.side.arrived is not None for st in self.frags)
 
     def wait_for(self, ready, what):
@@ -145,48 +147,80 @@ class Island:
         self.frags.count_step(TOKENS_PER_STEP)
         self.link.stepped(self.step)
 
+    @property
+    def blend(self) -> bool:
+        return self.s.overlap_steps > 0
+
+    @staticmethod
+    def take(st):
+        """The base that arrived for fragment state `st` (it leaves the fragment's hands)."""
+        b = st.side.arrived
+        return st.take_arrived(b.version, len(b.deltas) if b.relative else 0, bool(b.held))
+
     def install(self, f, final=False):
         st = self.frags[f]
-        b, st.side.arrived = st.side.arrived, None
-        blend = self.s.overlap_steps > 0 and not final
+        answers = st.answers(st.side.arrived)
+        b = self.take(st)
+        blend = self.blend and not final
         base = np.array(b.values, np.float32)
         a = self.s.merge_alpha
         self.x[f] = a * self.x[f] + (1 - a) * base if blend else base.copy()
         self.anchor[f] = base
-        st.installed(b.version, keep_counts=blend)
-        st.side.wire = None
+        st.installed(b.version, keep_counts=blend, answers=answers)
 
     def push(self, f, final=False):
         st = self.frags[f]
         body = codecs.encode(self.s.push_dtype, self.anchor[f] - self.x[f])
         st.begin_push(self.step, final)
         st.push_handed(PushWire(body, self.s.push_dtype))
-        self.link.send_push(st)
+        self.link.send_push(st.outgoing(self.blend))
 
     def await_answers(self, fs):
+        """Wait for the answers of the pushes of `fs`, as the engine's wait does (island/boundary/driver.py): a
+        newer base that does not answer goes in at once and the wait goes on; a push whose round merged without it
+        is sent again (link.ask_again); a refused push settles."""
         def ready():
-            self.link.poll()
-            return all(self.frags[f].answered() for f in fs)
+            self.frags.receive(self.link.poll())
+            out = True
+            for f in fs:
+                st = self.frags[f]
+                if st.push is None or st.answered():
+                    continue
+                newer = st.newer_at_hand()
+                if newer or st.anchor_version > st.push.base_version:
+                    self.link.ask_again(f, st.push.base_version)
+                if newer:
+                    self.install(f)
+                out = False
+            return out
         self.wait_for(ready, "the bases answering fragments %s (tau=%d)" % (sorted(fs), self.s.overlap_steps))
         for f in fs:
-            if self.frags[f].side.arrived is not None:
+            st = self.frags[f]
+            if st.push is None:
+                continue
+            if st.side.arrived is not None and st.answers(st.side.arrived):
                 self.install(f)
+            elif st.side.refused is not None or st.side.carried:
+                st.settle()
 
     def boundary(self, final=False):
         due = self.cadence.due(self.step)
         if not (due or final or self.frags.pushing()):
             return False
-        self.link.poll()
+        self.frags.receive(self.link.poll())
         p = plan(self.step, self.step if final else FAR, due, self.frags, self.link.final_cut, self.rule)
         if p.final:
             return True
         if self.s.sync_auto:   # (as the engine's plan does: H at the fleet's pace and phase)
             self.cadence.retune(suggest(self.s.sync_every, self.s.overlap_steps, self.link.rate(), self.link.pace(),
                                         self.cadence.h))
+            rate, now = self.link.rate(), time.monotonic()
             for f in p.push:
-                self.cadence.shift(f, self.link.catch_up(self.frags[f], self.cadence.h))
+                at = self.frags[f].behind_by()
+                self.cadence.shift(f, 0 if at is None else catch_up(now - at, 1.0 / rate if rate else None,
+                                                                     self.cadence.h, self.s.overlap_steps))
         for f in p.skip:
-            self.frags[f].skip -= 1
+            self.frags[f].skipped()
         for spec in p.install:   # (no background lane here: a base to stage goes in once it is due)
             self.install(spec.fragment)
         for spec in p.stage:
@@ -220,7 +254,7 @@ class Island:
         if not self.link.final_cut:
             for st in self.frags:
                 if st.skip:
-                    st.skip -= 1
+                    st.skipped()
                 else:
                     self.push(st.index, final=True)
         t0 = time.monotonic()

@@ -38,7 +38,7 @@ def test_two_shards_of_one_torchrun_job_serve_an_island_that_knows_only_shard_0(
         assert [lk.address for lk in link.links] == [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]
         for st in frags:
             push(link, st, np.full(st.numel, 0.25, np.float32))
-        until(link, lambda: all(st.answered() for st in frags), "merged bases")
+        until(link, frags, lambda: all(st.answered() for st in frags), "merged bases")
         for st in frags:
             st.installed(st.side.arrived.version)
         out = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Protocol, Tuple, runtime_checkable
 
-__all__ = ["OutgoingPush", "ArrivedBase", "Refusal", "Sent", "Reconnected", "Inbox", "EMPTY", "took_by",
+__all__ = ["OutgoingPush", "ArrivedBase", "Refusal", "Carried", "Sent", "Reconnected", "Inbox", "EMPTY", "took_by",
            "SyncerLinkLike"]
 
 
@@ -88,6 +88,14 @@ class Refusal:
 
 
 @dataclass(frozen=True)
+class Carried:
+    """The syncer accepted this island's push of `fragment` relative to `base_version` after its round merged, and
+    holds it for the next merge of the fragment (PUSH_REPLY ``carried``): the island need not wait for it."""
+    fragment: int
+    base_version: int
+
+
+@dataclass(frozen=True)
 class Sent:
     """The push of `fragment` relative to `base_version` went out to the syncer in `ms` milliseconds."""
     fragment: int
@@ -112,10 +120,11 @@ class Inbox:
     sent: Tuple[Sent, ...] = ()
     bases: Tuple[ArrivedBase, ...] = ()
     refusals: Tuple[Refusal, ...] = ()
+    carried: Tuple[Carried, ...] = ()
 
     def __add__(self, other: "Inbox") -> "Inbox":
         return Inbox(self.reconnected + other.reconnected, self.sent + other.sent, self.bases + other.bases,
-                     self.refusals + other.refusals)
+                     self.refusals + other.refusals, self.carried + other.carried)
 
 
 EMPTY = Inbox()

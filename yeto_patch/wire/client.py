@@ -60,7 +60,7 @@ syncer's ERROR message: auth, manifest, too-many-islands, protocol; the connecti
 :class:`~.frames.AuthError`, :class:`~.frames.WireTimeout`, :class:`~.transport.ConnectError`.
 
 The value types live in :mod:`.values` and the handshake (with ``probe``) in :mod:`.handshake`; both are
-re-exported here. What the client sends is built in :mod:`.outbox`, what it receives read in :mod:`.inbox`.
+re-exported here. What the client sends is built, and what it receives read, by :mod:`.schema` (one schema per message).
 """
 from __future__ import annotations
 
@@ -75,12 +75,12 @@ import numpy as np
 from . import auth, codecs
 from .frames import MsgType, PeerError, ProtocolError, WireTimeout
 from .handshake import UNVERIFIED_MAX, _handshake, probe
-from .inbox import read_base, read_reply, read_welcome, session_limits
-from .outbox import aligned, heartbeat_meta, init_pieces, manifest_entries, push_meta, push_size
+from .schema import (ack_meta, final_meta, init_meta, init_pieces, island_beat_meta, manifest_entries, push_meta,
+                     push_size, read_base, read_reply, read_syncer_beat, read_welcome, session_limits)
 from .text import check_island_id
 from .transport import Connection, connect
 from .values import (Base, PushReply, SyncerRefusal, SyncerStatus, Welcome,  # noqa: F401 - re-exported
-                     recoverable, syncer_status)
+                     recoverable)
 
 __all__ = ["SyncerClient", "SyncerRefusal", "Welcome", "Base", "PushReply", "probe", "recoverable"]
 
@@ -124,6 +124,7 @@ class SyncerClient:
         self._final: dict[int, Base] = {}
         self._held: dict[int, int] = {}   # fragment -> version of the last base received on this connection
         self._replies: dict = {}
+        self._carried: list = []         # (fragment, base_version) of pushes the syncer carried into a next round
         self._waiting: set = set()
         self._init_requests: list = []
         self._init_sent: set = set()
@@ -253,13 +254,15 @@ class SyncerClient:
                 elif r.status == "refused":
                     self._refusals.append(SyncerRefusal(meta.get("code", "refused"), r.message, r.fragment,
                                                         r.base_version))
+                elif r.status == "carried" and len(self._carried) < 4096:
+                    self._carried.append((r.fragment, r.base_version))
                 self._notify()
         elif t == MsgType.INIT:
             with self._cv:
                 self._init_requests = [int(f) for f in meta.get("request", [])]
                 self._notify()
         elif t == MsgType.HEARTBEAT:
-            st = syncer_status(meta)
+            st = read_syncer_beat(meta)
             with self._cv:
                 self._status = st
         elif t == MsgType.BYE:
@@ -278,7 +281,7 @@ class SyncerClient:
                 if self._closed or self._error is not None:
                     return
             try:
-                self.conn.send(MsgType.HEARTBEAT, heartbeat_meta(self.local_step, self.rate))
+                self.conn.send(MsgType.HEARTBEAT, island_beat_meta(self.local_step, self.rate))
             except (ProtocolError, OSError) as e:
                 if not self._closed:
                     self._fail(e)
@@ -292,10 +295,17 @@ class SyncerClient:
         with self._cv:  # no longer requested once it is being sent (a poller must not send it twice)
             if fragment in self._init_requests:
                 self._init_requests.remove(fragment)
-        conn.send(MsgType.INIT, aligned({"fragment": fragment, "numel": numel, "dtype": "f32"}),
+        conn.send(MsgType.INIT, init_meta(fragment, numel),
                   body_len=4 * numel, body_iter=init_pieces(fragment, arrays))
         with self._cv:
             self._init_sent.add(fragment)
+
+    def take_carried(self) -> list:
+        """(fragment, base_version) of this island's pushes the syncer accepted late and holds for the next merge
+        of their fragment (PUSH_REPLY ``carried``), since the last call."""
+        with self._cv:
+            out, self._carried = self._carried, []
+            return out
 
     def init_requested(self) -> list:
         self.check()
@@ -440,7 +450,7 @@ class SyncerClient:
         if not self._final_sent and not self.final_cut_complete():
             if self._error is not None:
                 raise self._error
-            conn.send(MsgType.FINAL, {"last_step": int(self.local_step if last_step is None else last_step)})
+            conn.send(MsgType.FINAL, final_meta(self.local_step if last_step is None else last_step))
             self._final_sent = True
         deadline = time.monotonic() + timeout
         n, owned = self.welcome.fragments, self.welcome.owned
@@ -455,7 +465,7 @@ class SyncerClient:
                 self._cv.wait(min(left, 0.5))
             out = dict(self._final)
         try:
-            conn.send(MsgType.ACK, {"versions": [out[f].version if f in out else None for f in range(n)]})
+            conn.send(MsgType.ACK, ack_meta([out[f].version if f in out else None for f in range(n)]))
         except (ProtocolError, OSError):
             if not self._bye_seen:  # the syncer already closed after the final cut: the model is complete
                 raise

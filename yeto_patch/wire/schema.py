@@ -1,25 +1,32 @@
 """One schema per message of the syncer protocol: how its meta is built, read and bounded, used by the island
-(wire/client.py) and the syncer (yeto_patch/syncer) alike (docs/protocol.md, "Syncer protocol").
+(wire/client.py) and the syncer (yeto_patch/syncer) alike (docs/protocol.md, "Syncer protocol"). This module is
+large because the protocol is: one section per message, each with its builder and its reader.
 
 For each message a ``*_meta(...)`` builds the meta its sender sends and a ``read_*(meta)`` reads what a receiver
 got: every field of a peer's message is a value of the documented type and range before anything else reads it,
 and an echo or a text is cut to a bounded length. ``SchemaError`` names the field (its ``code`` is the refusal
-code a syncer answers it with). Stdlib only; the bodies (encoded pushes, bases) are checked by their readers.
+code a syncer answers it with). A base's body is checked by ``read_base`` against the layout; a push's body by the syncer's codecs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Mapping, Optional
 
-from .frames import ProtocolError
+import numpy as np
+
+from . import codecs
+from .frames import CodecError, MsgType, ProtocolError
 from .message import encode_meta
-from .values import PushReply, SyncerStatus, Welcome
+from .values import DELTA_CODECS, Base, PushReply, SyncerStatus, Welcome, merge_info, shard_fields
 
 __all__ = ["SchemaError", "INT64_MAX", "MAX_PUSH_STEPS", "MAX_PUSH_TOKENS", "MAX_PATIENCE_S", "MAX_RATE",
            "MAX_CODEC_NAME", "MAX_REPLY_MESSAGE", "bounded_int", "bounded_number", "shown", "aligned",
            "PushHeader", "push_meta", "read_push", "reply_meta", "refusal_meta", "echo", "read_reply",
            "island_beat_meta", "read_island_beat", "final_meta", "read_final", "ack_meta", "read_ack", "welcome_meta",
-           "base_meta", "syncer_beat_meta"]
+           "base_meta", "syncer_beat_meta", "read_syncer_beat", "read_welcome", "session_limits", "read_base",
+           "manifest_entries", "init_pieces", "push_size", "init_meta", "SEND_PIECE"]
+
+SEND_PIECE = 4 << 20   # bytes per buffer of a streamed INIT body
 
 INT64_MAX = (1 << 63) - 1
 #: Largest ``steps`` one push may report (local optimizer steps since its anchor).
@@ -243,3 +250,147 @@ def syncer_beat_meta(t: float, st: SyncerStatus) -> dict:
     if st.pace:
         out["pace"] = st.pace
     return out
+
+
+def _ids(v, limit: int = 16) -> list:
+    if not isinstance(v, list):
+        return []
+    return ["".join(c if c.isprintable() else "?" for c in x[:300]) for x in v[:limit] if isinstance(x, str)]
+
+
+def read_syncer_beat(meta: dict) -> SyncerStatus:
+    """A syncer HEARTBEAT's status fields, bounded and checked (anything malformed is left out)."""
+    rounds = []
+    for r in meta.get("rounds") or []:
+        if isinstance(r, list) and len(r) == 4 and all(isinstance(x, int) and not isinstance(x, bool) for x in r):
+            rounds.append(r)
+        if len(rounds) >= 64:
+            break
+    pace = meta.get("pace", 0.0)
+    pace = float(pace) if isinstance(pace, (int, float)) and not isinstance(pace, bool) and 0 <= pace <= 1e6 else 0.0
+    unfinished = meta.get("unfinished")
+    return SyncerStatus(rounds, _ids(meta.get("missing")), _ids(unfinished) if unfinished is not None else None,
+                        pace)
+
+
+# ---------------------------------------------------------------------------------------------- INIT, HELLO
+def manifest_entries(manifest) -> list:
+    """The manifest as ``[(name, shape tuple, dtype)]`` of str, ints and str."""
+    out = []
+    for e in manifest:
+        name, shape, dtype = e
+        out.append((str(name), tuple(int(d) for d in shape), str(dtype)))
+    return out
+
+
+def init_pieces(fragment: int, arrays: Iterable[np.ndarray]):
+    """The INIT body of ``fragment``: the bytes of its float32 arrays (C order) in buffers of at most SEND_PIECE;
+    ProtocolError at an array that is not a float32 numpy array."""
+    for a in arrays:
+        if not isinstance(a, np.ndarray) or a.dtype != np.float32:
+            raise ProtocolError(f"INIT of fragment {fragment}: arrays must be float32 numpy arrays")
+        a = np.ascontiguousarray(a).reshape(-1)
+        mv = memoryview(a).cast("B")
+        for o in range(0, mv.nbytes, SEND_PIECE):
+            yield mv[o:o + SEND_PIECE]
+
+
+def push_size(welcome, fragment, codec: str, block: int, body, body_len: Optional[int],
+              body_iter: Optional[Iterable]) -> tuple[int, int]:
+    """(numel, body length) of a push of ``fragment``, checked against the welcome's layout: the fragment exists
+    and the body (``body``, or ``body_iter`` of ``body_len`` bytes) is ``codec``'s exact size. ProtocolError."""
+    if isinstance(fragment, bool) or not (isinstance(fragment, int) and 0 <= fragment < welcome.fragments):
+        raise ProtocolError(f"push of fragment {fragment!r}: the syncer's layout has fragments "
+                            f"0..{welcome.fragments - 1}")
+    numel = welcome.numels[fragment]
+    want = codecs.encoded_nbytes(codec, numel, block)
+    if body_iter is None:
+        if body is None:
+            raise ProtocolError("push needs body or body_iter")
+        body_len = memoryview(body).nbytes
+    if body_len != want:
+        raise ProtocolError(f"push of fragment {fragment}: {codec} (block {block}) of {numel} values is {want} "
+                            f"bytes, got {body_len}")
+    return numel, body_len
+
+
+def init_meta(fragment: int, numel: int) -> dict:
+    """An INIT meta (aligned): the fragment's float32 values follow (``init_pieces``)."""
+    return aligned({"fragment": fragment, "numel": numel, "dtype": "f32"})
+
+
+# --------------------------------------------------------------------------- WELCOME, BASE (the island reads)
+def read_welcome(meta: dict) -> Welcome:
+    """The WELCOME's meta as a Welcome (defaults for the fields an older syncer does not send; shard fields
+    checked)."""
+    return Welcome(island_id=meta["island_id"], layout=meta["layout"], numels=meta["numels"],
+                   fragments=meta["fragments"], versions=meta.get("versions"),
+                   needs_init=list(meta.get("needs_init") or []), base_wire=meta.get("base_wire", "f32"),
+                   heartbeat_s=float(meta.get("heartbeat_s", 5.0)), lease_s=float(meta.get("lease_s", 60.0)),
+                   islands=meta.get("islands", 1), quorum=meta.get("quorum", 1),
+                   total_rounds=meta.get("total_rounds"), final=bool(meta.get("final")),
+                   run_id=meta.get("run_id"), **shard_fields(meta))
+
+
+def session_limits(w: Welcome) -> tuple:
+    """(per-type maxima, reassembly budget) of what the syncer may send after its WELCOME: a base is at most the
+    largest fragment in float32 plus room for its meta, everything else 1 MiB."""
+    numels = [int(n) for n in w.numels]
+    if not numels or min(numels) < 0:
+        raise ProtocolError("malformed WELCOME: no fragment sizes")
+    bulk = 4 * max(numels) + (1 << 20)
+    limits = {**{t: 1 << 20 for t in MsgType if t != MsgType.CHUNK}, MsgType.BASE: bulk, MsgType.FINAL_BASE: bulk}
+    return limits, bulk + (2 << 20)
+
+
+def read_base(t: MsgType, meta: dict, body, welcome, declared: bool, last: Mapping[int, int]) -> Base:
+    """The BASE or FINAL_BASE message (t, meta, body) as a Base, checked against the welcome's layout (None: not
+    checked). ``declared``: this island declared digests of the weights it holds (a ``held`` base may answer
+    them); ``last``: fragment -> version of the last base received on this connection. A base update comes back
+    with ``values`` None and its encoded change in ``deltas``. ProtocolError naming what is wrong."""
+    frag, version, dtype, numel = int(meta["fragment"]), int(meta["version"]), meta["dtype"], int(meta["numel"])
+    if welcome is not None and not (0 <= frag < welcome.fragments and numel == welcome.numels[frag]):
+        raise ProtocolError(f"base for fragment {frag} of {numel} values does not match the layout")
+    if meta.get("delta_from") is not None:
+        return _base_update(t, meta, body, frag, version, dtype, numel, last)
+    if dtype == "held":   # the base is what this island declared it holds (digests in its MANIFEST)
+        if not declared or t != MsgType.BASE or meta.get("final") or len(memoryview(body)) or frag in last:
+            raise ProtocolError(f"unexpected 'held' base for fragment {frag} (this island declared no "
+                                f"digests, or it is not the first base of the fragment, or it has a body)")
+        return Base(frag, version, "held", None, False, (), version, numel, held=True, merge=merge_info(meta))
+    if dtype == "f32":
+        mv = memoryview(body).cast("B")
+        if mv.nbytes != 4 * numel:
+            raise ProtocolError(f"f32 base of fragment {frag}: {mv.nbytes} bytes for {numel} values")
+        values = np.frombuffer(mv, np.float32)
+        if values.ctypes.data % 4 or not values.flags.writeable:
+            values = values.copy()
+        for a in range(0, numel, 1 << 18):  # chunked: no full-size temporary
+            if not np.isfinite(values[a:a + (1 << 18)]).all():
+                raise ProtocolError(f"base of fragment {frag} has non-finite values")
+    else:
+        values = codecs.decode(dtype, body, numel)
+    return Base(frag, version, dtype, values, final=(t == MsgType.FINAL_BASE) or bool(meta.get("final")),
+                merge=merge_info(meta))
+
+
+def _base_update(t, meta, body, frag, version, dtype, numel, last) -> Base:
+    """A BASE that carries the change from the previous base (``--base-wire int8/int4``), validated: the client
+    composes it with a base not yet polled, or the island applies it to its anchors."""
+    start = meta["delta_from"]
+    block = meta.get("block", codecs.DEFAULT_BLOCK)
+    if t != MsgType.BASE or meta.get("final"):
+        raise ProtocolError("a final base must be a full float32 base, not an update")
+    if dtype not in DELTA_CODECS or isinstance(start, bool) or not isinstance(start, int) \
+            or isinstance(block, bool) or not isinstance(block, int):
+        raise ProtocolError(f"base update of fragment {frag}: bad dtype/delta_from/block "
+                            f"{dtype!r}/{start!r}/{block!r}")
+    if start != version - 1 or last.get(frag) != start:
+        raise ProtocolError(f"base update of fragment {frag} from v{start} to v{version}, but the last base "
+                            f"received for it is v{last.get(frag)}")
+    try:
+        codecs.check_encoded(dtype, body, numel, block)
+    except CodecError as e:
+        raise ProtocolError(f"base update of fragment {frag} to v{version}: {e}") from None
+    return Base(frag, version, dtype, None, False, ((dtype, block, np.frombuffer(body, np.uint8)),), start, numel,
+                merge=merge_info(meta))

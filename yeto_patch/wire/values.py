@@ -15,7 +15,7 @@ from . import codecs
 from .frames import AuthError, CodecError, PeerError, ProtocolError
 
 __all__ = ["SyncerRefusal", "Welcome", "Base", "PushReply", "SyncerStatus", "recoverable", "DELTA_CODECS",
-           "shard_fields", "merge_info", "syncer_status"]
+           "shard_fields", "merge_info"]
 
 
 class SyncerRefusal(PeerError):
@@ -91,27 +91,6 @@ class SyncerStatus:
         if self.unfinished:
             parts.append("the final cut waits for islands " + ", ".join(self.unfinished) + " to finish")
         return "; ".join(parts) or "no round of this island is open"
-
-
-def _ids(v, limit: int = 16) -> list:
-    if not isinstance(v, list):
-        return []
-    return ["".join(c if c.isprintable() else "?" for c in x[:300]) for x in v[:limit] if isinstance(x, str)]
-
-
-def syncer_status(meta: dict) -> SyncerStatus:
-    """A syncer HEARTBEAT's status fields, bounded and checked (anything malformed is left out)."""
-    rounds = []
-    for r in meta.get("rounds") or []:
-        if isinstance(r, list) and len(r) == 4 and all(isinstance(x, int) and not isinstance(x, bool) for x in r):
-            rounds.append(r)
-        if len(rounds) >= 64:
-            break
-    pace = meta.get("pace", 0.0)
-    pace = float(pace) if isinstance(pace, (int, float)) and not isinstance(pace, bool) and 0 <= pace <= 1e6 else 0.0
-    unfinished = meta.get("unfinished")
-    return SyncerStatus(rounds, _ids(meta.get("missing")), _ids(unfinished) if unfinished is not None else None,
-                        pace)
 
 
 DELTA_CODECS = ("int8", "int4")

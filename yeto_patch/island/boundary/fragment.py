@@ -34,7 +34,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from yeto_patch.island.errors import EngineError
 from yeto_patch.wire.codecs import DEFAULT_BLOCK
-from yeto_patch.island.records import ArrivedBase, Inbox, OutgoingPush, Refusal, Sent, took_by
+from yeto_patch.island.records import ArrivedBase, Carried, Inbox, OutgoingPush, Refusal, Sent, took_by
 
 
 class PushPhase(enum.Enum):
@@ -110,9 +110,10 @@ class Staging:
 class Rank0Side:
     """What only island rank 0 knows of a fragment: bases from the syncer, the encoded push, the residual, and
     what the syncer said of the push at the syncer (``answer``: the version of a base whose merge took it;
-    ``refused``: the code of its refusal; ``floor``: the newest base known when it was handed, which a base without
-    merge figures must be newer than to answer it). Written only by ``Fragment``'s methods."""
-    __slots__ = ("arrived", "wire", "residual", "adopt", "answer", "refused", "floor", "newest")
+    ``refused``: the code of its refusal; ``carried``: the syncer holds it for the next merge, so any newer base
+    answers it; ``floor``: the newest base known when it was handed, which a base without merge figures must be
+    newer than to answer it). Written only by ``Fragment``'s methods."""
+    __slots__ = ("arrived", "wire", "residual", "adopt", "answer", "refused", "carried", "floor", "newest")
 
     def __init__(self):
         self.arrived = None            # wire.client.Base: the newest base received, not staged or installed
@@ -121,6 +122,7 @@ class Rank0Side:
         self.adopt = False             # the syncer is behind this island: its older base replaces the anchor
         self.answer: Optional[int] = None
         self.refused: Optional[str] = None
+        self.carried = False
         self.floor = -1
         self.newest: Tuple[int, float] = (-1, 0.0)   # (newest base version received, when: monotonic seconds)
 
@@ -192,6 +194,8 @@ class Fragment:
             return False
         if side.adopt or side.refused is not None:
             return True
+        if side.carried and base.version > p.base_version:
+            return True
         if side.answer is not None:
             return base.version >= side.answer
         if took_by(base) is None:   # no figures (an older or restarted syncer): newer than what the push knew
@@ -211,6 +215,8 @@ class Fragment:
             return True
         if self.side.refused is not None:
             return True
+        if self.side.carried and self.anchor_version > p.base_version:
+            return True   # carried into the next merge, and a newer base went in already: the push is done
         return self.answers(self.side.arrived)
 
     def newer_at_hand(self) -> bool:
@@ -236,6 +242,14 @@ class Fragment:
         p = self.push
         if p is not None and p.phase is PushPhase.AT_SYNCER and p.base_version == r.base_version:
             self.side.refused = r.code
+
+    def carried(self, c: Carried) -> None:
+        """Rank 0: the syncer carried the push at the syncer into the next merge (its round merged without it): a
+        newer base answers it, as it will be merged with the next round (the link holds it until a merge takes it,
+        so a lost link sends it again)."""
+        p = self.push
+        if p is not None and p.phase is PushPhase.AT_SYNCER and p.base_version == c.base_version:
+            self.side.carried = True
 
     def sent(self, s: Sent) -> None:
         """Rank 0: the push at the syncer went out (its send time goes to its boundary log record)."""
@@ -344,7 +358,7 @@ class Fragment:
     def _at_syncer(self, wire: Optional[PushWire]) -> None:
         side = self.rank0
         if side is not None:
-            side.wire, side.answer, side.refused = wire, None, None
+            side.wire, side.answer, side.refused, side.carried = wire, None, None, False
             known = [self.anchor_version, side.newest[0]] + ([] if side.arrived is None else [side.arrived.version])
             side.floor = max(known)
 
@@ -392,7 +406,7 @@ class Fragment:
         if side is not None:
             side.adopt = False
             if answers:
-                side.wire, side.answer, side.refused = None, None, None
+                side.wire, side.answer, side.refused, side.carried = None, None, None, False
         return answered
 
     def settle(self) -> Optional[Push]:
@@ -404,7 +418,7 @@ class Fragment:
             raise EngineError(f"internal: {self.describe()}: settled while a base is staged")
         done, self.push = self.push, None
         if self.rank0 is not None:
-            self.rank0.wire, self.rank0.answer, self.rank0.refused = None, None, None
+            self.rank0.wire, self.rank0.answer, self.rank0.refused, self.rank0.carried = None, None, None, False
         return done
 
     def drop_staging(self) -> None:
@@ -468,6 +482,9 @@ class Fragments:
         for r in inbox.refusals:
             if 0 <= r.fragment < len(self.states):
                 self.states[r.fragment].refused(r)
+        for c in inbox.carried:
+            if 0 <= c.fragment < len(self.states):
+                self.states[c.fragment].carried(c)
 
     def count_step(self, tokens: int) -> None:
         for s in self.states:

@@ -42,7 +42,7 @@ from typing import Callable, Optional
 
 from yeto_patch.island.errors import EngineError, describe
 from yeto_patch.island.link.patience import Patience, StepClock
-from yeto_patch.island.records import (EMPTY, ArrivedBase, Inbox, OutgoingPush, Reconnected, Refusal, Sent,
+from yeto_patch.island.records import (EMPTY, ArrivedBase, Carried, Inbox, OutgoingPush, Reconnected, Refusal, Sent,
                                        took_by)
 
 log = logging.getLogger("yeto_patch")
@@ -489,7 +489,9 @@ class SyncerLink:
                 arrived.append(a)
                 if b.merge and self.record is not None:   # the syncer's figures of the merge (the boundary log)
                     self.record("merge", step=self.step(), fragment=b.fragment, version=b.version, **b.merge)
-        return self._take_news() + Inbox(bases=tuple(arrived), refusals=tuple(refused))
+        carried = tuple(Carried(f, v) for f, v in self.client.take_carried()
+                        if isinstance(f, int) and isinstance(v, int))
+        return self._take_news() + Inbox(bases=tuple(arrived), refusals=tuple(refused), carried=carried)
 
     def _take_news(self) -> Inbox:
         news = []
