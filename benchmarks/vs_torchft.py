@@ -147,10 +147,11 @@ class SocketMeter:
             old["received"] = max(old["received"], vals.get("received", 0))
             cur = None
 
-    def between(self, pids, others=()):
+    def between(self, pids, peers_only=False):
         """Bytes that crossed between different processes, each byte once: every socket of `pids` whose peer is
-        another process counts what it sent, plus what it received from a process not in `pids` (`others`, e.g.
-        the lighthouse, or unknown)."""
+        another process counts what it sent, plus what it received from a process not in `pids` (the
+        lighthouse). peers_only: only what went between two processes of `pids` (the replicas' gloo, TCPStore
+        and Manager traffic, without the lighthouse's)."""
         pids = set(pids)
         total = 0
         for (local, peer), r in self.socks.items():
@@ -160,6 +161,8 @@ class SocketMeter:
             peer_pid = back["pid"] if back else None
             if peer_pid == r["pid"]:
                 continue  # a process talking to itself (its own TCPStore)
+            if peers_only and peer_pid not in pids:
+                continue
             total += r["sent"]
             if peer_pid not in pids:
                 total += r["received"]
@@ -186,11 +189,12 @@ def mean(xs):
 
 def demo_flags(a, hidden, steps, baseline=True):
     """The demo's flags for this comparison: convergence.py's, at the demo's DiLoCo defaults, fp32."""
-    c = dict(M=a.islands, H=a.sync_every, dtype="int4", ef=True, tau=min(5, a.sync_every // 2))
+    c = dict(M=a.islands, H=a.sync_every, dtype=a.yeto_push_dtype, ef=a.yeto_error_feedback,
+             tau=min(a.yeto_tau, a.sync_every // 2))
     ns = argparse.Namespace(**vars(a))
     ns.hidden, ns.steps, ns.eval_interval = hidden, steps, steps
     ns.baseline_layout, ns.layouts, ns.sync_warmup = a.baseline_layout, "single", 0
-    ns.base_wire = "int4"
+    ns.base_wire = a.yeto_base_wire
     f = convergence.demo_flags(c, ns) + ["--fp32"]
     return f + ([] if baseline else ["--no-baseline"])
 
@@ -218,8 +222,9 @@ def run_yeto(a, hidden, steps, out, baseline):
         with open(path) as f:
             recs = [json.loads(x) for x in f if x.strip()]
         steps_by_island.append([r["step_s"] for r in recs if r.get("event") == "train"])
+    link = res.get("link") or {}
     return dict(loss=res.get("global_heldout_loss"), ddp=res.get("baseline_heldout_loss"),
-                bytes=res.get("bytes_between"), syncs=res.get("merges"), params=res.get("params"),
+                bytes=res.get("bytes_between"), bytes_up=link.get("up"), bytes_down=link.get("down"), syncs=res.get("merges"), params=res.get("params"),
                 blocked=mean([blocked_per_step(s) for s in steps_by_island]),
                 median_step=mean([statistics.median(s) for s in steps_by_island if s]),
                 steps_done=[len(s) for s in steps_by_island], wall_s=time.time() - t0, flags=flags)
@@ -286,7 +291,7 @@ def run_torchft(a, hidden, steps, out):
         json.dump(dict(replica_pids=pids, lighthouse_pid=lighthouse.pid,
                        sockets=[dict(local=k[0], peer=k[1], **v) for k, v in meter.socks.items()]), f, indent=1)
     return dict(loss=res[0]["heldout_loss"], loss_mean=mean([r["heldout_loss"] for r in res]),
-                bytes=meter.between(pids), syncs=res[0]["outer_steps"], params=res[0]["params"],
+                bytes=meter.between(pids), bytes_peers=meter.between(pids, peers_only=True), syncs=res[0]["outer_steps"], params=res[0]["params"],
                 blocked=mean([blocked_per_step(r["step_s"]) for r in res]),
                 median_step=mean([statistics.median(r["step_s"]) for r in res]),
                 steps_done=[len(r["step_s"]) for r in res], samples=meter.samples, wall_s=time.time() - t0)
@@ -306,17 +311,22 @@ def report(a, rows, cmd):
     y, t = rows[0]["yeto"], rows[0]["torchft"]
     lines = [f"## vs_torchft: {a.islands} replicas/islands, H={a.sync_every}, {a.fragments} fragment(s), "
              f"{a.steps} steps x {a.batch} x {a.seq_length} tokens per replica, GPT {a.layers}x{a.hidden} fp32",
-             "", "| measure | yeto-patch | torchft | torchft / yeto-patch |", "|---|---|---|---|"]
+             f"yeto-patch: {a.yeto_push_dtype} pushes{' + error feedback' if a.yeto_error_feedback else ''}, "
+             f"tau {min(a.yeto_tau, a.sync_every // 2)}, bases {a.yeto_base_wire}; torchft: DiLoCo defaults (fp32 "
+             f"allreduce, fragment_sync_delay 0, fragment_update_alpha 0); outer Nesterov lr {a.outer_lr} "
+             f"momentum 0.9 both", "", "| measure | yeto-patch | torchft | torchft / yeto-patch |", "|---|---|---|---|"]
     if y.get("ddp"):
         lines += [f"| held-out loss (DDP {y['ddp']:.4f}) | {_f(y['loss'])} | {_f(t['loss'])} "
                   f"(replica mean {_f(t['loss_mean'])}) | {_r(t['loss'], y['loss'], '.4f')} |",
                   f"| loss / DDP | {_r(y['loss'], y['ddp'], '.4f')} | {_r(t['loss'], y['ddp'], '.4f')} | |"]
     for r in rows:
-        y, t, tag = r["yeto"], r["torchft"], f"GPT {a.layers}x{r['hidden']} ({y['params'] or t['params']:,} params)"
+        y, t = r["yeto"], r["torchft"]
+        tag = f"GPT {a.layers}x{r['hidden']} ({y['params'] or t['params']:,} params, {r['steps']} steps)"
         yb, tb = (s["bytes"] / s["syncs"] if s["syncs"] else None for s in (y, t))
-        lines += [f"| {tag}: syncs | {y['syncs']} | {t['syncs']} | |",
-                  f"| {tag}: bytes per sync on the link | {_f(yb, ',.0f')} | {_f(tb, ',.0f')} | {_r(tb, yb, '.2f')} |",
-                  f"| {tag}: bytes in all | {y['bytes']:,} | {t['bytes']:,} | {_r(t['bytes'], y['bytes'], '.2f')} |",
+        lines += [f"| {tag}: bytes on the link in all | {y['bytes']:,} (up {y['bytes_up']:,}) | {t['bytes']:,} "
+                  f"(between replicas {t['bytes_peers']:,}) | {_r(t['bytes'], y['bytes'], '.2f')} |",
+                  f"| {tag}: syncs (fragment outer steps) | {y['syncs']} | {t['syncs']} | |",
+                  f"| {tag}: bytes per sync | {_f(yb, ',.0f')} | {_f(tb, ',.0f')} | {_r(tb, yb, '.2f')} |",
                   f"| {tag}: median step ms | {_f(y['median_step'] * 1e3, '.1f')} | "
                   f"{_f(t['median_step'] * 1e3, '.1f')} | {_r(t['median_step'], y['median_step'], '.2f')} |",
                   f"| {tag}: blocked ms per step | {_f(y['blocked'] * 1e3, '.2f')} | {_f(t['blocked'] * 1e3, '.2f')} | "
@@ -335,7 +345,7 @@ def main(argv=None):
     ap.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD lr (momentum 0.9), both sides")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--hidden2", type=int, default=256, help="the second model size (bytes and blocked time)")
-    ap.add_argument("--steps2", type=int, default=0, help="steps at --hidden2 (default: 2 x H)")
+    ap.add_argument("--steps2", type=int, default=0, help="steps at --hidden2 (default: --steps)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq-length", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
@@ -346,6 +356,11 @@ def main(argv=None):
     ap.add_argument("--baseline-layout", default="dp2")
     ap.add_argument("--cache-dir", default=None, help="the demo's baseline cache")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per side and size")
+    g = ap.add_argument_group("yeto-patch's DiLoCo settings (default: the demo's defaults)")
+    g.add_argument("--yeto-push-dtype", default="int4", choices=("f32", "bf16", "int8", "int4", "int4-log"))
+    g.add_argument("--yeto-error-feedback", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--yeto-tau", type=int, default=5)
+    g.add_argument("--yeto-base-wire", default="int4", choices=("f32", "bf16", "int8", "int4"))
     ap.add_argument("--smoke", action="store_true", help="both sides start and finish 2 syncs on a tiny model "
                     "(H 4, 1 fragment, 8 steps, GPT 1x32, no baseline, one size)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench-out", "vs_torchft"))
@@ -358,10 +373,10 @@ def main(argv=None):
     if a.smoke:
         a.steps, a.sync_every, a.fragments, a.hidden, a.layers, a.eval_seqs = 8, 4, 1, 32, 1, 8
         a.seq_length, a.warmup = 32, 2
-    a.eval_interval, a.base_wire = a.steps, "int4"  # convergence.demo_flags reads these
+    a.eval_interval, a.base_wire = a.steps, a.yeto_base_wire  # convergence.demo_flags reads these
     sizes = [(a.hidden, a.steps, not a.smoke)]
     if not a.smoke:
-        sizes.append((a.hidden2, a.steps2 or 2 * a.sync_every, False))
+        sizes.append((a.hidden2, a.steps2 or a.steps, False))
     rows = []
     t0 = time.time()
     for hidden, steps, baseline in sizes:

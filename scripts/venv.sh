@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Create (or reuse) a virtual environment for one supported environment and print its path.
-#   scripts/venv.sh py312|py311|py312-launchers|py312-peers
+#   scripts/venv.sh py312|py311|py312-launchers|py312-peers [--if-built]
 # The venv lives outside the clone, in ${YETO_VENV_CACHE:-$HOME/.cache/yeto-patch/venvs}/<env>-<hash>,
 # keyed by the hash of the requirement files, so a second run (or another clone) reuses it.
 # py312-launchers is py312 plus ms-swift and Megatron-Bridge (the latter from <env>-nodeps.txt, --no-deps).
 # py312-peers is py312 plus torchft (benchmarks/vs_torchft.py only; not in the default test install).
+# --if-built: print the path only if that environment is already built (exit 1 otherwise); build nothing.
 set -euo pipefail
 env_name="${1:-py312}"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,6 +37,10 @@ find_python() {
   done
   return 1
 }
+if [ "${2:-}" = --if-built ]; then
+  if [ -f "$venv/.complete" ]; then echo "$venv"; exit 0; fi
+  echo "venv.sh: $env_name is not built ($venv); scripts/venv.sh $env_name builds it" >&2; exit 1
+fi
 mkdir -p "$cache"
 # One creator at a time per environment (parallel test runs share the cache).
 exec 9>"$cache/.lock-$env_name"
