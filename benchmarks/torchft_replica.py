@@ -103,7 +103,7 @@ def main(argv=None):
     with DiLoCo(manager, frags, rep.opt, outers, sync_every=o.sync_every,
                 backup_device=torch.device("cpu")) as diloco:
         box["diloco"] = diloco
-        s = 0
+        s = outer_seen = full_syncs = 0
         t_train = time.time()
         while s < o.steps:
             ts = time.perf_counter()
@@ -117,15 +117,19 @@ def main(argv=None):
             s += 1
             step_s.append(dt)
             losses.append(float(loss))
-            log.write(json.dumps(dict(step=s, loss=float(loss), step_s=round(dt, 5),
-                                      outer=manager.current_step(), t=time.time())) + "\n")
+            outer = manager.current_step()
+            if outer > outer_seen:  # this step committed a fragment's outer step: who took part
+                outer_seen = outer
+                full_syncs += manager.num_participants() == o.islands
+            log.write(json.dumps(dict(step=s, loss=float(loss), step_s=round(dt, 5), outer=outer,
+                                      participants=manager.num_participants(), t=time.time())) + "\n")
             log.flush()
             if mine.die_at_step and s == mine.die_at_step:
                 os._exit(17)
         train_s = time.time() - t_train
     loss = ref.heldout_loss(rep.model, heldout, a.micro_batch_size)
     res = dict(replica=mine.replica, heldout_loss=loss, step_s=step_s, train_s=train_s, setup_s=setup_s,
-               outer_steps=manager.current_step(), batches_committed=manager.batches_committed(),
+               outer_steps=manager.current_step(), full_syncs=full_syncs, batches_committed=manager.batches_committed(),
                params=sum(p.numel() for p in rep.model.parameters()), pid=os.getpid())
     with open(mine.result + ".tmp", "w") as f:
         json.dump(res, f)

@@ -223,17 +223,35 @@ def run_yeto(a, hidden, steps, out, baseline):
             recs = [json.loads(x) for x in f if x.strip()]
         steps_by_island.append([r["step_s"] for r in recs if r.get("event") == "train"])
     link = res.get("link") or {}
+    full = 0  # the syncer's merges that had every island's push (its tape: one line per merge)
+    with contextlib.suppress(OSError):
+        with open(os.path.join(out, "syncer-tape.jsonl")) as f:
+            tape = [json.loads(x) for x in f if x.strip()]
+        full = sum(1 for r in tape if r.get("ok") and len(r.get("responders", ())) == a.islands)
     return dict(loss=res.get("global_heldout_loss"), ddp=res.get("baseline_heldout_loss"),
-                bytes=res.get("bytes_between"), bytes_up=link.get("up"), bytes_down=link.get("down"), syncs=res.get("merges"), params=res.get("params"),
+                bytes=res.get("bytes_between"), bytes_up=link.get("up"), bytes_down=link.get("down"), full_syncs=full, syncs=res.get("merges"), params=res.get("params"),
                 blocked=mean([blocked_per_step(s) for s in steps_by_island]),
                 median_step=mean([statistics.median(s) for s in steps_by_island if s]),
                 steps_done=[len(s) for s in steps_by_island], wall_s=time.time() - t0, flags=flags)
 
 
+def lighthouse_port(proc, log_path, timeout_s=60):
+    """The port the lighthouse bound (started on port 0), read from its log line 'Lighthouse listening on'."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        with open(log_path, errors="replace") as f:
+            m = re.search(r"Lighthouse listening on: \S+:(\d+)", f.read())
+        if m:
+            return int(m.group(1))
+        if proc.poll() is not None:
+            raise SystemExit(f"torchft side: the lighthouse exited ({proc.returncode}); see {log_path}")
+        time.sleep(0.1)
+    raise SystemExit(f"torchft side: the lighthouse did not report its port within {timeout_s}s; see {log_path}")
+
+
 def run_torchft(a, hidden, steps, out):
     os.makedirs(out, exist_ok=True)
     flags = [x for x in demo_flags(a, hidden, steps, baseline=False) if x != "--no-baseline"]
-    lport = free_port()
     release = os.path.join(out, "release")
     with contextlib.suppress(FileNotFoundError):
         os.remove(release)
@@ -244,9 +262,10 @@ def run_torchft(a, hidden, steps, out):
     t0 = time.time()
     with SocketMeter() as meter:
         lh_log = open(os.path.join(out, "lighthouse.log"), "w")
-        lighthouse = subprocess.Popen([lighthouse_binary(), "--min_replicas", str(a.islands), *LIGHTHOUSE_FLAGS, "--bind", f"127.0.0.1:{lport}"],
-                                      stdout=lh_log, stderr=subprocess.STDOUT, env=env)
+        lighthouse = subprocess.Popen([lighthouse_binary(), "--min_replicas", str(a.islands), *LIGHTHOUSE_FLAGS,
+                                       "--bind", "127.0.0.1:0"], stdout=lh_log, stderr=subprocess.STDOUT, env=env)
         try:
+            lport = lighthouse_port(lighthouse, os.path.join(out, "lighthouse.log"))
             for k in range(a.islands):
                 renv = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                             LOCAL_RANK="0", TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{lport}")
@@ -291,10 +310,31 @@ def run_torchft(a, hidden, steps, out):
         json.dump(dict(replica_pids=pids, lighthouse_pid=lighthouse.pid,
                        sockets=[dict(local=k[0], peer=k[1], **v) for k, v in meter.socks.items()]), f, indent=1)
     return dict(loss=res[0]["heldout_loss"], loss_mean=mean([r["heldout_loss"] for r in res]),
-                bytes=meter.between(pids), bytes_peers=meter.between(pids, peers_only=True), syncs=res[0]["outer_steps"], params=res[0]["params"],
+                bytes=meter.between(pids), bytes_peers=meter.between(pids, peers_only=True), syncs=res[0]["outer_steps"],
+                full_syncs=res[0].get("full_syncs"), params=res[0]["params"],
                 blocked=mean([blocked_per_step(r["step_s"]) for r in res]),
                 median_step=mean([statistics.median(r["step_s"]) for r in res]),
                 steps_done=[len(r["step_s"]) for r in res], samples=meter.samples, wall_s=time.time() - t0)
+
+
+def run_reference(a, hidden, steps, out):
+    """benchmarks/diloco_reference.py (textbook Streaming DiLoCo in one process, fp32, exact averages) at the
+    settings both sides share and torchft's defaults (tau 0): the algorithm's own loss at these tokens."""
+    os.makedirs(out, exist_ok=True)
+    flags = [x for x in demo_flags(a, hidden, steps, baseline=False) if x != "--no-baseline"]
+    i = flags.index("--overlap-steps")
+    flags[i + 1] = "0"
+    path = os.path.join(out, "reference.json")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YETO_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()))
+    with open(os.path.join(out, "reference-output.txt"), "w") as log:
+        rc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "diloco_reference.py"), *flags,
+                             "--runs", "diloco", "--json", path], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env=env, timeout=a.timeout).returncode
+    if rc:
+        raise SystemExit(f"diloco_reference failed ({rc}); see {out}/reference-output.txt")
+    with open(path) as f:
+        return json.load(f)["diloco"]
 
 
 # --- report -------------------------------------------------------------------------------------------------------
@@ -319,13 +359,18 @@ def report(a, rows, cmd):
         lines += [f"| held-out loss (DDP {y['ddp']:.4f}) | {_f(y['loss'])} | {_f(t['loss'])} "
                   f"(replica mean {_f(t['loss_mean'])}) | {_r(t['loss'], y['loss'], '.4f')} |",
                   f"| loss / DDP | {_r(y['loss'], y['ddp'], '.4f')} | {_r(t['loss'], y['ddp'], '.4f')} | |"]
+        if rows[0].get("reference"):
+            ref = rows[0]["reference"]
+            lines += [f"| loss / textbook Streaming DiLoCo ({ref:.4f}, tau 0, fp32, exact) | {_r(y['loss'], ref, '.4f')} "
+                      f"| {_r(t['loss'], ref, '.4f')} | |"]
     for r in rows:
         y, t = r["yeto"], r["torchft"]
         tag = f"GPT {a.layers}x{r['hidden']} ({y['params'] or t['params']:,} params, {r['steps']} steps)"
         yb, tb = (s["bytes"] / s["syncs"] if s["syncs"] else None for s in (y, t))
-        lines += [f"| {tag}: bytes on the link in all | {y['bytes']:,} (up {y['bytes_up']:,}) | {t['bytes']:,} "
+        lines += [f"| {tag}: syncs with every replica | {y['full_syncs']} of {y['syncs']} | "
+                  f"{'n/a' if t['full_syncs'] is None else t['full_syncs']} of {t['syncs']} | |",
+                  f"| {tag}: bytes on the link in all | {y['bytes']:,} (up {y['bytes_up']:,}) | {t['bytes']:,} "
                   f"(between replicas {t['bytes_peers']:,}) | {_r(t['bytes'], y['bytes'], '.2f')} |",
-                  f"| {tag}: syncs (fragment outer steps) | {y['syncs']} | {t['syncs']} | |",
                   f"| {tag}: bytes per sync | {_f(yb, ',.0f')} | {_f(tb, ',.0f')} | {_r(tb, yb, '.2f')} |",
                   f"| {tag}: median step ms | {_f(y['median_step'] * 1e3, '.1f')} | "
                   f"{_f(t['median_step'] * 1e3, '.1f')} | {_r(t['median_step'], y['median_step'], '.2f')} |",
@@ -361,6 +406,8 @@ def main(argv=None):
     g.add_argument("--yeto-error-feedback", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--yeto-tau", type=int, default=5)
     g.add_argument("--yeto-base-wire", default="int4", choices=("f32", "bf16", "int8", "int4"))
+    ap.add_argument("--no-reference", dest="reference", action="store_false",
+                    help="skip benchmarks/diloco_reference.py (textbook Streaming DiLoCo, tau 0) at the first size")
     ap.add_argument("--smoke", action="store_true", help="both sides start and finish 2 syncs on a tiny model "
                     "(H 4, 1 fragment, 8 steps, GPT 1x32, no baseline, one size)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench-out", "vs_torchft"))
@@ -386,7 +433,13 @@ def main(argv=None):
         print(f"[GPT {a.layers}x{hidden}, {steps} steps] torchft ...", flush=True)
         t = run_torchft(a, hidden, steps, os.path.join(a.out, f"h{hidden}", "torchft"))
         print(f"    {json.dumps(t)}", flush=True)
-        rows.append(dict(hidden=hidden, steps=steps, yeto=y, torchft=t))
+        row = dict(hidden=hidden, steps=steps, yeto=y, torchft=t)
+        if baseline and a.reference:
+            print(f"[GPT {a.layers}x{hidden}, {steps} steps] textbook Streaming DiLoCo (diloco_reference) ...",
+                  flush=True)
+            row["reference"] = run_reference(a, hidden, steps, os.path.join(a.out, f"h{hidden}", "reference"))
+            print(f"    {row['reference']:.4f}", flush=True)
+        rows.append(row)
     cmd = "python benchmarks/vs_torchft.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print()
     print(report(a, rows, cmd))
