@@ -196,6 +196,8 @@ def demo_flags(a, hidden, steps, baseline=True):
     ns.baseline_layout, ns.layouts, ns.sync_warmup = a.baseline_layout, "single", 0
     ns.base_wire = a.yeto_base_wire
     f = convergence.demo_flags(c, ns) + ["--fp32"]
+    if a.yeto_quorum:  # the syncer's --quorum K (default: elastic rounds)
+        f.append(f"--syncer-arg=--quorum={a.yeto_quorum}")
     return f + ([] if baseline else ["--no-baseline"])
 
 
@@ -352,7 +354,8 @@ def report(a, rows, cmd):
     lines = [f"## vs_torchft: {a.islands} replicas/islands, H={a.sync_every}, {a.fragments} fragment(s), "
              f"{a.steps} steps x {a.batch} x {a.seq_length} tokens per replica, GPT {a.layers}x{a.hidden} fp32",
              f"yeto-patch: {a.yeto_push_dtype} pushes{' + error feedback' if a.yeto_error_feedback else ''}, "
-             f"tau {min(a.yeto_tau, a.sync_every // 2)}, bases {a.yeto_base_wire}; torchft: DiLoCo defaults (fp32 "
+             f"tau {min(a.yeto_tau, a.sync_every // 2)}, bases {a.yeto_base_wire}"
+             f"{f', syncer --quorum {a.yeto_quorum}' if a.yeto_quorum else ''}; torchft: DiLoCo defaults (fp32 "
              f"allreduce, fragment_sync_delay 0, fragment_update_alpha 0); outer Nesterov lr {a.outer_lr} "
              f"momentum 0.9 both", "", "| measure | yeto-patch | torchft | torchft / yeto-patch |", "|---|---|---|---|"]
     if y.get("ddp"):
@@ -389,7 +392,7 @@ def main(argv=None):
     ap.add_argument("--fragments", type=int, default=2)
     ap.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD lr (momentum 0.9), both sides")
     ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--hidden2", type=int, default=256, help="the second model size (bytes and blocked time)")
+    ap.add_argument("--hidden2", type=int, default=256, help="the second model size (bytes and blocked time); 0: none")
     ap.add_argument("--steps2", type=int, default=0, help="steps at --hidden2 (default: --steps)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq-length", type=int, default=64)
@@ -406,6 +409,8 @@ def main(argv=None):
     g.add_argument("--yeto-error-feedback", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--yeto-tau", type=int, default=5)
     g.add_argument("--yeto-base-wire", default="int4", choices=("f32", "bf16", "int8", "int4"))
+    g.add_argument("--yeto-quorum", type=int, default=0, help="the syncer's --quorum K (0: its default, elastic "
+                   "rounds; M: every round waits for every island, as torchft's quorum does)")
     ap.add_argument("--no-reference", dest="reference", action="store_false",
                     help="skip benchmarks/diloco_reference.py (textbook Streaming DiLoCo, tau 0) at the first size")
     ap.add_argument("--smoke", action="store_true", help="both sides start and finish 2 syncs on a tiny model "
@@ -422,7 +427,7 @@ def main(argv=None):
         a.seq_length, a.warmup = 32, 2
     a.eval_interval, a.base_wire = a.steps, a.yeto_base_wire  # convergence.demo_flags reads these
     sizes = [(a.hidden, a.steps, not a.smoke)]
-    if not a.smoke:
+    if not a.smoke and a.hidden2 > 0:
         sizes.append((a.hidden2, a.steps2 or a.steps, False))
     rows = []
     t0 = time.time()
