@@ -2,10 +2,14 @@
 DiLoCo) start, train the same tiny model and finish 2 syncs, and the byte meters see real traffic. Runs in the
 py312-peers environment's Python (torchft 0.2.0), which the default test install does not build: skips unless
 `bash scripts/venv.sh py312-peers` has built it. The comparison's figures are for the full run, not checked here."""
+import contextlib
 import json
 import math
 import os
+import shutil
+import socket
 import subprocess
+import sys
 
 import pytest
 
@@ -50,3 +54,40 @@ def test_vs_torchft_smoke(tmp_path):
         assert math.isfinite(loss) and loss < math.log(256), (y, t)  # below the uniform byte guess: it trained
     assert t["blocked"] is not None and y["blocked"] is not None
     assert os.path.exists(out / "h32" / "torchft" / "sockets.json")
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_socket_meter_counts_each_byte_between_processes_once():
+    """The torchft side's byte meter on real sockets: a child process sends 300,000 bytes to this one and gets
+    1,000 back; a connection of this process to itself (as a replica to its own TCPStore) is not counted."""
+    from benchmarks.vs_torchft import SocketMeter
+    with contextlib.ExitStack() as stack:
+        srv = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+        port = srv.getsockname()[1]
+        child = subprocess.Popen([sys.executable, "-c", (
+            "import socket, sys\n"
+            f"s = socket.create_connection(('127.0.0.1', {port}))\n"
+            "s.sendall(b'x' * 300000)\n"
+            "got = 0\n"
+            "while got < 1000:\n"
+            "    got += len(s.recv(65536))\n"
+            "print('ok', flush=True)\n"
+            "sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        stack.callback(child.wait, timeout=30)
+        stack.callback(child.stdin.close)
+        conn = stack.enter_context(srv.accept()[0])
+        self_a = stack.enter_context(socket.create_connection(("127.0.0.1", port)))
+        stack.enter_context(srv.accept()[0])
+        self_a.sendall(b"z" * 5000)
+        got = 0
+        while got < 300000:
+            got += len(conn.recv(1 << 20))
+        conn.sendall(b"y" * 1000)
+        assert child.stdout.readline().strip() == "ok"
+        meter = SocketMeter()
+        meter.sample()
+        assert meter.samples == 1
+        assert meter.between([child.pid]) == 301000            # its sends + what it got from outside
+        assert meter.between([child.pid], peers_only=True) == 0
+        assert meter.between([child.pid, os.getpid()]) == 301000  # both ends known: each byte once
+        assert meter.between([os.getpid()]) == 301000           # the self-connection's 5000 not counted
