@@ -15,8 +15,9 @@ syncer's own partition of the model (yeto_patch.syncer.layout.partition), so bot
 
 Writes one JSON line per step (step, loss, step_s, outer steps so far) to --log and, at the end, a result JSON
 (--result): held-out loss of this replica's model on the convergence benchmark's held-out windows, step times,
-the Manager's committed outer steps. With --die-at-step N the process exits hard (os._exit) after step N (the
-failure schedule); a restarted replica (--resume) heals from a live peer through the Manager, as torchft does.
+the Manager's committed outer steps and how many of them had every replica. With --die-at-step N the process
+exits hard (os._exit) after step N, for a failure schedule (not used by vs_torchft.py yet); the state_dict
+registered with the Manager is what a restarted replica would heal from a live peer.
 """
 from __future__ import annotations
 
