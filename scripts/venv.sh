@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Create (or reuse) a virtual environment for one supported environment and print its path.
-#   scripts/venv.sh py312|py311|py312-launchers
+#   scripts/venv.sh py312|py311|py312-launchers|py312-peers [--if-built]
 # The venv lives outside the clone, in ${YETO_VENV_CACHE:-$HOME/.cache/yeto-patch/venvs}/<env>-<hash>,
 # keyed by the hash of the requirement files, so a second run (or another clone) reuses it.
 # py312-launchers is py312 plus ms-swift and Megatron-Bridge (the latter from <env>-nodeps.txt, --no-deps).
+# py312-peers is py312 plus torchft (benchmarks/vs_torchft.py only; not in the default test install).
+# --if-built: print the path only if that environment is already built (exit 1 otherwise); build nothing.
 set -euo pipefail
 env_name="${1:-py312}"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,7 +13,8 @@ case "$env_name" in
   py312) py_ver=3.12 ;;
   py311) py_ver=3.11 ;;
   py312-launchers) py_ver=3.12 ;;
-  *) echo "usage: $0 py312|py311|py312-launchers" >&2; exit 2 ;;
+  py312-peers) py_ver=3.12 ;;
+  *) echo "usage: $0 py312|py311|py312-launchers|py312-peers" >&2; exit 2 ;;
 esac
 req="$here/requirements/$env_name.txt"
 nodeps="$here/requirements/$env_name-nodeps.txt"
@@ -19,6 +22,9 @@ nodeps="$here/requirements/$env_name-nodeps.txt"
 hashed=("$req" "$here/requirements/common.txt")
 if [ "$env_name" = py312-launchers ]; then
   hashed+=("$here/requirements/py312.txt" "$here/requirements/constraints-launchers.txt" "$nodeps")
+fi
+if [ "$env_name" = py312-peers ]; then
+  hashed+=("$here/requirements/py312.txt")
 fi
 hash="$(cat "${hashed[@]}" | sha256sum | cut -c1-16)"
 cache="${YETO_VENV_CACHE:-$HOME/.cache/yeto-patch/venvs}"
@@ -31,6 +37,10 @@ find_python() {
   done
   return 1
 }
+if [ "${2:-}" = --if-built ]; then
+  if [ -f "$venv/.complete" ]; then echo "$venv"; exit 0; fi
+  echo "venv.sh: $env_name is not built ($venv); scripts/venv.sh $env_name builds it" >&2; exit 1
+fi
 mkdir -p "$cache"
 # One creator at a time per environment (parallel test runs share the cache).
 exec 9>"$cache/.lock-$env_name"
