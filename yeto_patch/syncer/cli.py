@@ -151,11 +151,12 @@ def _round_flags(g) -> None:
                    "once 2 islands (1 with --islands 2 or less), or all that are up when fewer are, answered "
                    "(docs/operations.md)")
     g.add_argument("--grace", type=_grace, default="auto", help="seconds to wait for the remaining islands once "
-                   "the quorum is reached, or auto: the adaptive window, which waits only for islands that usually "
-                   "arrive within it, learned from their arrival times, at most the patience of the islands that "
-                   "answered and a quarter of the round period (docs/protocol.md, Rounds)")
+                   "the quorum is reached, or auto: the pace window, which waits for a missing island only when its "
+                   "own pace (its step and rate from its heartbeats, its steps between pushes) brings its push "
+                   "before the answers' patience (their upper median) runs out (docs/protocol.md, Rounds)")
     g.add_argument("--round-timeout", type=_pos_float, default=600.0, help="seconds after a round's first push "
-                   "after which it merges with at least the quorum (below quorum it keeps waiting and logs it)")
+                   "after which it merges with the answers it has (a fixed roster below its quorum keeps waiting "
+                   "and logs it)")
     g.add_argument("--lease", type=_pos_float, default=60.0, help="seconds an island may stay silent before it "
                    "leaves the expected set of open rounds (islands send heartbeats every lease/4)")
     g.add_argument("--max-base-lag", type=_nonneg_int, default=4, help="a push relative to a base at most this "
@@ -165,8 +166,9 @@ def _round_flags(g) -> None:
                    "push carried into the next round")
     g.add_argument("--weights", choices=WEIGHTINGS, default="tokens", help="weight of each island's delta: tokens "
                    "(steps x the island's tokens per step, fixed by its first merged push), steps, or equal; steps "
-                   "are checked against the island's step counter and a push weighs at most 2x the other islands' "
-                   "median (docs/protocol.md, Pushes)")
+                   "are checked against the island's step counter and an island weighs at most 2x the low median "
+                   "of the other islands' capped weights in a merge, its carried pushes included (docs/protocol.md, "
+                   "Pushes)")
     g.add_argument("--exact", action="store_true", help="hold pushes (encoded) and fold them in island order at "
                    "merge time: bit-reproducible whatever the arrival order (more memory)")
     g.add_argument("--max-push-norm-ratio", type=_nonneg_float, default=10.0, help="refuse (code outlier) a push "
@@ -219,7 +221,9 @@ def _transfer_flags(g) -> None:
                    "YETO_DILOCO_INITIALIZER=1 (a fine-tune's pretrained weights) is taken as soon as it joins "
                    "(docs/operations.md, 'Who initializes')")
     g.add_argument("--init-wait", type=_pos_float, default=300.0, help="seconds lowest-id waits after the first "
-                   "island joined for the rest of the roster before it takes the lowest id of those present")
+                   "island joined for the rest of the roster before it takes the lowest id of those present; also "
+                   "how long after a declared initializer left another island may initialize, and after the first "
+                   "join FINALs may end a run whose roster never completed")
     g.add_argument("--init-lowest-id", action="store_true", help="the same as --initializer lowest-id (the default "
                    "now; kept for existing command lines)")
     g.add_argument("--final-ack-timeout", type=_pos_float, default=60.0, help="seconds to wait for the islands' "
