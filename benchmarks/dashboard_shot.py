@@ -25,7 +25,6 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 
 from benchmarks import headless
 from benchmarks.prometheus_run import Prometheus, dashboard_queries

@@ -16,7 +16,6 @@ from yeto_patch.syncer.rounds.coordinator import Coordinator
 from yeto_patch.syncer.rounds.pushes import ReceivedPush, PushRefused
 from yeto_patch.syncer.rounds.round import TRANSITIONS, Phase
 from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
-from yeto_patch.syncer.rounds.weights import MAX_RATIO
 from yeto_patch.wire import codecs
 
 from .test_rounds import Clock

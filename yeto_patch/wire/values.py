@@ -11,7 +11,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import codecs
+from . import codec_names, codecs
 from .frames import AuthError, CodecError, PeerError, ProtocolError
 
 __all__ = ["SyncerRefusal", "Welcome", "Base", "PushReply", "SyncerStatus", "recoverable", "DELTA_CODECS",
@@ -93,7 +93,7 @@ class SyncerStatus:
         return "; ".join(parts) or "no round of this island is open"
 
 
-DELTA_CODECS = ("int8", "int4")
+DELTA_CODECS = codec_names.BASE_UPDATES
 _COMPOSE_PIECE = 1 << 18
 
 

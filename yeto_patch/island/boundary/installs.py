@@ -24,7 +24,6 @@ import time
 from yeto_patch.island.boundary.fragment import BasePhase, Fragment
 from yeto_patch.island.boundary.parts import IslandParts
 from yeto_patch.island.boundary.plan import BaseSpec
-from yeto_patch.island.errors import EngineError
 
 log = logging.getLogger("yeto_patch")
 

@@ -42,7 +42,7 @@ from typing import Callable, Optional
 
 from yeto_patch.island.errors import EngineError, describe
 from yeto_patch.island.link.patience import Patience, StepClock
-from yeto_patch.island.records import (EMPTY, ArrivedBase, Carried, Inbox, OutgoingPush, Reconnected, Refusal, Sent,
+from yeto_patch.island.records import (ArrivedBase, Carried, Inbox, OutgoingPush, Reconnected, Refusal, Sent,
                                        took_by)
 
 log = logging.getLogger("yeto_patch")

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from ...wire import codecs
+from ...wire import codec_names, codecs
 from ...wire.frames import MsgType, ProtocolError
 from ...wire.schema import base_meta
 from ...wire.transport import Connection
@@ -23,7 +23,7 @@ __all__ = ["Session", "SEND_CHUNK", "BASE_UPDATES"]
 
 log = logging.getLogger("yeto.syncer")
 SEND_CHUNK = 4 << 20  # bytes per body piece handed to the transport
-BASE_UPDATES = ("int8", "int4")   # quantized change from the island's previous base, error carried to the next
+BASE_UPDATES = codec_names.BASE_UPDATES   # quantized change from the island's base, error carried to the next
 
 
 class Session:
