@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Islands that crash, stall and run slower, against the syncer's defaults and the fixed roster: goodput,
-utilisation, rounds per minute, global downtime, healthy islands lost, refused pushes.
+utilisation, rounds per minute, global downtime, healthy islands lost, refused pushes, pushes that ended neither
+merged nor refused.
 
 A fleet of simulated islands (benchmarks/chaos_island.py: the product's island link, waits, fragment states, plans,
 schedule and restart state; only the compute is a sleep) at speeds 1.0, 1.0, 1.0, 0.7, 0.5, 0.35 runs against a
@@ -58,7 +59,8 @@ LEVELS = {"high": dict(kills=8, outages=16, pauses=19), "low": dict(kills=3, out
           "none": dict(kills=0, outages=0, pauses=0)}   # events per 180 s
 CONFIGS = {"defaults": ([], True), "fixed roster": (["--quorum", "{n}"], True), "no chaos": ([], False)}
 SCALED = dict(timeout="20s", lease="2", io_timeout="4", round_timeout="20")
-REFUSED = re.compile(r"refused push of fragment \S+ \(base v\S+\) from island (\S+) \[([a-z-]+)\]")
+REFUSED = re.compile(r"refused push of fragment (\S+) \(base v(\S+)\) from island (\S+) \[([a-z-]+)\]")
+FINAL_CUT = re.compile(r"^(\S+ \S+) \S+ INFO final cut:", re.M)
 
 
 # ------------------------------------------------------------------------------------------------ the network
@@ -315,10 +317,11 @@ def figures(fleet: Fleet) -> dict:
     unfinished = [f"i{r[0]}" for r in fleet.runs if r[3] == "end"]
     refused = {}
     log = open(os.path.join(out, "syncer.log"), errors="replace").read()
-    for _, code in REFUSED.findall(log):
+    for _, _, _, code in REFUSED.findall(log):
         refused[code] = refused.get(code, 0) + 1
     lags = [r["lag"] for t in merges for r in t["responders"]]
     interval = max(_interval(a, s) for s in a.speeds)
+    unended = unended_pushes(fleet, tape, log)
     work = computed * a.fragments   # (every fragment's pushes carry the island's steps: each counts once per fragment)
     return dict(config=fleet.name, goodput=merged / work if computed else 0.0,
                 goodput_weighted=weighted / work if computed else 0.0,
@@ -326,7 +329,33 @@ def figures(fleet: Fleet) -> dict:
                 rounds_per_min=len(times) / a.fragments / (a.seconds / 60), downtime_s=max(gaps) if gaps else a.seconds,
                 slowest_interval_s=interval, lost=lost, unfinished=unfinished, refused=refused,
                 kills=sum(1 for r in fleet.runs if r[3] == "chaos"), syncer_rc=fleet.syncer.returncode,
+                pushes=unended[0], unended=unended[1],
                 lag_mean=statistics.mean(lags) if lags else 0.0, computed_tokens=computed, merged_tokens=merged)
+
+
+def unended_pushes(fleet: "Fleet", tape: list, log: str) -> tuple:
+    """(pushes made, pushes that ended neither merged nor refused), counted from both sides' records: every push an
+    island process made (its stats' "push" records) by a process that ran to its end (a killed process's pushes
+    after its last checkpoint die with it; those before it are sent again by its restart), against the syncer's
+    merge tape (island, fragment, base version) and its refusal lines; pushes made after the syncer's final cut
+    began are answered by the final model instead."""
+    merged = {(r["island"], t["fragment"], r["base_version"]) for t in tape for r in t["responders"]}
+    refused = {(island, int(f), int(b)) for f, b, island, _ in REFUSED.findall(log) if f.isdigit() and b.isdigit()}
+    m = FINAL_CUT.search(log)
+    cut = time.mktime(time.strptime(m.group(1).split(",")[0], "%Y-%m-%d %H:%M:%S")) if m else float("inf")
+    made, unended = 0, 0
+    for i in range(fleet.n):
+        path = os.path.join(fleet.out, f"i{i}", "stats.jsonl")
+        recs = [json.loads(x) for x in open(path)] if os.path.exists(path) else []
+        ended = {r["run"] for r in recs if r["ev"] == "end"}
+        for r in recs:
+            if r["ev"] != "push" or r["run"] not in ended or r["t"] >= cut:
+                continue
+            made += 1
+            key = (f"i{i}", r["fragment"], r["base"])
+            if key not in merged and key not in refused:
+                unended += 1
+    return made, unended
 
 
 def _interval(a, speed) -> float:
@@ -337,13 +366,14 @@ def _interval(a, speed) -> float:
 
 def table(rows: list) -> str:
     out = ["| configuration | goodput | goodput (weighted) | utilisation | merges/min | rounds/min | global downtime "
-           "(s) | slowest interval (s) | kills | healthy islands lost | unfinished | refused pushes |", "|" + "---|" * 12]
+           "(s) | slowest interval (s) | kills | healthy islands lost | unfinished | refused pushes | pushes neither "
+           "merged nor refused |", "|" + "---|" * 13]
     for r in rows:
         ref = ", ".join(f"{k} {v}" for k, v in sorted(r["refused"].items())) or "none"
         out.append(f"| {r['config']} | {r['goodput']:.3f} | {r['goodput_weighted']:.3f} | {r['utilisation']:.3f} | "
                    f"{r['merges_per_min']:.1f} | {r['rounds_per_min']:.1f} | {r['downtime_s']:.1f} | "
                    f"{r['slowest_interval_s']:.1f} | {r['kills']} | {len(r['lost'])} | {len(r['unfinished'])} | "
-                   f"{ref} |")
+                   f"{ref} | {r['unended']} of {r['pushes']} |")
     return "\n".join(out)
 
 

@@ -171,9 +171,10 @@ class Island:
     def push(self, f, final=False):
         st = self.frags[f]
         body = codecs.encode(self.s.push_dtype, self.anchor[f] - self.x[f])
-        st.begin_push(self.step, final)
+        push = st.begin_push(self.step, final)
         st.push_handed(PushWire(body, self.s.push_dtype))
         self.link.send_push(st.outgoing(self.blend))
+        self.record("push", fragment=f, base=push.base_version, final=final)   # (chaos.py: every push ends)
 
     def await_answers(self, fs):
         """Wait for the answers of the pushes of `fs`, as the engine's wait does (island/boundary/driver.py): a

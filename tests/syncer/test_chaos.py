@@ -29,6 +29,7 @@ def test_quick_chaos_at_the_defaults(tmp_path, capsys):
     (row,) = json.loads(out.read_text())
     assert row["config"] == "defaults" and row["kills"] >= 1, row
     assert row["lost"] == [] and row["unfinished"] == [] and row["syncer_rc"] == 0, row
+    assert row["pushes"] > 0 and row["unended"] == 0, row   # every push ended merged or refused (issue 35)
     assert row["merges_per_min"] > 0 and row["downtime_s"] < 0.5 * 40, row   # rounds went on through the chaos
     assert 0.5 < row["goodput"] <= 1.0 and row["utilisation"] > 0.3, row
     assert capsys.readouterr().out.splitlines()[-1].startswith("chaos: goodput ")

@@ -19,10 +19,10 @@ pytestmark = pytest.mark.timeout(60)
 MAN = [("w", (256,), "float32")]
 
 
-def coordinator(islands, clock, **ms):
+def coordinator(islands, clock, quorum=None, **ms):
     c = Coordinator(MergeSettings(**{"weights": "tokens", "outer": "avg", **ms}),
-                    RoundSettings(islands=islands, quorum=islands, grace_s=0.0, timeout_s=30.0, lease_s=300.0),
-                    ChunkRunner(1), clock=clock)
+                    RoundSettings(islands=islands, quorum=quorum or islands, grace_s=0.0, timeout_s=30.0,
+                                  lease_s=300.0), ChunkRunner(1), clock=clock)
     c.set_manifest(MAN, 1)
     c.init_fragment(0, np.zeros(256, np.float32))
     return c
@@ -63,11 +63,7 @@ def test_an_island_silent_for_rounds_weighs_one_island_in_the_merge_that_takes_i
     (3.9x the honest median; docs/operations.md promises at most MAX_RATIO / (MAX_RATIO + N - 1)). The control: it
     pushes on time, one answer per round."""
     clock = Clock()
-    c = coordinator(3, clock, max_base_lag=4)
-    c = Coordinator(c.ms, RoundSettings(islands=3, quorum=2, grace_s=0.0, timeout_s=30.0, lease_s=300.0),
-                    ChunkRunner(1), clock=clock)
-    c.set_manifest(MAN, 1)
-    c.init_fragment(0, np.zeros(256, np.float32))
+    c = coordinator(3, clock, quorum=2, max_base_lag=4)
     for i in "abz":
         c.join(i, "1")
     for rnd in range(5):
