@@ -56,6 +56,7 @@ SCRIPT = os.path.join(ROOT, "tests", "shim", "scripts", "pretrain_gpt_cpu.py")
 LAYOUT = {"tp2": ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"],
           "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
 ISLANDS = {"a": ("tp2", "shard0"), "b": ("pp2", "shard1")}
+LAYOUTS = ("shards", "corpus")   # --data-layout: each island its own shard, or both the whole corpus
 # DiLoCo settings: (island variables beyond H, syncer flags)
 SETTINGS = {
     "defaults": ({}, []),
@@ -76,9 +77,10 @@ class Cell:
     setting: str = "defaults"
     rep: int = 0
 
-    def command(self) -> str:
-        """The command that runs this cell alone (with what it compares to: DDP, the lone run, the reference)."""
-        s = f"python benchmarks/convergence_mlm.py --seeds {self.seeds[0]}:{self.seeds[1]}"
+    def command(self, common: str = "") -> str:
+        """The command that runs this cell alone (with what it compares to: DDP, the lone run, the reference);
+        `common`: the invocation's setting flags that differ from the defaults (``setting_flags``)."""
+        s = f"python benchmarks/convergence_mlm.py{common} --seeds {self.seeds[0]}:{self.seeds[1]}"
         if self.kind == "ddp":
             return s + " --only ddp"
         s += f" --init {self.init}"
@@ -124,6 +126,14 @@ def build_data(out: str) -> dict:
         os.replace(prefix + ".bin.tmp", prefix + ".bin")
         os.replace(prefix + ".idx.tmp", prefix + ".idx")
     return paths
+
+
+def train_paths(a, data: dict, shard: str) -> list:
+    """Megatron's --train-data-path of a job: its shard (``--data-layout shards``), or the whole corpus, both shards
+    blended 1:1 and sampled in the order of the job's own --seed (``corpus``; DDP always takes the corpus)."""
+    if a.data_layout == "corpus" or shard == "both":
+        return ["1", data["shard0"], "1", data["shard1"]]
+    return [data[shard]]
 
 
 def megatron_args(a, gbs: int, train: list, data: dict, cache: str, seed: int) -> list:
@@ -233,7 +243,7 @@ class DelayRelay:
 # ------------------------------------------------------------------------------------------------ runs
 def run_ddp(a, cell: Cell, data: dict, tmp: str) -> dict:
     d = cell_dir(tmp, cell)
-    margs = megatron_args(a, 8, ["1", data["shard0"], "1", data["shard1"]], data, str(d / "cache"), cell.seeds[0])
+    margs = megatron_args(a, 8, train_paths(a, data, "both"), data, str(d / "cache"), cell.seeds[0])
     p = job(d, "dp2", margs, {})
     rcs = P.wait_all([p], timeout=a.timeout)
     if rcs != [0]:
@@ -245,7 +255,7 @@ def run_lone(a, cell: Cell, data: dict, tmp: str) -> dict:
     layout, shard = ISLANDS[cell.init]
     seed = cell.seeds["ab".index(cell.init)]
     d = cell_dir(tmp, cell)
-    p = job(d, layout, megatron_args(a, 4, [data[shard]], data, str(d / "cache"), seed), {}, start_dump=True)
+    p = job(d, layout, megatron_args(a, 4, train_paths(a, data, shard), data, str(d / "cache"), seed), {}, start_dump=True)
     rcs = P.wait_all([p], timeout=a.timeout)
     if rcs != [0]:
         raise RuntimeError(f"{cell.name} failed (rc {rcs[0]}); log {p.log_path}:\n{p.text()[-3000:]}")
@@ -283,7 +293,7 @@ def run_diloco(a, cell: Cell, data: dict, tmp: str) -> dict:
                         YETO_DILOCO_ISLAND_ID=ids[x], YETO_DILOCO_SYNC_EVERY=a.sync_every,
                         YETO_DILOCO_TIMEOUT=900, YETO_DILOCO_METRICS=str(d / x / "metrics.jsonl"), **env)
             seed = cell.seeds["ab".index(x)]
-            margs = megatron_args(a, 4, [data[shard]], data, str(d / x / "cache"), seed)
+            margs = megatron_args(a, 4, train_paths(a, data, shard), data, str(d / x / "cache"), seed)
             islands.append(job(d / x, layout, margs, yeto, start_dump=a.dump_start))
         islands.sort(key=lambda p: p.name)   # a, b
         rcs = P.wait_all([*islands, syncer], timeout=a.timeout)
@@ -311,7 +321,7 @@ def run_ref(a, cell: Cell, data: dict, tmp: str, start: str) -> dict:
            "--valid-seed", str(a.valid_seed), "--fragments", str(cell.fragments), "-H", str(a.sync_every),
            "--iters", str(a.iters), "--lr", str(a.lr), "--warmup", str(a.warmup), "--layers", str(a.layers),
            "--hidden", str(a.hidden), "--seq-length", str(a.seq_length), "--eval-seqs", str(a.eval_seqs),
-           "--json", str(out)]
+           "--data-layout", a.data_layout, "--json", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, env=P.base_env(), capture_output=True, text=True, timeout=a.timeout)
     if r.returncode != 0:
         raise RuntimeError(f"{cell.name} failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
@@ -355,7 +365,16 @@ def run_cell(a, cell: Cell, data: dict, tmp: str, res: dict) -> dict:
     return run_ref(a, cell, data, tmp, start)
 
 
-def tables(res: dict) -> str:
+SETTING_FLAGS = (("iters", "--iters", 300), ("sync_every", "--sync-every", 10), ("lr", "--lr", 1e-3),
+                 ("warmup", "--warmup", 10), ("data_layout", "--data-layout", "shards"))
+
+
+def setting_flags(a) -> str:
+    """The flags of this invocation's setting that differ from the script's defaults (for the commands shown)."""
+    return "".join(f" {flag} {getattr(a, k)}" for k, flag, d in SETTING_FLAGS if getattr(a, k) != d)
+
+
+def tables(res: dict, common: str = "") -> str:
     """One table per seed pair: every DiLoCo cell beside DDP, the lone island from the same start and the
     reference from the same start and F."""
     out = []
@@ -373,7 +392,7 @@ def tables(res: dict) -> str:
                 c.init, str(c.fragments), c.load, c.setting + (f" #{c.rep}" if c.rep else ""), f"{v['loss']:.4f}",
                 f"{v['loss'] / ddp:.4f}" if ddp else "n/a", f"{lone:.4f}" if lone else "n/a",
                 f"{v['loss'] / lone:.4f}" if lone else "n/a", f"{ref:.4f}" if ref else "n/a",
-                f"{v['loss'] / ref:.4f}" if ref else "n/a", f"{v['wall_s']:.0f}", f"`{c.command()}`"]) + " |")
+                f"{v['loss'] / ref:.4f}" if ref else "n/a", f"{v['wall_s']:.0f}", f"`{c.command(common)}`"]) + " |")
         for c, v in res.items():
             if c.seeds == seeds and c.kind in ("lone", "ref"):
                 out.append(f"{c.name}: {v['loss']:.4f}" + (f" ({v['loss'] / ddp:.4f}x DDP)" if ddp else ""))
@@ -423,7 +442,10 @@ def parse(argv=None):
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--seq-length", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=10, help="Megatron's --lr-warmup-iters")
+    ap.add_argument("--data-layout", default="shards", choices=LAYOUTS, help="shards: island a trains on shard 0, "
+                    "b on shard 1; corpus: both islands (and the lone island) sample the whole corpus, each in the "
+                    "order of its own seed (DDP: the whole corpus in both)")
     ap.add_argument("--eval-seqs", type=int, default=128, help="held-out sequences in the final evaluation")
     ap.add_argument("--valid-seed", type=int, default=1234, help="seed that draws the held-out sequences")
     ap.add_argument("--dump-start", action="store_true", help="DiLoCo islands write their state after the start")
@@ -465,9 +487,10 @@ def main(argv=None) -> int:
     os.makedirs(tmp)
     cells = grid(a)
     print(f"convergence_mlm: Megatron-LM pretrain(), GPT {a.layers}x{a.hidden} seq {a.seq_length}, {a.iters} "
-          f"iterations, lr {a.lr} cosine, H={a.sync_every}; {len(cells)} runs; output {tmp}", flush=True)
+          f"iterations, lr {a.lr} cosine after {a.warmup} warm-up, H={a.sync_every}, data {a.data_layout}; "
+          f"{len(cells)} runs; output {tmp}", flush=True)
     res = run_all(a, cells, data, tmp)
-    print(tables(res))
+    print(tables(res, setting_flags(a)))
     print(summary(res))
     failed = [c.name for c in cells if c not in res]
     if failed:

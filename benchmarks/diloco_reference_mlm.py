@@ -120,7 +120,10 @@ class Replica:
             lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
             wd_incr_steps=args.train_iters, wd_incr_style="constant")
         self.clip = args.clip_grad
-        args.seed, args.train_data_path = seed, [os.path.join(o.data, shard)]
+        paths = [os.path.join(o.data, shard)]
+        if o.data_layout == "corpus":   # both replicas sample both shards, each in the order of its own seed
+            paths = ["1", os.path.join(o.data, "shard0"), "1", os.path.join(o.data, "shard1")]
+        args.seed, args.train_data_path = seed, paths
         eval_n = o.eval_seqs
         self.train, self.valid, _ = S.train_valid_test_datasets_provider([o.iters * 4, eval_n, eval_n])
 
@@ -177,6 +180,8 @@ def main(argv=None):
     ap.add_argument("--alpha", type=float, default=0.5)
     ap.add_argument("--outer-lr", type=float, default=None, help="default: the syncer's auto for these pushes")
     ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument("--momentum-warmup", type=int, default=None, help="outer momentum warm-up, rounds per "
+                    "fragment (default: the syncer's, yeto_patch.syncer.model.outer.MOMENTUM_WARMUP)")
     ap.add_argument("--vocab-rows", type=int, default=384, help="rows of the manifest's embedding (partition)")
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -185,6 +190,8 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--seq-length", type=int, default=64)
     ap.add_argument("--eval-seqs", type=int, default=128)
+    ap.add_argument("--data-layout", default="shards", choices=("shards", "corpus"), help="shards: replica 0 on "
+                    "shard 0, replica 1 on shard 1; corpus: both on both shards, each in its seed's order")
     ap.add_argument("--runs", default="diloco", help="comma-separated: diloco, lone")
     ap.add_argument("--dropout-seed", type=int, default=None, help="seed of the dropout draws (default: SA); "
                     "other values measure how much the draws alone move the result")
@@ -195,14 +202,15 @@ def main(argv=None):
     o.dropout_seed = o.seeds[0] if o.dropout_seed is None else o.dropout_seed
     o.cache = o.cache or os.path.join(o.data, "ref-cache")
     from yeto_patch.config import AUTO_TAU_MAX
-    from yeto_patch.syncer.model.outer import lr_for_steps
+    from yeto_patch.syncer.model.outer import MOMENTUM_WARMUP, lr_for_steps
+    warmup = MOMENTUM_WARMUP if o.momentum_warmup is None else o.momentum_warmup
     tau = min(AUTO_TAU_MAX, o.sync_every // 2) if o.tau is None else o.tau
     outer_lr = lr_for_steps(o.sync_every, blended=tau > 0) if o.outer_lr is None else o.outer_lr
     S = init_megatron(o)
     import torch
     from diloco_reference import OuterOptimizer, install, train_diloco
     torch.set_num_threads(1)
-    out = {"tau": tau, "alpha": o.alpha, "outer_lr": outer_lr, "fragments": o.fragments}
+    out = {"tau": tau, "alpha": o.alpha, "outer_lr": outer_lr, "fragments": o.fragments, "momentum_warmup": warmup}
     for run in [r for r in o.runs.split(",") if r]:
         t0 = time.time()
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -215,7 +223,7 @@ def main(argv=None):
             final = reps[0].model
         else:
             outer = OuterOptimizer(reps[0].model.parameters(), fragments_of(reps[0].model, o.fragments, o.vocab_rows),
-                                   outer_lr, o.outer_momentum)
+                                   outer_lr, o.outer_momentum, warmup)
             anchor = train_diloco([r.model for r in reps], lambda k, s: reps[k].step(s), o.iters, o.sync_every,
                                   outer, tau=tau, alpha=o.alpha)
             install(list(reps[0].model.parameters()), range(len(anchor)), anchor)
