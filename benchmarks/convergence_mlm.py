@@ -9,7 +9,9 @@ distributed optimizer, Megatron's GPTDataset over indexed .bin/.idx files, NullT
 through PYTHONPATH and YETO_* variables.  Data: the Python standard library's sources split by document
 (examples/byte_corpus.py) into island shards 0 and 1 and a held-out file.  Island a is TP2 on shard 0 with seed
 SA, island b PP2 on shard 1 with seed SB (``--seeds SA:SB,...``; the seed sets the initial weights, dropout and
-the order of each island's samples).
+the order of each island's samples). ``--data-layout corpus`` gives both islands (and the lone island) the whole
+corpus, both shards blended, each sampled in the order of its own seed (issue 37's setting); ``--warmup`` is
+Megatron's --lr-warmup-iters.
 
 Cells (each a separate job; the held-out samples are drawn with ``--valid-seed`` whatever the seed, so every
 cell evaluates the same sequences):
@@ -20,9 +22,9 @@ cell evaluates the same sequences):
 - ``diloco``: a syncer (``--islands 2 --fragments F``, the setting's flags) and the two islands (global batch 4
   each, ``YETO_DILOCO_SYNC_EVERY=H`` and the setting's variables; ``defaults`` sets nothing else), the syncer
   told which island initializes (``--init a|b``); the final cut evaluated on both islands;
-- ``ref``: benchmarks/diloco_reference_mlm.py, textbook Streaming DiLoCo in fp32 from the lone island's start
-  with the islands' samples, F, tau, alpha and outer optimizer (the resolved defaults unless the setting names
-  them).
+- ``ref``: benchmarks/diloco_reference_mlm.py, textbook Streaming DiLoCo in fp32 from the lone island's start,
+  given the islands' own Megatron argument lists and YETO_DILOCO_SYNC_EVERY (so their samples, schedules, F, tau,
+  alpha and outer optimizer: the resolved defaults).
 
 Load (``--load``): ``quiet`` (whatever else the machine runs), ``hog`` (``--hog`` busy processes beside the
 islands for the whole run), ``delay`` (every message from the syncer to an island held ``--delay-s`` seconds by
@@ -31,6 +33,8 @@ a relay: bases arrive late).
     python benchmarks/convergence_mlm.py                          # the default grid (docs/convergence.md)
     python benchmarks/convergence_mlm.py --seeds 11:22 --fragments 4 --init a,b --load quiet
     python benchmarks/convergence_mlm.py --only diloco --row 'lr1|YETO_DILOCO_OVERLAP_STEPS=5|--outer-lr 1'
+    python benchmarks/convergence_mlm.py --seeds 11:22 --warmup 2 --data-layout corpus --init a,b --fragments 1,4
+                                                                  # issue 37's setting
     python benchmarks/convergence_mlm.py --ci                     # the CI setting (tests/shim)
 """
 from __future__ import annotations
@@ -312,16 +316,24 @@ def run_diloco(a, cell: Cell, data: dict, tmp: str) -> dict:
     return {"loss": sum(losses) / 2, "islands": losses, "dir": str(d)}
 
 
+def island_argv(a, x: str, data: dict, cache: str, seeds: tuple) -> list:
+    """Island x's Megatron argument list, as run_diloco launches it (layout flags first)."""
+    layout, shard = ISLANDS[x]
+    return [*LAYOUT[layout], *megatron_args(a, 4, train_paths(a, data, shard), data, cache, seeds["ab".index(x)])]
+
+
 def run_ref(a, cell: Cell, data: dict, tmp: str, start: str) -> dict:
+    """The reference given the islands' own Megatron argument lists (a, b) and YETO_* variables, as anyone would
+    run it on their islands."""
+    import shlex
     d = cell_dir(tmp, cell)
     d.mkdir(parents=True, exist_ok=True)
     out = d / "ref.json"
+    islands = [shlex.join(island_argv(a, x, data, str(d / "cache"), cell.seeds)) for x in ISLANDS]
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "diloco_reference_mlm.py"), "--init", start,
-           "--data", os.path.dirname(data["shard0"]), "--seeds", f"{cell.seeds[0]}:{cell.seeds[1]}",
-           "--valid-seed", str(a.valid_seed), "--fragments", str(cell.fragments), "-H", str(a.sync_every),
-           "--iters", str(a.iters), "--lr", str(a.lr), "--warmup", str(a.warmup), "--layers", str(a.layers),
-           "--hidden", str(a.hidden), "--seq-length", str(a.seq_length), "--eval-seqs", str(a.eval_seqs),
-           "--data-layout", a.data_layout, "--json", str(out)]
+           *[arg for x in islands for arg in ("--island", x)], "--island-env",
+           f"YETO_DILOCO_SYNC_EVERY={a.sync_every}", "--valid-seed", str(a.valid_seed), "--fragments",
+           str(cell.fragments), "--eval-seqs", str(a.eval_seqs), "--cache", str(d / "cache"), "--json", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, env=P.base_env(), capture_output=True, text=True, timeout=a.timeout)
     if r.returncode != 0:
         raise RuntimeError(f"{cell.name} failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
