@@ -219,8 +219,9 @@ def fragments_of(model, n):
 
 def run_diloco(o, a, corpus):
     reps = [replica(a, [k], o.batch) for k in range(o.islands)]
+    from yeto_patch.syncer.model.outer import MOMENTUM_WARMUP   # (the syncer's default momentum warm-up)
     outer = OuterOptimizer(reps[0].model.parameters(), fragments_of(reps[0].model, o.fragments), o.outer_lr,
-                           o.outer_momentum)
+                           o.outer_momentum, MOMENTUM_WARMUP)
     final = train_diloco([r.model for r in reps], lambda k, s: train_step(reps[k], corpus, s, a), o.steps,
                          o.sync_every, outer, tau=o.overlap_steps, alpha=o.merge_alpha)
     install(list(reps[0].model.parameters()), range(len(final)), final)
