@@ -153,8 +153,8 @@ def test_momentum_warm_up_ramps_from_zero_to_the_momentum():
         base = base - np.float32(0.7) * (g + mu * m)
         opt.step(t, g.copy(), 1.0, v, r)
         assert np.array_equal(t.base, base) and np.array_equal(t.momentum, m), v
-    assert opt.config()["momentum_warmup"] == 3
-    assert "momentum_warmup" not in OuterOptimizer("nesterov", momentum_warmup=0).config()
+    assert opt.config()["momentum_warmup"] == 3 and OuterOptimizer(momentum_warmup=0).config()["momentum_warmup"] == 0
+    assert "momentum_warmup" not in OuterOptimizer("nesterov").config()   # the default: old checkpoints resume
     assert OuterOptimizer("avg", momentum_warmup=5).momentum_warmup == 0   # nothing to warm up
     for bad in (-1, 1.5, 10**7):
         with pytest.raises(ValueError):

@@ -137,11 +137,12 @@ class OuterOptimizer:
         self.momentum_warmup = warm if self.momentum > 0.0 else 0
 
     def config(self) -> dict:
-        """The resolved settings (a checkpoint's merge configuration; the warm-up only when there is one, so a
-        checkpoint written without it still matches)."""
+        """The resolved settings (a checkpoint's merge configuration). The momentum warm-up only when it is not
+        the default: a checkpoint written before the warm-up existed still resumes (it only changes merges 1-4,
+        which such a checkpoint is almost always past)."""
         out = {"outer": self.kind, "lr": AUTO_LR if self.auto else self.lr, "momentum": self.momentum,
                "delay": self.delay}
-        if self.momentum_warmup:
+        if self.momentum > 0.0 and self.momentum_warmup != MOMENTUM_WARMUP:
             out["momentum_warmup"] = self.momentum_warmup
         return out
 
