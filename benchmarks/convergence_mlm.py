@@ -108,14 +108,15 @@ class Cell:
         return s + (f" #{self.rep}" if self.rep else "")
 
 
-def build_data(out: str) -> dict:
-    """shard0 / shard1 / heldout as Megatron indexed datasets (uint16 tokens, documents of <= 64 KiB + eod)."""
+def build_data(out: str, text: str = None) -> dict:
+    """shard0 / shard1 / heldout as Megatron indexed datasets (uint16 tokens, documents of <= 64 KiB + eod), of the
+    Python standard library's sources or of the text folder `text` (the fine-tune domain)."""
     import numpy as np
     import torch
     from byte_corpus import ByteCorpus, DOC_BLOCK
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     os.makedirs(out, exist_ok=True)
-    corpus = ByteCorpus(num_shards=2)
+    corpus = ByteCorpus(text, num_shards=2) if text else ByteCorpus(num_shards=2)
     paths = {}
     for name, arr in (("shard0", corpus.shards[0]), ("shard1", corpus.shards[1]), ("heldout", corpus.heldout)):
         prefix = os.path.join(out, name)
@@ -150,7 +151,28 @@ def megatron_args(a, gbs: int, train: list, data: dict, cache: str, seed: int) -
             "--eval-interval", "1000000", "--transformer-impl", "local", "--use-distributed-optimizer", "--bf16",
             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
             "--no-bias-dropout-fusion", "--distributed-backend", "gloo", "--log-interval", "50",
-            "--seed", str(seed), "--valid-seed", str(a.valid_seed)]
+            "--seed", str(seed), "--valid-seed", str(a.valid_seed),
+            *(["--load", a.ft_ckpt, "--finetune"] if a.ft_ckpt else [])]
+
+
+def run_pretrain(a, base: dict, out: str) -> str:
+    """The fine-tune regime's start: one DP2 job, global batch 8, `--pretrain-iters` on the base corpus (both
+    shards, seed 1234), saved as a Megatron checkpoint that every cell then loads with --finetune (kept in `out`
+    and reused by later invocations with the same setting)."""
+    import copy
+    ckpt = os.path.join(out, "ckpt")
+    if os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
+        return ckpt
+    pa = copy.copy(a)
+    pa.iters, pa.ft_ckpt, pa.data_layout = a.pretrain_iters, None, "corpus"
+    margs = megatron_args(pa, 8, train_paths(pa, base, "both"), base, os.path.join(out, "cache"), 1234)
+    p = job(pathlib.Path(out), "dp2", [*margs, "--save", ckpt, "--save-interval", str(a.pretrain_iters)], {})
+    rcs = P.wait_all([p], timeout=a.timeout)
+    if rcs != [0] or not os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
+        raise RuntimeError(f"pretraining failed (rc {rcs[0]}); log {p.log_path}:\n{p.text()[-3000:]}")
+    print(f"convergence_mlm: pretrained {a.pretrain_iters} iterations -> {ckpt} (held-out loss on the fine-tune "
+          f"domain {final_loss(p):.4f})", flush=True)
+    return ckpt
 
 
 def job(out: pathlib.Path, layout: str, margs: list, env: dict, start_dump: bool = False) -> P.Proc:
@@ -378,7 +400,8 @@ def run_cell(a, cell: Cell, data: dict, tmp: str, res: dict) -> dict:
 
 
 SETTING_FLAGS = (("iters", "--iters", 300), ("sync_every", "--sync-every", 10), ("lr", "--lr", 1e-3),
-                 ("warmup", "--warmup", 10), ("data_layout", "--data-layout", "shards"))
+                 ("warmup", "--warmup", 10), ("data_layout", "--data-layout", "shards"),
+                 ("finetune_data", "--finetune-data", None), ("pretrain_iters", "--pretrain-iters", 300))
 
 
 def setting_flags(a) -> str:
@@ -458,6 +481,11 @@ def parse(argv=None):
     ap.add_argument("--data-layout", default="shards", choices=LAYOUTS, help="shards: island a trains on shard 0, "
                     "b on shard 1; corpus: both islands (and the lone island) sample the whole corpus, each in the "
                     "order of its own seed (DDP: the whole corpus in both)")
+    ap.add_argument("--finetune-data", default=None, metavar="TEXT_FOLDER", help="the fine-tune regime: a DP2 "
+                    "job pretrains --pretrain-iters on the Python sources and every cell loads it (--load "
+                    "--finetune) and trains on this folder's text instead (its shards and held-out file), e.g. "
+                    "/usr/share/perl")
+    ap.add_argument("--pretrain-iters", type=int, default=300)
     ap.add_argument("--eval-seqs", type=int, default=128, help="held-out sequences in the final evaluation")
     ap.add_argument("--valid-seed", type=int, default=1234, help="seed that draws the held-out sequences")
     ap.add_argument("--dump-start", action="store_true", help="DiLoCo islands write their state after the start")
@@ -495,6 +523,13 @@ def parse(argv=None):
 def main(argv=None) -> int:
     a = parse(argv)
     data = build_data(os.path.join(a.out, "data"))
+    a.ft_ckpt = None
+    if a.finetune_data:   # the fine-tune regime: pretrain on the base corpus, every cell fine-tunes on this one
+        import zlib
+        tag = "%08x" % zlib.crc32(os.path.abspath(a.finetune_data).encode())
+        base, data = data, build_data(os.path.join(a.out, f"data-ft-{tag}"), a.finetune_data)
+        a.ft_ckpt = run_pretrain(a, {**base, "heldout": data["heldout"]},
+                              os.path.join(a.out, f"pretrain-{tag}-{a.pretrain_iters}-w{a.warmup}"))
     tmp = os.path.join(a.out, time.strftime("run-%Y%m%d-%H%M%S"))
     os.makedirs(tmp)
     cells = grid(a)
