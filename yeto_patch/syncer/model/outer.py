@@ -13,7 +13,7 @@ Momentum warm-up (``MOMENTUM_WARMUP``, the default: 4 merges; Pier, arXiv 2511.1
 version v uses ``mu_v = mu * min(1, (v - 1) / 4)`` instead of ``mu``: the first merge is a plain ``lr * g`` step
 and the momentum reaches ``mu`` at the fifth.  From a fresh model the first rounds' deltas are many times larger
 than later ones and momentum 0.9 carries them on for about ten merges; warmed up, DiLoCo from scratch ended
-0.4-1.2% lower at no cost in bytes (issue 37, docs/convergence.md, "Outer momentum warm-up").  The rule depends
+0.6-1.3% lower at no cost in bytes (issue 37, docs/convergence.md, "Outer momentum warm-up").  The rule depends
 only on the fragment's version, so a resumed run continues it exactly.
 
 :meth:`OuterOptimizer.step` first computes ``g`` and checks that ``g`` and the would-be new base and momentum are
