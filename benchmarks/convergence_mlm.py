@@ -9,7 +9,9 @@ distributed optimizer, Megatron's GPTDataset over indexed .bin/.idx files, NullT
 through PYTHONPATH and YETO_* variables.  Data: the Python standard library's sources split by document
 (examples/byte_corpus.py) into island shards 0 and 1 and a held-out file.  Island a is TP2 on shard 0 with seed
 SA, island b PP2 on shard 1 with seed SB (``--seeds SA:SB,...``; the seed sets the initial weights, dropout and
-the order of each island's samples).
+the order of each island's samples). ``--data-layout corpus`` gives both islands (and the lone island) the whole
+corpus, both shards blended, each sampled in the order of its own seed (issue 37's setting); ``--warmup`` is
+Megatron's --lr-warmup-iters.
 
 Cells (each a separate job; the held-out samples are drawn with ``--valid-seed`` whatever the seed, so every
 cell evaluates the same sequences):
@@ -20,9 +22,9 @@ cell evaluates the same sequences):
 - ``diloco``: a syncer (``--islands 2 --fragments F``, the setting's flags) and the two islands (global batch 4
   each, ``YETO_DILOCO_SYNC_EVERY=H`` and the setting's variables; ``defaults`` sets nothing else), the syncer
   told which island initializes (``--init a|b``); the final cut evaluated on both islands;
-- ``ref``: benchmarks/diloco_reference_mlm.py, textbook Streaming DiLoCo in fp32 from the lone island's start
-  with the islands' samples, F, tau, alpha and outer optimizer (the resolved defaults unless the setting names
-  them).
+- ``ref``: benchmarks/diloco_reference_mlm.py, textbook Streaming DiLoCo in fp32 from the lone island's start,
+  given the islands' own Megatron argument lists and YETO_DILOCO_SYNC_EVERY (so their samples, schedules, F, tau,
+  alpha and outer optimizer: the resolved defaults).
 
 Load (``--load``): ``quiet`` (whatever else the machine runs), ``hog`` (``--hog`` busy processes beside the
 islands for the whole run), ``delay`` (every message from the syncer to an island held ``--delay-s`` seconds by
@@ -31,6 +33,8 @@ a relay: bases arrive late).
     python benchmarks/convergence_mlm.py                          # the default grid (docs/convergence.md)
     python benchmarks/convergence_mlm.py --seeds 11:22 --fragments 4 --init a,b --load quiet
     python benchmarks/convergence_mlm.py --only diloco --row 'lr1|YETO_DILOCO_OVERLAP_STEPS=5|--outer-lr 1'
+    python benchmarks/convergence_mlm.py --seeds 11:22 --warmup 2 --data-layout corpus --init a,b --fragments 1,4
+                                                                  # issue 37's setting
     python benchmarks/convergence_mlm.py --ci                     # the CI setting (tests/shim)
 """
 from __future__ import annotations
@@ -56,6 +60,7 @@ SCRIPT = os.path.join(ROOT, "tests", "shim", "scripts", "pretrain_gpt_cpu.py")
 LAYOUT = {"tp2": ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"],
           "pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
 ISLANDS = {"a": ("tp2", "shard0"), "b": ("pp2", "shard1")}
+LAYOUTS = ("shards", "corpus")   # --data-layout: each island its own shard, or both the whole corpus
 # DiLoCo settings: (island variables beyond H, syncer flags)
 SETTINGS = {
     "defaults": ({}, []),
@@ -76,9 +81,10 @@ class Cell:
     setting: str = "defaults"
     rep: int = 0
 
-    def command(self) -> str:
-        """The command that runs this cell alone (with what it compares to: DDP, the lone run, the reference)."""
-        s = f"python benchmarks/convergence_mlm.py --seeds {self.seeds[0]}:{self.seeds[1]}"
+    def command(self, common: str = "") -> str:
+        """The command that runs this cell alone (with what it compares to: DDP, the lone run, the reference);
+        `common`: the invocation's setting flags that differ from the defaults (``setting_flags``)."""
+        s = f"python benchmarks/convergence_mlm.py{common} --seeds {self.seeds[0]}:{self.seeds[1]}"
         if self.kind == "ddp":
             return s + " --only ddp"
         s += f" --init {self.init}"
@@ -102,14 +108,15 @@ class Cell:
         return s + (f" #{self.rep}" if self.rep else "")
 
 
-def build_data(out: str) -> dict:
-    """shard0 / shard1 / heldout as Megatron indexed datasets (uint16 tokens, documents of <= 64 KiB + eod)."""
+def build_data(out: str, text: str = None) -> dict:
+    """shard0 / shard1 / heldout as Megatron indexed datasets (uint16 tokens, documents of <= 64 KiB + eod), of the
+    Python standard library's sources or of the text folder `text` (the fine-tune domain)."""
     import numpy as np
     import torch
     from byte_corpus import ByteCorpus, DOC_BLOCK
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     os.makedirs(out, exist_ok=True)
-    corpus = ByteCorpus(num_shards=2)
+    corpus = ByteCorpus(text, num_shards=2) if text else ByteCorpus(num_shards=2)
     paths = {}
     for name, arr in (("shard0", corpus.shards[0]), ("shard1", corpus.shards[1]), ("heldout", corpus.heldout)):
         prefix = os.path.join(out, name)
@@ -126,6 +133,14 @@ def build_data(out: str) -> dict:
     return paths
 
 
+def train_paths(a, data: dict, shard: str) -> list:
+    """Megatron's --train-data-path of a job: its shard (``--data-layout shards``), or the whole corpus, both shards
+    blended 1:1 and sampled in the order of the job's own --seed (``corpus``; DDP always takes the corpus)."""
+    if a.data_layout == "corpus" or shard == "both":
+        return ["1", data["shard0"], "1", data["shard1"]]
+    return [data[shard]]
+
+
 def megatron_args(a, gbs: int, train: list, data: dict, cache: str, seed: int) -> list:
     return ["--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads", "4",
             "--seq-length", str(a.seq_length), "--max-position-embeddings", str(a.seq_length),
@@ -136,7 +151,28 @@ def megatron_args(a, gbs: int, train: list, data: dict, cache: str, seed: int) -
             "--eval-interval", "1000000", "--transformer-impl", "local", "--use-distributed-optimizer", "--bf16",
             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
             "--no-bias-dropout-fusion", "--distributed-backend", "gloo", "--log-interval", "50",
-            "--seed", str(seed), "--valid-seed", str(a.valid_seed)]
+            "--seed", str(seed), "--valid-seed", str(a.valid_seed),
+            *(["--load", a.ft_ckpt, "--finetune"] if a.ft_ckpt else [])]
+
+
+def run_pretrain(a, base: dict, out: str) -> str:
+    """The fine-tune regime's start: one DP2 job, global batch 8, `--pretrain-iters` on the base corpus (both
+    shards, seed 1234), saved as a Megatron checkpoint that every cell then loads with --finetune (kept in `out`
+    and reused by later invocations with the same setting)."""
+    import copy
+    ckpt = os.path.join(out, "ckpt")
+    if os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
+        return ckpt
+    pa = copy.copy(a)
+    pa.iters, pa.ft_ckpt, pa.data_layout = a.pretrain_iters, None, "corpus"
+    margs = megatron_args(pa, 8, train_paths(pa, base, "both"), base, os.path.join(out, "cache"), 1234)
+    p = job(pathlib.Path(out), "dp2", [*margs, "--save", ckpt, "--save-interval", str(a.pretrain_iters)], {})
+    rcs = P.wait_all([p], timeout=a.timeout)
+    if rcs != [0] or not os.path.exists(os.path.join(ckpt, "latest_checkpointed_iteration.txt")):
+        raise RuntimeError(f"pretraining failed (rc {rcs[0]}); log {p.log_path}:\n{p.text()[-3000:]}")
+    print(f"convergence_mlm: pretrained {a.pretrain_iters} iterations -> {ckpt} (held-out loss on the fine-tune "
+          f"domain {final_loss(p):.4f})", flush=True)
+    return ckpt
 
 
 def job(out: pathlib.Path, layout: str, margs: list, env: dict, start_dump: bool = False) -> P.Proc:
@@ -233,7 +269,7 @@ class DelayRelay:
 # ------------------------------------------------------------------------------------------------ runs
 def run_ddp(a, cell: Cell, data: dict, tmp: str) -> dict:
     d = cell_dir(tmp, cell)
-    margs = megatron_args(a, 8, ["1", data["shard0"], "1", data["shard1"]], data, str(d / "cache"), cell.seeds[0])
+    margs = megatron_args(a, 8, train_paths(a, data, "both"), data, str(d / "cache"), cell.seeds[0])
     p = job(d, "dp2", margs, {})
     rcs = P.wait_all([p], timeout=a.timeout)
     if rcs != [0]:
@@ -245,7 +281,7 @@ def run_lone(a, cell: Cell, data: dict, tmp: str) -> dict:
     layout, shard = ISLANDS[cell.init]
     seed = cell.seeds["ab".index(cell.init)]
     d = cell_dir(tmp, cell)
-    p = job(d, layout, megatron_args(a, 4, [data[shard]], data, str(d / "cache"), seed), {}, start_dump=True)
+    p = job(d, layout, megatron_args(a, 4, train_paths(a, data, shard), data, str(d / "cache"), seed), {}, start_dump=True)
     rcs = P.wait_all([p], timeout=a.timeout)
     if rcs != [0]:
         raise RuntimeError(f"{cell.name} failed (rc {rcs[0]}); log {p.log_path}:\n{p.text()[-3000:]}")
@@ -283,7 +319,7 @@ def run_diloco(a, cell: Cell, data: dict, tmp: str) -> dict:
                         YETO_DILOCO_ISLAND_ID=ids[x], YETO_DILOCO_SYNC_EVERY=a.sync_every,
                         YETO_DILOCO_TIMEOUT=900, YETO_DILOCO_METRICS=str(d / x / "metrics.jsonl"), **env)
             seed = cell.seeds["ab".index(x)]
-            margs = megatron_args(a, 4, [data[shard]], data, str(d / x / "cache"), seed)
+            margs = megatron_args(a, 4, train_paths(a, data, shard), data, str(d / x / "cache"), seed)
             islands.append(job(d / x, layout, margs, yeto, start_dump=a.dump_start))
         islands.sort(key=lambda p: p.name)   # a, b
         rcs = P.wait_all([*islands, syncer], timeout=a.timeout)
@@ -302,16 +338,24 @@ def run_diloco(a, cell: Cell, data: dict, tmp: str) -> dict:
     return {"loss": sum(losses) / 2, "islands": losses, "dir": str(d)}
 
 
+def island_argv(a, x: str, data: dict, cache: str, seeds: tuple) -> list:
+    """Island x's Megatron argument list, as run_diloco launches it (layout flags first)."""
+    layout, shard = ISLANDS[x]
+    return [*LAYOUT[layout], *megatron_args(a, 4, train_paths(a, data, shard), data, cache, seeds["ab".index(x)])]
+
+
 def run_ref(a, cell: Cell, data: dict, tmp: str, start: str) -> dict:
+    """The reference given the islands' own Megatron argument lists (a, b) and YETO_* variables, as anyone would
+    run it on their islands."""
+    import shlex
     d = cell_dir(tmp, cell)
     d.mkdir(parents=True, exist_ok=True)
     out = d / "ref.json"
+    islands = [shlex.join(island_argv(a, x, data, str(d / "cache"), cell.seeds)) for x in ISLANDS]
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "diloco_reference_mlm.py"), "--init", start,
-           "--data", os.path.dirname(data["shard0"]), "--seeds", f"{cell.seeds[0]}:{cell.seeds[1]}",
-           "--valid-seed", str(a.valid_seed), "--fragments", str(cell.fragments), "-H", str(a.sync_every),
-           "--iters", str(a.iters), "--lr", str(a.lr), "--warmup", str(a.warmup), "--layers", str(a.layers),
-           "--hidden", str(a.hidden), "--seq-length", str(a.seq_length), "--eval-seqs", str(a.eval_seqs),
-           "--json", str(out)]
+           *[arg for x in islands for arg in ("--island", x)], "--island-env",
+           f"YETO_DILOCO_SYNC_EVERY={a.sync_every}", "--valid-seed", str(a.valid_seed), "--fragments",
+           str(cell.fragments), "--eval-seqs", str(a.eval_seqs), "--cache", str(d / "cache"), "--json", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, env=P.base_env(), capture_output=True, text=True, timeout=a.timeout)
     if r.returncode != 0:
         raise RuntimeError(f"{cell.name} failed:\n{r.stdout[-2000:]}{r.stderr[-3000:]}")
@@ -355,7 +399,17 @@ def run_cell(a, cell: Cell, data: dict, tmp: str, res: dict) -> dict:
     return run_ref(a, cell, data, tmp, start)
 
 
-def tables(res: dict) -> str:
+SETTING_FLAGS = (("iters", "--iters", 300), ("sync_every", "--sync-every", 10), ("lr", "--lr", 1e-3),
+                 ("warmup", "--warmup", 10), ("data_layout", "--data-layout", "shards"),
+                 ("finetune_data", "--finetune-data", None), ("pretrain_iters", "--pretrain-iters", 300))
+
+
+def setting_flags(a) -> str:
+    """The flags of this invocation's setting that differ from the script's defaults (for the commands shown)."""
+    return "".join(f" {flag} {getattr(a, k)}" for k, flag, d in SETTING_FLAGS if getattr(a, k) != d)
+
+
+def tables(res: dict, common: str = "") -> str:
     """One table per seed pair: every DiLoCo cell beside DDP, the lone island from the same start and the
     reference from the same start and F."""
     out = []
@@ -373,7 +427,7 @@ def tables(res: dict) -> str:
                 c.init, str(c.fragments), c.load, c.setting + (f" #{c.rep}" if c.rep else ""), f"{v['loss']:.4f}",
                 f"{v['loss'] / ddp:.4f}" if ddp else "n/a", f"{lone:.4f}" if lone else "n/a",
                 f"{v['loss'] / lone:.4f}" if lone else "n/a", f"{ref:.4f}" if ref else "n/a",
-                f"{v['loss'] / ref:.4f}" if ref else "n/a", f"{v['wall_s']:.0f}", f"`{c.command()}`"]) + " |")
+                f"{v['loss'] / ref:.4f}" if ref else "n/a", f"{v['wall_s']:.0f}", f"`{c.command(common)}`"]) + " |")
         for c, v in res.items():
             if c.seeds == seeds and c.kind in ("lone", "ref"):
                 out.append(f"{c.name}: {v['loss']:.4f}" + (f" ({v['loss'] / ddp:.4f}x DDP)" if ddp else ""))
@@ -423,7 +477,15 @@ def parse(argv=None):
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--seq-length", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=10, help="Megatron's --lr-warmup-iters")
+    ap.add_argument("--data-layout", default="shards", choices=LAYOUTS, help="shards: island a trains on shard 0, "
+                    "b on shard 1; corpus: both islands (and the lone island) sample the whole corpus, each in the "
+                    "order of its own seed (DDP: the whole corpus in both)")
+    ap.add_argument("--finetune-data", default=None, metavar="TEXT_FOLDER", help="the fine-tune regime: a DP2 "
+                    "job pretrains --pretrain-iters on the Python sources and every cell loads it (--load "
+                    "--finetune) and trains on this folder's text instead (its shards and held-out file), e.g. "
+                    "/usr/share/perl")
+    ap.add_argument("--pretrain-iters", type=int, default=300)
     ap.add_argument("--eval-seqs", type=int, default=128, help="held-out sequences in the final evaluation")
     ap.add_argument("--valid-seed", type=int, default=1234, help="seed that draws the held-out sequences")
     ap.add_argument("--dump-start", action="store_true", help="DiLoCo islands write their state after the start")
@@ -461,13 +523,21 @@ def parse(argv=None):
 def main(argv=None) -> int:
     a = parse(argv)
     data = build_data(os.path.join(a.out, "data"))
+    a.ft_ckpt = None
+    if a.finetune_data:   # the fine-tune regime: pretrain on the base corpus, every cell fine-tunes on this one
+        import zlib
+        tag = "%08x" % zlib.crc32(os.path.abspath(a.finetune_data).encode())
+        base, data = data, build_data(os.path.join(a.out, f"data-ft-{tag}"), a.finetune_data)
+        a.ft_ckpt = run_pretrain(a, {**base, "heldout": data["heldout"]},
+                              os.path.join(a.out, f"pretrain-{tag}-{a.pretrain_iters}-w{a.warmup}"))
     tmp = os.path.join(a.out, time.strftime("run-%Y%m%d-%H%M%S"))
     os.makedirs(tmp)
     cells = grid(a)
     print(f"convergence_mlm: Megatron-LM pretrain(), GPT {a.layers}x{a.hidden} seq {a.seq_length}, {a.iters} "
-          f"iterations, lr {a.lr} cosine, H={a.sync_every}; {len(cells)} runs; output {tmp}", flush=True)
+          f"iterations, lr {a.lr} cosine after {a.warmup} warm-up, H={a.sync_every}, data {a.data_layout}; "
+          f"{len(cells)} runs; output {tmp}", flush=True)
     res = run_all(a, cells, data, tmp)
-    print(tables(res))
+    print(tables(res, setting_flags(a)))
     print(summary(res))
     failed = [c.name for c in cells if c not in res]
     if failed:

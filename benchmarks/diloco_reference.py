@@ -58,19 +58,28 @@ NOT_MODELLED = "bf16 compute, int4/int8 pushes and bases, error feedback, instal
 # --- DiLoCo itself: any torch modules ---------------------------------------------------------------------------
 
 class OuterOptimizer:
-    """The global model (the syncer's role): one anchor copy of the weights, and per fragment a torch SGD on it."""
+    """The global model (the syncer's role): one anchor copy of the weights, and per fragment Nesterov momentum SGD
+    on it (torch SGD(nesterov=True)'s update, written out: ``m = mu*m + g;  anchor -= lr*(g + mu*m)``, m from
+    zero), with the syncer's momentum warm-up: round v of a fragment (1-based) uses ``mu * min(1, (v - 1) /
+    warmup)`` (yeto_patch.syncer.model.outer.warmed_momentum; warmup 0: mu from the first round)."""
 
-    def __init__(self, params, fragments, lr, momentum):
+    def __init__(self, params, fragments, lr, momentum, warmup=0):
         self.anchor = [p.detach().clone() for p in params]
         self.fragments = fragments
-        self.sgd = [torch.optim.SGD([self.anchor[i] for i in idx], lr=lr, momentum=momentum,
-                                    nesterov=momentum > 0) for idx in fragments]
+        self.lr, self.momentum, self.warmup = lr, momentum, warmup
+        self.m = [torch.zeros_like(a) for a in self.anchor]
+        self.rounds = [0] * len(fragments)
 
+    @torch.no_grad()
     def merge(self, f, replicas):
         """Outer step of fragment f from the replicas' current weights; returns the new anchor tensors."""
+        from yeto_patch.syncer.model.outer import warmed_momentum
+        self.rounds[f] += 1
+        mu = warmed_momentum(self.momentum, self.rounds[f], self.warmup)
         for i in self.fragments[f]:
-            self.anchor[i].grad = torch.stack([self.anchor[i] - r[i].detach() for r in replicas]).mean(0)
-        self.sgd[f].step()
+            g = torch.stack([self.anchor[i] - r[i].detach() for r in replicas]).mean(0)
+            self.m[i].mul_(mu).add_(g)
+            self.anchor[i].sub_(g.add(self.m[i], alpha=mu), alpha=self.lr)
         return [self.anchor[i] for i in self.fragments[f]]
 
 
@@ -210,8 +219,9 @@ def fragments_of(model, n):
 
 def run_diloco(o, a, corpus):
     reps = [replica(a, [k], o.batch) for k in range(o.islands)]
+    from yeto_patch.syncer.model.outer import MOMENTUM_WARMUP   # (the syncer's default momentum warm-up)
     outer = OuterOptimizer(reps[0].model.parameters(), fragments_of(reps[0].model, o.fragments), o.outer_lr,
-                           o.outer_momentum)
+                           o.outer_momentum, MOMENTUM_WARMUP)
     final = train_diloco([r.model for r in reps], lambda k, s: train_step(reps[k], corpus, s, a), o.steps,
                          o.sync_every, outer, tau=o.overlap_steps, alpha=o.merge_alpha)
     install(list(reps[0].model.parameters()), range(len(final)), final)

@@ -67,3 +67,40 @@ def test_overlap_installs_the_blend_tau_steps_later():
     torch.testing.assert_close(trace[5], start + 6)  # trained on from the local weights until the install
     torch.testing.assert_close(final[0], start + 6)
     torch.testing.assert_close(model.weight.detach(), start + 6)
+
+
+def _mlm():
+    import importlib.util
+    import pytest
+    if importlib.util.find_spec("megatron.training") is None:
+        pytest.skip("megatron-core < 0.17 ships no megatron.training")
+    import sys
+    sys.path.insert(0, "benchmarks")
+    import diloco_reference_mlm
+    return diloco_reference_mlm
+
+
+def test_reference_takes_the_islands_own_argument_lists():
+    """benchmarks/diloco_reference_mlm.py on a setting given only as argument lists: each island's seed, data,
+    batch and lr schedule as Megatron's parser reads them, H / tau / alpha through yeto-patch's config, the padded
+    vocabulary of the islands' layout kept, parallelism and bf16 dropped; the benchmark's own options build the
+    same lists; islands that describe different models are refused."""
+    import shlex
+    import pytest
+    R = _mlm()
+    bench = R.parse(["--init", "S", "--data", "/d", "--seeds", "11:22", "--warmup", "2", "--data-layout", "corpus"])
+    a, b = (shlex.join(x) for x in bench.islands)
+    o = R.parse(["--init", "S", "--island", a, "--island", b, "--island-env",
+                 "YETO_DILOCO_SYNC_EVERY=20 YETO_DILOCO_MERGE_ALPHA=0.3 YETO_DILOCO_SYNCER=h:1"])
+    assert (o.h, o.tau_, o.alpha_, o.vocab_rows, o.iters) == (20, 5, 0.3, 384, 300)
+    assert [(n.seed, n.global_batch_size, n.lr_warmup_iters) for n in o.parsed] == [(11, 4, 2), (22, 4, 2)]
+    assert o.parsed[1].train_data_path == ["1", "/d/shard0", "1", "/d/shard1"]
+    argv = R.megatron_argv(o)
+    assert "--bf16" not in argv and "--tensor-model-parallel-size" not in argv and "--use-distributed-optimizer" \
+        not in argv and argv[argv.index("--make-vocab-size-divisible-by") + 1] == "384"
+    assert (bench.h, bench.tau_, bench.alpha_) == (10, 5, 0.5)
+    other = shlex.join([x if x != "64" else "32" for x in bench.islands[1]])   # hidden 32 (and seq 32)
+    with pytest.raises(SystemExit, match="another model"):
+        R.parse(["--init", "S", "--island", a, "--island", other])
+    with pytest.raises(SystemExit):   # no islands at all
+        R.parse(["--init", "S"])

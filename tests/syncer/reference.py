@@ -3,7 +3,11 @@ import numpy as np
 
 
 class RefFragment:
-    def __init__(self, base, kind="nesterov", lr=0.7, mu=0.9, delay=1):
+    def __init__(self, base, kind="nesterov", lr=0.7, mu=0.9, delay=1, warmup=None):
+        """``warmup``: the outer momentum warm-up in merges (default: the syncer's, MOMENTUM_WARMUP)."""
+        from yeto_patch.syncer.model.outer import MOMENTUM_WARMUP
+        self.warmup = MOMENTUM_WARMUP if warmup is None else warmup
+        self.mu_nominal = float(mu)
         self.base = base.astype(np.float32).copy()
         self.m = np.zeros_like(self.base)
         self.d = np.zeros_like(self.base)
@@ -19,6 +23,8 @@ class RefFragment:
             total += w
         g = acc / np.float32(total)
         self.version += 1
+        from yeto_patch.syncer.model.outer import warmed_momentum
+        self.mu = np.float32(warmed_momentum(self.mu_nominal, self.version, self.warmup))
         if self.kind == "avg":
             self.base = self.base - self.lr * g
         elif self.kind == "nesterov" or self.delay == 1:

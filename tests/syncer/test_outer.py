@@ -133,3 +133,29 @@ def test_auto_lr_for_islands_that_blend():
     assert [lr_for_steps(s, blended=True) for s in (1, 10, 50, 500)] == [0.7] * 4
     assert OuterOptimizer("nesterov", "auto").lr_at(10, blended=True) == 0.7
     assert OuterOptimizer("nesterov", 0.3).lr_at(10, blended=True) == 0.3   # an explicit lr is kept
+
+
+def test_momentum_warm_up_ramps_from_zero_to_the_momentum():
+    """Outer momentum warm-up over K merges of a fragment: merge v uses mu * min(1, (v - 1) / K), i.e. the first
+    merge is a plain lr * g step, the momentum then grows linearly and is full from merge K + 1 on; each merge is
+    bit for bit the textbook update with that momentum (the buffer accumulates from the first merge on)."""
+    from yeto_patch.syncer.model.outer import warmed_momentum
+    assert [warmed_momentum(0.9, v, 3) for v in (1, 2, 3, 4, 9)] == [0.0, 0.3, 0.6, 0.9, 0.9]
+    assert [warmed_momentum(0.9, v, 0) for v in (1, 2)] == [0.9, 0.9]
+    rng = np.random.default_rng(4)
+    b = rng.standard_normal(600).astype(np.float32)
+    opt, t, r = OuterOptimizer("nesterov", 0.7, 0.9, momentum_warmup=3), FragmentTensors(b.copy()), ChunkRunner(2, 256)
+    base, m = b.copy(), np.zeros_like(b)
+    for v in range(1, 7):
+        g = (rng.standard_normal(600) * 0.1).astype(np.float32)
+        mu = np.float32(0.9 * min(1.0, (v - 1) / 3))
+        m = mu * m + g
+        base = base - np.float32(0.7) * (g + mu * m)
+        opt.step(t, g.copy(), 1.0, v, r)
+        assert np.array_equal(t.base, base) and np.array_equal(t.momentum, m), v
+    assert opt.config()["momentum_warmup"] == 3 and OuterOptimizer(momentum_warmup=0).config()["momentum_warmup"] == 0
+    assert "momentum_warmup" not in OuterOptimizer("nesterov").config()   # the default: old checkpoints resume
+    assert OuterOptimizer("avg", momentum_warmup=5).momentum_warmup == 0   # nothing to warm up
+    for bad in (-1, 1.5, 10**7):
+        with pytest.raises(ValueError):
+            OuterOptimizer("nesterov", momentum_warmup=bad)
