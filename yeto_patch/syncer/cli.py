@@ -167,7 +167,7 @@ def _round_flags(g) -> None:
     g.add_argument("--weights", choices=WEIGHTINGS, default="tokens", help="weight of each island's delta: tokens "
                    "(steps x the island's tokens per step, fixed by its first merged push), steps, or equal; steps "
                    "are checked against the island's step counter and an island weighs at most 2x the low median "
-                   "of the other islands' capped weights in a merge, its carried pushes included (docs/protocol.md, "
+                   "of the other islands' checked weights in a merge, its carried pushes included (docs/protocol.md, "
                    "Pushes)")
     g.add_argument("--exact", action="store_true", help="hold pushes (encoded) and fold them in island order at "
                    "merge time: bit-reproducible whatever the arrival order (more memory)")

@@ -521,7 +521,7 @@ class Coordinator:
                 f.version += 1
                 self.merges_total += 1
                 for c in merged:
-                    self.book.merged(c.push, c.weight_raw)
+                    self.book.merged(c.push, c.claimed)
                     m = self.members.get(c.island)
                     if m is not None:
                         m.credit(c.push.steps, c.push.tokens)

@@ -10,10 +10,13 @@ A push's weight is computed from what the syncer can check, and bounded relative
   train_step) takes the median of the islands that do, 1 when none does; a later push's own token count is not
   read;
 * the weight (``steps`` x tokens per step, or ``steps``) is then capped at ``MAX_RATIO`` times the **reference**:
-  the **low median**, over the other islands, of each one's median **capped** weight of its last ``KEPT`` merged
-  pushes (any fragment). Only capped weights go on record, and the low median of the others is an honest island's
-  as long as the colluding ids are fewer than half of the others (docs/protocol.md, "Security"), so claims
-  cannot raise the reference that caps them. Honest fleets stay below the cap: islands that push at the fleet's rhythm
+  the **low median**, over the other islands, of each one's median checked weight of its last ``KEPT`` merged
+  pushes (any fragment). The low median of the others is an honest island's as long as the colluding ids are
+  fewer than half of the others (docs/protocol.md, "Security"), so their claims cannot raise the reference that
+  caps them (a median of an even count averaged an honest value with a sybil's). The record keeps the checked
+  weights, not the capped ones: an honest island whose weight grows (its first push of few steps, H at the fleet's
+  pace) is not held back for merges while a capped record catches up, and each syncer shard, which records only its
+  own fragments, weighs exactly as one syncer does when no cap binds. Honest fleets stay below the cap: islands that push at the fleet's rhythm
   (``YETO_DILOCO_SYNC_EVERY=auto``) weigh in proportion to their speed, and the fastest of the benchmark fleet
   (speeds 1 to 0.35) weighs 1.4x the others' median; only a fleet of two islands more than 2x apart in speed has
   its faster island capped. With no other island on record yet (a run's first rounds), the push is held in its
@@ -59,7 +62,7 @@ class WeightBook:
         self.mode = mode
         self.tps: dict[str, tuple[str, float]] = {}            # island -> (incarnation, tokens per step)
         self.last_step: dict[tuple, tuple[str, int]] = {}      # (island, fragment) -> (incarnation, local_step)
-        self.recent: dict[str, collections.deque] = {}         # island -> its recent capped weights
+        self.recent: dict[str, collections.deque] = {}         # island -> its recent checked weights
         self.told_zero: set = set()                             # (island, incarnation) warned of pushes of no steps
 
     # ------------------------------------------------------------------------------------------ checks
@@ -91,7 +94,7 @@ class WeightBook:
 
     # ------------------------------------------------------------------------------------------ cap
     def reference(self, island: str) -> Optional[float]:
-        """The low median, over the other islands on record, of each one's median recent capped weight (None:
+        """The low median, over the other islands on record, of each one's median recent checked weight (None:
         nobody)."""
         per = [_median(ws) for i, ws in self.recent.items() if i != island and ws]
         return low_median(per) if per else None
@@ -128,8 +131,8 @@ class WeightBook:
                         "said once per island process)", p.island, p.fragment, p.steps, p.local_step)
 
     def merged(self, p: ReceivedPush, raw: float) -> None:
-        """A push was merged: its local step, its tokens per step (the island process's first) and its capped
-        on-time weight ``raw`` go on record."""
+        """A push was merged: its local step, its tokens per step (the island process's first) and its checked
+        weight ``raw`` (before the cap) go on record."""
         self.last_step[(p.island, p.fragment)] = (p.incarnation, int(p.local_step))
         have = self.tps.get(p.island)
         if (have is None or have[0] != p.incarnation) and p.steps > 0 and p.tokens > 0:
