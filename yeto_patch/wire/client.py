@@ -352,7 +352,7 @@ class SyncerClient:
              timeout: Optional[float] = None, blend: bool = False,
              patience: Optional[float] = None) -> Optional[PushReply]:
         """Send a fragment's encoded delta. See the module docstring. ``patience``: seconds until the island
-        blocks for this push's answer (the syncer's adaptive grace window never holds a round longer)."""
+        blocks for this push's answer (the syncer's pace window counts on it)."""
         conn = self._need()
         numel, body_len = push_size(self.welcome, fragment, codec, block, body, body_len, body_iter)
         self.local_step = max(self.local_step, int(local_step))

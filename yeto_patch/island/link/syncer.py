@@ -29,7 +29,7 @@ duplicate or stale, each an answer.
 The link also carries what waits need (``island/link/patience.py``): whether the syncer is reachable, what its
 heartbeats say this island's rounds wait for, the fleet's pace, and this island's step and compute rate (sent in
 heartbeats; ``stepped``), and each push says its patience: the seconds until the island would block for its
-answer (tau steps of its step time), which bounds how long the syncer's adaptive grace window holds a round.
+answer (tau steps of its step time), which bounds how long the syncer's pace window holds a round.
 """
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ class RoundSettings:
     """``quorum`` None: elastic rounds (the default): a round merges with the islands that are up once the minimum
     quorum (``default_min_quorum``, or fewer when fewer are up) answered; ``quorum`` equal to ``islands``: the fixed
     roster (every island that joined and has not finished is waited for, down or not); between: at least that many
-    pushes. ``grace_s`` None: the adaptive grace window (syncer/rounds/window.py); a number: that fixed grace."""
+    pushes. ``grace_s`` None: the pace window (syncer/rounds/window.py); a number: that fixed grace."""
     islands: int = 1
     quorum: Optional[int] = None
     grace_s: Optional[float] = None
