@@ -60,6 +60,7 @@ LEVELS = {"high": dict(kills=8, outages=16, pauses=19), "low": dict(kills=3, out
 CONFIGS = {"defaults": ([], True), "fixed roster": (["--quorum", "{n}"], True), "no chaos": ([], False)}
 SCALED = dict(timeout="20s", lease="2", io_timeout="4", round_timeout="20")
 REFUSED = re.compile(r"refused push of fragment (\S+) \(base v(\S+)\) from island (\S+) \[([a-z-]+)\]")
+CLOSED = re.compile(r"push of fragment (\S+) \(base v(\S+)\) from island (\S+) came after the fragment closed")
 FINAL_CUT = re.compile(r"^(\S+ \S+) \S+ INFO final cut:", re.M)
 
 
@@ -337,10 +338,12 @@ def unended_pushes(fleet: "Fleet", tape: list, log: str) -> tuple:
     """(pushes made, pushes that ended neither merged nor refused), counted from both sides' records: every push an
     island process made (its stats' "push" records) by a process that ran to its end (a killed process's pushes
     after its last checkpoint die with it; those before it are sent again by its restart), against the syncer's
-    merge tape (island, fragment, base version) and its refusal lines; pushes made after the syncer's final cut
-    began are answered by the final model instead."""
+    merge tape (island, fragment, base version), its refusal lines and its lines for pushes that came after their
+    fragment closed (the final model answers those); pushes made after the syncer's final cut began are answered by
+    the final model too."""
     merged = {(r["island"], t["fragment"], r["base_version"]) for t in tape for r in t["responders"]}
     refused = {(island, int(f), int(b)) for f, b, island, _ in REFUSED.findall(log) if f.isdigit() and b.isdigit()}
+    refused |= {(island, int(f), int(b)) for f, b, island in CLOSED.findall(log) if f.isdigit() and b.isdigit()}
     m = FINAL_CUT.search(log)
     cut = time.mktime(time.strptime(m.group(1).split(",")[0], "%Y-%m-%d %H:%M:%S")) if m else float("inf")
     made, unended = 0, 0

@@ -113,3 +113,27 @@ def test_pushes_with_no_new_steps_are_warned_once_and_do_not_move_the_base(caplo
     assert c.due() == [0] and c.merge(0).ok and c.frags[0].version == 1 and c.frags[0].t.base.any()
     push(c, "a", 1, 4, steps=0, tokens=0)   # a second push of no steps from the same process: not said again
     assert len([r for r in caplog.records if "with no new steps" in r.getMessage()]) == 2
+
+
+def test_a_late_push_accepted_while_its_round_merges_joins_the_next_merge():
+    """A push accepted (carried) while its fragment's round is merging goes into the next round: the merge took its
+    round's contents before it came (a chaos run lost one such push: neither merged nor refused)."""
+    clock = Clock()
+    c = coordinator(2, clock, quorum=1, max_base_lag=4)
+    c.join("a", "1")
+    c.join("b", "1")
+    push(c, "a", 0, 4)
+    step = c.opt.step
+    during = []
+
+    def step_and_push(*args, **kw):   # b's push arrives while the merge computes (its round is MERGING)
+        during.append(push(c, "b", 0, 4))
+        return step(*args, **kw)
+    c.opt.step = step_and_push
+    assert c.merge(0).ok
+    c.opt.step = step
+    assert during == [("carried", 1)]
+    assert [i for r in c.waiting_pushes(0) for i in [r.island]] == ["b"]
+    push(c, "a", 1, 8)
+    rec = c.merge(0)
+    assert sorted((r["island"], r["carried"]) for r in rec.responders) == [("a", False), ("b", True)]

@@ -31,8 +31,7 @@ def capture(coord: "Coordinator", extra: Optional[dict] = None) -> Snapshot:
         # and are lost with the process: their islands push them again
         unmerged = set()
         for f in mine:
-            r = coord.rounds[f.index]
-            for c in list(r.answers.values()) + list(r.carried):
+            for c in coord.waiting_pushes(f.index):
                 unmerged.add((c.island, f.index, c.push.base_version))
         merged = sorted([i, fr, b] for i, fr, b in coord.seen if (i, fr, b) not in unmerged)
         ledger = {i: ledger_entry(m) for i, m in coord.members.items()}

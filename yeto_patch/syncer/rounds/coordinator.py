@@ -109,6 +109,7 @@ class Coordinator:
         self.layout: Optional[list] = None
         self.frags: list[GlobalFragment] = []   # every fragment of the layout (state only in those this shard owns)
         self.rounds: list[Round] = []     # each fragment's open round
+        self._next: dict[int, list] = {}  # fragment -> late pushes accepted while its round merges (the next round's)
         self.owned: list[int] = []        # this shard's fragments (shards.assign), ascending
         self._owners: list[list[int]] = []   # every shard's fragments (for refusals naming the owner)
         self.seen: set = set()  # (island, fragment, base_version) accepted
@@ -199,8 +200,15 @@ class Coordinator:
     def reset_rounds(self) -> None:
         """(restore) Every owned fragment's open round starts afresh on its version."""
         with self.lock:
+            self._next = {}
             for f in self.mine():
                 self.rounds[f.index] = Round(f.index, f.version)
+
+    def waiting_pushes(self, index: int) -> list:
+        """(lock held) The pushes of fragment ``index`` not merged yet: its open round's answers and carried pushes,
+        and late pushes accepted while it merges."""
+        r = self.rounds[index]
+        return list(r.answers.values()) + list(r.carried) + list(self._next.get(index, ()))
 
     # ------------------------------------------------------------------------------------- membership
     def join(self, island: str, incarnation: str) -> Member:
@@ -239,6 +247,7 @@ class Coordinator:
         busy = {k[0] for k in self.seen}
         for f in self.mine():
             busy.update(self.rounds[f.index].islands())
+            busy.update(c.island for c in self._next.get(f.index, ()))
         self.roster.prune(busy)
 
     def finish(self, island: str, last_step: int) -> None:
@@ -326,7 +335,10 @@ class Coordinator:
         self.seen.add(key)
         if c.lag != 0:
             self._credit(p, f)
-            r.carry(c)
+            if r.closed:   # its round is merging: the push joins the next one (the merge took its contents)
+                self._next.setdefault(f.index, []).append(c)
+            else:
+                r.carry(c)
             self.cond.notify_all()
             return False
         r.register(c)
@@ -459,7 +471,7 @@ class Coordinator:
 
     def pending(self, index: int) -> bool:
         with self.lock:
-            return self.rounds[index].pending()
+            return self.rounds[index].pending() or bool(self._next.get(index))
 
     # ------------------------------------------------------------------------------------------- merge
     def merge(self, index: int, force: bool = False, wait_streams: bool = True) -> Optional[MergeRecord]:
@@ -534,7 +546,9 @@ class Coordinator:
                 for c in merged:
                     self.seen.discard((c.island, index, c.push.base_version))
             r.merged()
-            self.rounds[index] = Round(index, f.version)
+            nxt = self.rounds[index] = Round(index, f.version)
+            for c in self._next.pop(index, []):   # late pushes accepted during the merge
+                nxt.carry(c)
             self.cond.notify_all()
         self._accs.give(r.acc)
         r.acc = None

@@ -73,7 +73,11 @@ def reply_for(coord, p: ReceivedPush) -> dict:
         log.warning("refused push of fragment %s (base v%s) from island %s [%s]: %s", shown(p.fragment),
                     shown(p.base_version), p.island, e.code, e.message[:1000])
         return refusal_meta(p.fragment, p.base_version, e.code, e.message, version=_version(coord, p))
-    message = "this fragment takes no more pushes (final cut / total rounds reached)" if status == "closed" else ""
+    message = ""
+    if status == "closed":
+        message = "this fragment takes no more pushes (final cut / total rounds reached)"
+        log.info("push of fragment %s (base v%s) from island %s came after the fragment closed: the final model "
+                 "answers it", shown(p.fragment), shown(p.base_version), p.island)
     return reply_meta(p.fragment, p.base_version, status, lag, _version(coord, p), message)
 
 
