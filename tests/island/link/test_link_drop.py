@@ -12,19 +12,12 @@ import time
 
 import numpy as np
 
+from tests.island.link.test_sharded_link import until as _poll_until
 from tests.island.link.test_syncer_link import settings
 from tests.syncer.helpers import MANIFEST, join_all, make_server
 from yeto_patch.island.boundary.fragment import Fragments, PushWire
 from yeto_patch.island.link.syncer import SyncerLink
 from yeto_patch.wire import codecs
-
-
-def _poll_until(link, frags, ready, what, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert time.monotonic() < deadline, what
-        link.wait(0.2)
-        frags.receive(link.poll())
 
 
 def _install(st, answers):
