@@ -321,6 +321,7 @@ def figures(fleet: Fleet) -> dict:
     for _, _, _, code in REFUSED.findall(log):
         refused[code] = refused.get(code, 0) + 1
     lags = [r["lag"] for t in merges for r in t["responders"]]
+    everyone = sum(1 for t in merges if set(t.get("expected") or ()) <= {r["island"] for r in t["responders"]})
     interval = max(_interval(a, s) for s in a.speeds)
     unended = unended_pushes(fleet, tape, log)
     work = computed * a.fragments   # (every fragment's pushes carry the island's steps: each counts once per fragment)
@@ -331,7 +332,8 @@ def figures(fleet: Fleet) -> dict:
                 slowest_interval_s=interval, lost=lost, unfinished=unfinished, refused=refused,
                 kills=sum(1 for r in fleet.runs if r[3] == "chaos"), syncer_rc=fleet.syncer.returncode,
                 pushes=unended[0], unended=unended[1],
-                lag_mean=statistics.mean(lags) if lags else 0.0, computed_tokens=computed, merged_tokens=merged)
+                lag_mean=statistics.mean(lags) if lags else 0.0, computed_tokens=computed, merged_tokens=merged,
+                everyone=everyone / len(merges) if merges else 0.0)
 
 
 def unended_pushes(fleet: "Fleet", tape: list, log: str) -> tuple:
@@ -370,13 +372,13 @@ def _interval(a, speed) -> float:
 def table(rows: list) -> str:
     out = ["| configuration | goodput | goodput (weighted) | utilisation | merges/min | rounds/min | global downtime "
            "(s) | slowest interval (s) | kills | healthy islands lost | unfinished | refused pushes | pushes neither "
-           "merged nor refused |", "|" + "---|" * 13]
+           "merged nor refused | merges holding every island up |", "|" + "---|" * 14]
     for r in rows:
         ref = ", ".join(f"{k} {v}" for k, v in sorted(r["refused"].items())) or "none"
         out.append(f"| {r['config']} | {r['goodput']:.3f} | {r['goodput_weighted']:.3f} | {r['utilisation']:.3f} | "
                    f"{r['merges_per_min']:.1f} | {r['rounds_per_min']:.1f} | {r['downtime_s']:.1f} | "
                    f"{r['slowest_interval_s']:.1f} | {r['kills']} | {len(r['lost'])} | {len(r['unfinished'])} | "
-                   f"{ref} | {r['unended']} of {r['pushes']} |")
+                   f"{ref} | {r['unended']} of {r['pushes']} | {r['everyone']:.2f} |")
     return "\n".join(out)
 
 

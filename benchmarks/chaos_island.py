@@ -33,7 +33,7 @@ from yeto_patch import config  # noqa: E402
 from yeto_patch.island.boundary import sync_state  # noqa: E402
 from yeto_patch.island.boundary.fragment import Fragments, PushWire  # noqa: E402
 from yeto_patch.island.boundary.plan import InstallRule, install_due, overdue, plan  # noqa: E402
-from yeto_patch.island.boundary.schedule import Cadence, catch_up, suggest  # noqa: E402
+from yeto_patch.island.boundary.schedule import Cadence, catch_up, keep_rhythm, suggest  # noqa: E402
 from yeto_patch.island.link.patience import Patience  # noqa: E402
 from yeto_patch.island.link.sharded import ShardedLink  # noqa: E402
 from yeto_patch.wire import auth, codecs  # noqa: E402
@@ -220,6 +220,12 @@ class Island:
                 at = self.frags[f].behind_by()
                 self.cadence.shift(f, 0 if at is None else catch_up(now - at, 1.0 / rate if rate else None,
                                                                      self.cadence.h, self.s.overlap_steps))
+        else:   # (a pinned H: the fleet's rhythm, as the engine's plan keeps it)
+            h, shift = keep_rhythm(self.s.sync_every, self.s.overlap_steps, self.link.rate(), self.link.rhythm(),
+                                   self.cadence.h, p.push)
+            self.cadence.retune(h)
+            for f, k in shift.items():
+                self.cadence.shift(f, k)
         for f in p.skip:
             self.frags[f].skipped()
         for spec in p.install:   # (no background lane here: a base to stage goes in once it is due)

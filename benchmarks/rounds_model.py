@@ -29,7 +29,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from yeto_patch.island.boundary.schedule import Cadence, catch_up, suggest  # noqa: E402
+from yeto_patch.island.boundary.schedule import Cadence, catch_up, keep_rhythm, suggest  # noqa: E402
 from yeto_patch.syncer.rounds import settings as syncer_settings  # noqa: E402
 from yeto_patch.syncer.model.runner import ChunkRunner  # noqa: E402
 from yeto_patch.syncer.rounds.coordinator import Coordinator  # noqa: E402
@@ -44,6 +44,7 @@ BODY = codecs.encode("f32", np.zeros(8, np.float32))
 class Island:
     def __init__(self, k: int, speed: float, a):
         self.name, self.speed, self.dt, self.auto = f"i{k}", speed, a.step_s / speed, a.auto
+        self.stretch = getattr(a, "stretch", True) and not a.auto
         self.h = max(a.tau + 1, round(a.h * speed / max(a.speeds))) if a.auto else a.h
         self.step, self.inc, self.up, self.paused_until = 0, 0, True, 0.0
         self.cadence = Cadence(self.h, P, 0)
@@ -127,7 +128,7 @@ class Model:
         i.compute += i.dt
         self.computed += TOKENS
         i.count = [x + 1 for x in i.count]
-        c.touch(i.name, i.step, 1.0 / i.dt)
+        c.touch(i.name, i.step, 1.0 / i.dt, i.stretch)
         due = i.cadence.due(i.step)
         for f in range(P):   # a base merged since: installed unless this fragment pushes now
             if f not in due and self.answered(i, f):
@@ -139,6 +140,12 @@ class Model:
             got = i.seen.get(f)
             if i.auto and got and got[0] > i.anchor[f]:
                 i.cadence.shift(f, catch_up(self.t - got[1], i.dt, i.cadence.h, a.tau))
+            elif i.stretch:   # a pinned H: the fleet's rhythm, as the island's plan keeps it
+                rh = {x[0]: (x[1], x[2]) for x in c.rhythm(i.name)}
+                h, shift = keep_rhythm(a.h, a.tau, 1.0 / i.dt, rh, i.cadence.h, [f])
+                i.cadence.retune(h)
+                for g, steps in shift.items():
+                    i.cadence.shift(g, steps)
             i.anchor[f] = max(i.anchor[f], c.frags[f].version) if i.pending[f] is not None else i.anchor[f]
             if i.offline:
                 i.queued.append((f, i.anchor[f], i.count[f]))
@@ -149,6 +156,8 @@ class Model:
                 and not self.answered(i, f)]
         if i.auto:
             i.cadence.retune(suggest(a.h, a.tau, 1.0 / i.dt, c.pace(), i.cadence.h))
+        elif i.stretch and not c.rhythm(i.name):
+            i.cadence.retune(keep_rhythm(a.h, a.tau, 1.0 / i.dt, {}, i.cadence.h, [])[0])
         i.cadence.passed(i.step)
         if i.step % a.checkpoint_every == 0:
             i.checkpoint = (i.step, list(i.anchor), list(i.count))
@@ -195,14 +204,17 @@ class Model:
 
     def run(self) -> dict:
         a = self.a
-        while self.events and self.events[0][0] <= a.seconds:
-            t, _, k, what, d = heapq.heappop(self.events)
-            while True:   # rounds that become due by time before this event
+        while True:
+            t = self.events[0][0] if self.events else a.seconds
+            while True:   # rounds that become due by time before the next event (or the end, when every island waits)
                 dl = self.c.next_deadline()
-                if dl is None or dl > t:
+                if dl is None or dl > min(t, a.seconds):
                     break
                 self.t = dl
                 self.merge_due()
+            if not self.events or self.events[0][0] > a.seconds:
+                break
+            t, _, k, what, d = heapq.heappop(self.events)
             self.t = t
             self.handle(k, what, d)
             self.merge_due()
@@ -238,18 +250,24 @@ def main(argv=None) -> int:
                     default=(1.0, 1.0, 1.0, 0.7, 0.5, 0.35), help="the islands' speeds")
     ap.add_argument("--h", type=int, default=20, help="YETO_DILOCO_SYNC_EVERY (auto: of the fastest island)")
     ap.add_argument("--tau", type=int, default=5)
+    ap.add_argument("--no-chaos", action="store_true", help="only the rows without chaos")
     a = ap.parse_args(argv)
     base = dict(speeds=a.speeds, step_s=0.1, h=a.h, tau=a.tau, checkpoint_every=20,
                 max_base_lag=4, seconds=a.seconds, quorum=None, grace=None, chaos=True, auto=True, min_quorum=None)
     default = syncer_settings.default_min_quorum(len(base["speeds"]))
     quorums = [int(x) for x in a.quorums.split(",")]
-    rows = [(f"elastic, minimum quorum {q}{' (default)' if q == default else ''}", dict(base, min_quorum=q))
+    rows = [(f"elastic, minimum quorum {q}{' (default)' if q == default else ''}", dict(base, min_quorum=None if q == default else q))
             for q in quorums]
     if a.fixed_h:
-        rows += [(f"elastic, minimum quorum {q}, one H for all", dict(base, auto=False, min_quorum=q))
+        rows += [(f"elastic, minimum quorum {q}, pinned H", dict(base, auto=False, min_quorum=None if q == default else q))
                  for q in quorums]
+        rows += [(f"elastic, minimum quorum {q}, pinned H not stretched", dict(base, auto=False, stretch=False,
+                                                                            min_quorum=None if q == default else q)) for q in quorums]
     rows += [("fixed roster", dict(base, quorum=len(base["speeds"]))), ("defaults, no chaos", dict(base, chaos=False)),
-             ("defaults, no chaos, one H for all", dict(base, chaos=False, auto=False))]
+             ("defaults, no chaos, pinned H", dict(base, chaos=False, auto=False)),
+             ("defaults, no chaos, pinned H not stretched", dict(base, chaos=False, auto=False, stretch=False))]
+    if a.no_chaos:
+        rows = [r for r in rows if not r[1]["chaos"]]
     print(f"rounds_model: {len(base['speeds'])} islands at speeds {base['speeds']}, H={base['h']} "
           f"(auto unless said), tau={base['tau']}, {a.seconds:.0f} virtual s, {a.seeds} seeds; means")
     print("| rules | goodput | weighted | utilisation | merges/min | downtime (s) | lag | pushes/merge | refused | "

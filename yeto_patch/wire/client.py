@@ -37,7 +37,7 @@ API::
         # final cut handshake: FINAL (after the island pushed its final deltas with final=True), wait for
         # FINAL_BASE of every fragment (float32, with versions), ACK them; returns the final model
     c.status() -> (SyncerStatus, seconds since the syncer last sent anything)   # what its rounds wait for
-    c.local_step, c.rate                     # the island's step and compute rate (steps/s), sent in heartbeats
+    c.local_step, c.rate, c.pinned           # the island's step, compute rate (steps/s), pinned H: in heartbeats
     c.check()                                # re-raise a failure seen by the reader thread
     c.close()                                # BYE (best effort) and close; idempotent
     c.abort()                                # close without BYE (a reconnect replaces this link)
@@ -117,6 +117,7 @@ class SyncerClient:
         self.welcome: Optional[Welcome] = None
         self.local_step = 0
         self.rate = 0.0                  # the island's compute rate (steps/s; 0: unknown), sent in heartbeats
+        self.pinned = False              # the island pinned H (it keeps the fleet's rhythm), sent in heartbeats
         self._status = SyncerStatus([], [])
         self._heard = time.monotonic()   # when the syncer last sent anything
         self._cv = threading.Condition()
@@ -263,6 +264,7 @@ class SyncerClient:
                 self._notify()
         elif t == MsgType.HEARTBEAT:
             st = read_syncer_beat(meta)
+            st.at = time.monotonic()
             with self._cv:
                 self._status = st
         elif t == MsgType.BYE:
@@ -281,7 +283,7 @@ class SyncerClient:
                 if self._closed or self._error is not None:
                     return
             try:
-                self.conn.send(MsgType.HEARTBEAT, island_beat_meta(self.local_step, self.rate))
+                self.conn.send(MsgType.HEARTBEAT, island_beat_meta(self.local_step, self.rate, self.pinned))
             except (ProtocolError, OSError) as e:
                 if not self._closed:
                     self._fail(e)

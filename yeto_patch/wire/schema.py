@@ -20,7 +20,7 @@ from .message import encode_meta
 from .values import DELTA_CODECS, Base, PushReply, SyncerStatus, Welcome, merge_info, shard_fields
 
 __all__ = ["SchemaError", "INT64_MAX", "MAX_PUSH_STEPS", "MAX_PUSH_TOKENS", "MAX_PATIENCE_S", "MAX_RATE",
-           "MAX_CODEC_NAME", "MAX_REPLY_MESSAGE", "bounded_int", "bounded_number", "shown", "aligned",
+           "MAX_RHYTHM", "MAX_RHYTHM_S", "MAX_CODEC_NAME", "MAX_REPLY_MESSAGE", "bounded_int", "bounded_number", "shown", "aligned",
            "PushHeader", "push_meta", "read_push", "reply_meta", "refusal_meta", "echo", "read_reply",
            "island_beat_meta", "read_island_beat", "final_meta", "read_final", "ack_meta", "read_ack", "welcome_meta",
            "base_meta", "syncer_beat_meta", "read_syncer_beat", "read_welcome", "session_limits", "read_base",
@@ -39,6 +39,9 @@ MAX_PUSH_TOKENS = 1 << 53
 MAX_PATIENCE_S = 1e6
 #: Largest compute rate (steps/s) an island's heartbeat may say (larger: ignored).
 MAX_RATE = 1e6
+#: Most [fragment, eta, period] entries of a syncer HEARTBEAT's rhythm, and their largest fragment and seconds.
+MAX_RHYTHM = 4096
+MAX_RHYTHM_S = 1e6
 MAX_CODEC_NAME = 32
 MAX_REPLY_MESSAGE = 1000
 
@@ -173,19 +176,23 @@ def read_reply(meta: dict) -> PushReply:
 
 
 # --------------------------------------------------------------------------------- HEARTBEAT (island's)
-def island_beat_meta(step: int, rate: float) -> dict:
-    """An island's HEARTBEAT: its step, and its compute rate (steps/s) when known."""
+def island_beat_meta(step: int, rate: float, pinned: bool = False) -> dict:
+    """An island's HEARTBEAT: its step, its compute rate (steps/s) when known, and whether it pinned H (it then
+    keeps the fleet's rhythm, rounds/roster.Roster.rhythm)."""
     beat = {"step": int(step)}
     if rate > 0:
         beat["rate"] = round(float(rate), 6)
+    if pinned:
+        beat["pinned"] = True
     return beat
 
 
-def read_island_beat(meta: dict) -> tuple[Optional[int], Optional[float]]:
-    """(step, rate) of an island's HEARTBEAT, each None when absent or out of range."""
+def read_island_beat(meta: dict) -> tuple[Optional[int], Optional[float], bool]:
+    """(step, rate, pinned) of an island's HEARTBEAT, step and rate None when absent or out of range, pinned only
+    when it is ``true``."""
     step, rate = meta.get("step"), meta.get("rate")
     return (step if bounded_int(step) else None,
-            float(rate) if bounded_number(rate, MAX_RATE) else None)
+            float(rate) if bounded_number(rate, MAX_RATE) else None, meta.get("pinned") is True)
 
 
 # -------------------------------------------------------------------------------------------- FINAL, ACK
@@ -249,6 +256,19 @@ def syncer_beat_meta(t: float, st: SyncerStatus) -> dict:
         out["unfinished"] = st.unfinished
     if st.pace:
         out["pace"] = st.pace
+    if st.rhythm:
+        out["rhythm"] = st.rhythm
+    return out
+
+
+def _rhythm(v) -> list:
+    """A HEARTBEAT's rhythm entries, bounded: [fragment, eta_s, period_s] with an integer fragment, a finite eta
+    and a positive period within MAX_RHYTHM_S; anything else is left out."""
+    out = []
+    for e in v[:MAX_RHYTHM] if isinstance(v, list) else []:
+        if isinstance(e, list) and len(e) == 3 and bounded_int(e[0], MAX_RHYTHM) and \
+                bounded_number(e[1], MAX_RHYTHM_S, -MAX_RHYTHM_S) and bounded_number(e[2], MAX_RHYTHM_S) and e[2] > 0:
+            out.append([int(e[0]), float(e[1]), float(e[2])])
     return out
 
 
@@ -270,7 +290,7 @@ def read_syncer_beat(meta: dict) -> SyncerStatus:
     pace = float(pace) if isinstance(pace, (int, float)) and not isinstance(pace, bool) and 0 <= pace <= 1e6 else 0.0
     unfinished = meta.get("unfinished")
     return SyncerStatus(rounds, _ids(meta.get("missing")), _ids(unfinished) if unfinished is not None else None,
-                        pace)
+                        pace, _rhythm(meta.get("rhythm")))
 
 
 # ---------------------------------------------------------------------------------------------- INIT, HELLO

@@ -6,7 +6,7 @@ refusal).  Stdlib + numpy only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -75,11 +75,16 @@ class SyncerStatus:
     """What the syncer's last HEARTBEAT said this island's rounds wait for (docs/protocol.md, "Membership"):
     ``rounds`` [fragment, version, answered, quorum] of the open rounds this island answered, ``missing`` the
     islands they wait for (a "(down Ns)" suffix marks one that is not up), ``unfinished`` (after this island's
-    FINAL) the islands still training, ``pace`` the fleet's pace in steps/s (0: unknown)."""
+    FINAL) the islands still training, ``pace`` the fleet's pace in steps/s (0: unknown), ``rhythm``
+    [fragment, eta_s, period_s] of the fragments whose next push by the island the fleet keeps its rhythm with is
+    due in ``eta_s`` seconds, every ``period_s`` (empty: no rhythm, or this island is it), ``at`` the island's
+    monotonic clock when it arrived (0: never)."""
     rounds: list
     missing: list
     unfinished: Optional[list] = None
     pace: float = 0.0
+    rhythm: list = field(default_factory=list)
+    at: float = 0.0
 
     def describe(self) -> str:
         parts = []

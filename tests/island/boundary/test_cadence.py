@@ -3,7 +3,7 @@
 import pytest
 
 from yeto_patch import config
-from yeto_patch.island.boundary.schedule import Cadence, catch_up, due_fragments, suggest
+from yeto_patch.island.boundary.schedule import MAX_STRETCH, Cadence, aim, catch_up, due_fragments, stretch, suggest
 
 
 @pytest.mark.parametrize("h,p,start", [(4, 2, 0), (10, 3, 0), (3, 5, 0), (100, 8, 37), (1, 2, 5)])
@@ -26,6 +26,31 @@ def test_retune_and_shift_move_the_next_boundaries():
     c.shift(0, 4)         # fragment 0 was late: its next boundary comes 4 steps earlier
     c.passed(7)
     assert c.next[0] == 11 and c.due(11) == [0]
+
+
+def test_stretch_takes_the_steps_of_the_rhythm_islands_period_within_bounds():
+    assert stretch(10, 5, rate=10.0, period_s=10 / 5.2, current=10) == 19     # 0.52 of the speed: 19 steps
+    assert stretch(10, 5, rate=10.0, period_s=5.0, current=10) == 10 * MAX_STRETCH   # at most 2x
+    assert stretch(10, 5, rate=10.0, period_s=0.5, current=10) == 10          # never below N (N is the slowest's)
+    assert stretch(10, 5, rate=10.0, period_s=None, current=19) == 10         # no rhythm: N again
+    assert stretch(10, 5, rate=10.0, period_s=1.05, current=10) == 10         # a change below 10%: kept
+    assert stretch(10, 12, rate=10.0, period_s=1.0, current=10) == 13         # tau + 1 at least
+
+
+def test_aim_lands_the_next_boundary_on_the_rhythm_islands_push():
+    # the rhythm island pushes in 0.05 s, every 1.923 s: this push shares its round; the one after is aimed at
+    assert aim(0.05, 1.923, rate=10.0, lo=6, hi=40) == 20
+    assert aim(1.9, 1.923, rate=10.0, lo=6, hi=40) == 19    # it pushed just before: its next push
+    assert aim(-0.5, 1.923, rate=10.0, lo=6, hi=40) == 14   # overdue by 0.5 s: the same phase, 1.42 s on
+    assert aim(5.0, 1.923, rate=10.0, lo=6, hi=40) == 12    # periods ahead: the same phase (1.15 s)
+    assert aim(0.05, 1.923, rate=10.0, lo=6, hi=15) == 15 and aim(9.9, 10.0, rate=0.5, lo=6, hi=40) == 6
+    assert aim(1.0, 1.9, rate=0.0, lo=6, hi=40) is None
+    # aimed every time, its boundaries stay on the rhythm island's pushes at a rate that is not a whole multiple
+    t, step, rate, period = 0.0, 0, 10.0, 10 / 5.2
+    for _ in range(50):
+        steps = aim(period - (t % period), period, rate, 6, 40)
+        step, t = step + steps, t + steps / rate
+        assert min(t % period, period - t % period) <= 0.5 / rate + 1e-9   # within half a step
 
 
 def test_suggest_follows_the_fleet_pace_within_bounds():

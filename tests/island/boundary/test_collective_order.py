@@ -260,6 +260,12 @@ class Link:
     def rate(self):
         return self.pacing.choice([2.0, 5.0])   # (slower than the fleet: H between tau + 1 and H / 2)
 
+    def rhythm(self):
+        """(a pinned H) Sometimes a rhythm to keep: rank 0's stretched H and aimed boundaries reach every rank."""
+        if self.pacing.random() < 0.5:
+            return {}
+        return {f: (self.pacing.uniform(-3.0, 3.0), self.pacing.uniform(1.0, 4.0)) for f in range(len(self.frags))}
+
     def init_requested(self):
         return []
 

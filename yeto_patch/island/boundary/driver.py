@@ -28,7 +28,7 @@ from yeto_patch.island.boundary.fragment import PushPhase, PushWire
 from yeto_patch.island.boundary.installs import Installer
 from yeto_patch.island.boundary.parts import IslandParts
 from yeto_patch.island.boundary.plan import BaseSpec, Plan, base_spec, needs_plan, overdue, plan, stageable
-from yeto_patch.island.boundary.schedule import Cadence, catch_up, suggest
+from yeto_patch.island.boundary.schedule import Cadence, catch_up, keep_rhythm, suggest
 from yeto_patch.island.errors import EngineError
 
 log = logging.getLogger("yeto_patch")
@@ -131,6 +131,8 @@ class Boundaries:
             out = plan(step, p.total, due, p.frags, p.link.final_cut, p.rule, ready)
             if p.settings.sync_auto:
                 self._pace(out)
+            else:
+                self._keep_rhythm(out)
             return {"plan": out.as_json(), "handed": handed}
         decided = p.channel.rank0(decide, f"plan step {step}")
         self.mark_handed(decided["handed"])
@@ -148,6 +150,14 @@ class Boundaries:
             k = 0 if at is None else catch_up(now - at, 1.0 / rate if rate else None, h, p.rule.tau)
             if k:
                 plan_.shift[f] = k
+
+    def _keep_rhythm(self, plan_: Plan) -> None:
+        """Rank 0 (a pinned YETO_DILOCO_SYNC_EVERY=N): while the syncer says the fleet keeps the slowest island's
+        rhythm, H stretched to this island's steps in its period and each fragment pushing now aimed at its next
+        push of that fragment (schedule.keep_rhythm); N again when it says none."""
+        p = self.parts
+        plan_.sync_every, plan_.shift = keep_rhythm(p.settings.sync_every, p.rule.tau, p.link.rate(),
+                                                    p.link.rhythm(), self.cadence.h, plan_.push)
 
     def begin(self, plan_: Plan) -> None:
         """Every rank: the plan's new H and boundary shifts go to the cadence (from the next boundaries on), its

@@ -89,8 +89,8 @@ class Plan:
     install: List[BaseSpec] = field(default_factory=list)   # installed synchronously (adoption, own weights)
     stage: List[BaseSpec] = field(default_factory=list)     # handed to the background base lane
     arm: List[int] = field(default_factory=list)            # staged bases installed in this step
-    sync_every: Optional[int] = None                        # YETO_DILOCO_SYNC_EVERY=auto: H from the next boundaries
-    shift: Dict[int, int] = field(default_factory=dict)     # auto: fragment -> steps its next boundary comes earlier
+    sync_every: Optional[int] = None                        # auto, or a pinned H's rhythm: H from the next boundaries
+    shift: Dict[int, int] = field(default_factory=dict)     # fragment -> steps its next boundary comes earlier (< 0: later)
 
     def as_json(self) -> dict:
         return {"push": self.push, "skip": self.skip, "final": self.final, "by_syncer": self.by_syncer,

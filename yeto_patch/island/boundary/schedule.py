@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["offset", "due_fragments", "Cadence", "suggest", "catch_up", "RETUNE_SHARE"]
+__all__ = ["offset", "due_fragments", "Cadence", "suggest", "stretch", "aim", "keep_rhythm", "catch_up", "RETUNE_SHARE", "MAX_STRETCH"]
 
 RETUNE_SHARE = 0.1
+MAX_STRETCH = 2.0   # a pinned H is stretched at most this much on a fast island (the syncer's weight cap, 2x)
 
 
 def offset(fragment: int, sync_every: int, fragments: int) -> int:
@@ -65,8 +66,9 @@ class Cadence:
             self._pending = int(sync_every)
 
     def shift(self, fragment: int, steps: int) -> None:
-        """Bring `fragment`'s next boundary `steps` earlier (applied by ``passed``, at least one step on)."""
-        if steps > 0:
+        """Bring `fragment`'s next boundary `steps` earlier (later when negative; applied by ``passed``, at least
+        one step on)."""
+        if steps:
             self._shifts[int(fragment)] = int(steps)
 
     def passed(self, step: int) -> None:
@@ -91,6 +93,49 @@ def suggest(nominal: int, tau: int, rate: float, pace: float, current: int) -> i
         return current
     h = max(int(tau) + 1, 1, min(int(nominal), int(round(nominal * min(1.0, rate / pace)))))
     return h if abs(h - current) >= max(1, RETUNE_SHARE * current) else current
+
+
+def stretch(nominal: int, tau: int, rate: float, period_s: Optional[float], current: int) -> int:
+    """The H of a pinned ``YETO_DILOCO_SYNC_EVERY=N`` (see the module docstring): N on the slowest island that is
+    up (the rhythm), more on a faster one, its steps in the rhythm island's period of a fragment (``period_s``,
+    which the syncer says: N steps of the slowest), so that all push at its wall-clock rhythm and share its
+    rounds; at most ``MAX_STRETCH x N``; N when the syncer says no rhythm (None: this island is the rhythm, a
+    fleet more than 2x apart, or one island); `current` when the change would be below RETUNE_SHARE of it."""
+    n = int(nominal)
+    if rate <= 0 or not period_s or period_s <= 0:
+        h = n
+    else:
+        h = max(int(tau) + 1, n, min(int(MAX_STRETCH * n), int(round(rate * period_s))))
+    return h if abs(h - current) >= max(1, RETUNE_SHARE * current) else current
+
+
+def aim(eta_s: float, period_s: float, rate: float, lo: int, hi: int) -> Optional[int]:
+    """Steps from a stretched fragment's boundary now to its next one: the rhythm island's push of the fragment
+    (due in ``eta_s``, every ``period_s``) nearest to one period from now, so that this island's pushes land on
+    its pushes (a push now shares the round of the rhythm's push within half a period); within [lo, hi]; None
+    when nothing is known."""
+    if rate <= 0 or period_s <= 0:
+        return None
+    phase = eta_s % period_s           # (a push overdue or periods ahead: the same phase)
+    target = phase if phase > period_s / 2 else phase + period_s
+    return max(int(lo), min(int(hi), int(round(target * rate))))
+
+
+def keep_rhythm(nominal: int, tau: int, rate: float, rhythm: dict, current: int, pushing) -> tuple:
+    """(H, {fragment: steps its next boundary comes earlier}) of a pinned ``YETO_DILOCO_SYNC_EVERY=N`` at a plan in
+    which the fragments ``pushing`` push: H stretched to this island's steps in the rhythm island's period
+    (``stretch``, N when the syncer says no rhythm), and each fragment pushing now aimed at that island's next push
+    of it (``aim``). ``rhythm``: {fragment: (seconds until its push, its period)} as the syncer's heartbeat said
+    (island/link/syncer.SyncerLink.rhythm)."""
+    periods = sorted(period for _, period in rhythm.values())
+    h = stretch(nominal, tau, rate, periods[len(periods) // 2] if periods else None, current)
+    shift = {}
+    for f in pushing:
+        if f in rhythm:
+            steps = aim(*rhythm[f], rate, int(tau) + 1, 2 * h)
+            if steps is not None and steps != h:
+                shift[f] = h - steps
+    return h, shift
 
 
 def catch_up(late_s: float, step_s: Optional[float], h: int, tau: int = 0) -> int:

@@ -137,6 +137,13 @@ class ShardedLink:
     def rate(self) -> float:
         return self.links[0].rate()
 
+    def rhythm(self) -> dict:
+        """Each shard's fragments' rhythm (SyncerLink.rhythm), together."""
+        out = {}
+        for link in self.links:
+            out.update(link.rhythm())
+        return out
+
     @property
     def clock(self):
         return self.links[0].clock

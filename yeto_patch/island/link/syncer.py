@@ -221,6 +221,7 @@ class SyncerLink:
         if c is not None:
             c.local_step = max(c.local_step, int(step))
             c.rate = self.clock.rate
+            c.pinned = not getattr(self.settings, "sync_auto", True)
 
     def reachable(self) -> bool:
         """The syncer is connected and was heard from within its silence bound (the client fails a link silent for
@@ -242,6 +243,19 @@ class SyncerLink:
     def rate(self) -> float:
         """This island's compute rate (steps/s, from the median step time; 0: unknown)."""
         return self.clock.rate
+
+    def rhythm(self) -> dict:
+        """``{fragment: (seconds from now, period in seconds)}``: when the island the fleet keeps its rhythm with
+        pushes each fragment next, as the syncer's last HEARTBEAT said (its age taken off); empty when it said
+        none, or it is older than three heartbeat periods."""
+        c = self.client
+        if c is None or c.welcome is None:
+            return {}
+        st = c.status()[0]
+        age = time.monotonic() - st.at
+        if not st.at or age > 3 * c.welcome.heartbeat_s:
+            return {}
+        return {int(f): (eta - age, period) for f, eta, period in st.rhythm}
 
     def patience(self, push_step: int) -> float:
         """Seconds from now until this island blocks for the answer of a push made at `push_step` (tau rule);

@@ -31,7 +31,7 @@ import numpy as np
 
 from ...wire import codecs
 from ...wire.frames import CodecError
-from ...wire.schema import bounded_int, shown
+from ...wire.schema import MAX_RHYTHM, bounded_int, shown
 from ...wire.values import SyncerStatus
 from ..model.fragment import GlobalFragment
 from ..model.layout import fragment_numels, partition
@@ -221,14 +221,15 @@ class Coordinator:
             self.cond.notify_all()
             return m
 
-    def touch(self, island: str, step: Optional[int] = None, rate: Optional[float] = None) -> None:
-        """A message from ``island`` renewed its lease; a heartbeat also says its step and compute rate (as
-        wire/schema.read_island_beat bounds them: None when not said)."""
+    def touch(self, island: str, step: Optional[int] = None, rate: Optional[float] = None,
+              pinned: Optional[bool] = None) -> None:
+        """A message from ``island`` renewed its lease; a heartbeat also says its step, compute rate and whether it
+        pinned H (as wire/schema.read_island_beat bounds them: None when not said)."""
         with self.lock:
             self.roster.touch(island)
             m = self.members.get(island)
             if m is not None:
-                m.progress(step, rate, self.clock())
+                m.progress(step, rate, self.clock(), pinned)
 
     def disconnected(self, island: str, bye: bool) -> None:
         with self.lock:
@@ -397,11 +398,13 @@ class Coordinator:
 
     # --------------------------------------------------------------------------------------- scheduling
     def _decisions(self, now: float):
+        blocked: dict[int, set] = {f.index: self.rounds[f.index].blocked(now) for f in self.mine() if not f.closed}
         for f in self.mine():
             if f.closed:
                 continue
             r = self.rounds[f.index]
-            d = r.decide(self.rs, self.roster, self.window, now)
+            elsewhere = frozenset().union(*(b for i, b in blocked.items() if i != f.index))
+            d = r.decide(self.rs, self.roster, self.window, now, elsewhere)
             if d is not None:
                 yield f, r, d
 
@@ -440,12 +443,32 @@ class Coordinator:
             unfinished = self.roster.describe(sorted(self.roster.unfinished(now))[:MAX_STATUS_IDS], now) \
                 if m is not None and m.finished else None
             return SyncerStatus(rounds, self.roster.describe(sorted(missing)[:MAX_STATUS_IDS], now), unfinished,
-                                self.roster.pace(now))
+                                self.roster.pace(now), self._rhythm(island, now))
 
     def pace(self) -> float:
         """The fleet's pace in steps/s (rounds/roster.py)."""
         with self.lock:
             return self.roster.pace(self.clock())
+
+    def rhythm(self, island: str) -> list:
+        """``[[fragment, eta_s, period_s], ...]`` for ``island`` (see ``_rhythm``)."""
+        with self.lock:
+            return self._rhythm(island, self.clock())
+
+    def _rhythm(self, island: str, now: float) -> list:
+        """(lock held) When the island the fleet keeps its rhythm with (the slowest that is up, when all pinned H:
+        rounds/roster.Roster.rhythm) pushes each owned fragment next, and its period of it; empty when ``island``
+        is that island or the fleet has none. An island that pinned H aims its boundaries at these
+        (island/boundary/schedule.aim), so that it shares the slowest island's rounds."""
+        slow = self.roster.rhythm(now)
+        if slow is None or slow.island == island:
+            return []
+        out = []
+        for f in self.mine():
+            r = self.window.rhythm(slow.island, f.index, slow, now)
+            if r is not None and not f.closed and len(out) < MAX_RHYTHM:
+                out.append([f.index, round(r[0], 3), round(r[1], 3)])
+        return out
 
     def islands_view(self, now: float) -> list["IslandView"]:
         """Every island of the roster as a status page shows it, by id."""

@@ -39,13 +39,16 @@ class Member:
     rate: float = 0.0                   # its compute rate, steps/s, as its heartbeats say (bounded; 0: unknown)
     step_at: Optional[float] = None     # when it said ``step``
     moved_at: Optional[float] = None    # when its step last grew (a connected island that stalls: not waited for)
+    pinned: bool = False                # its heartbeats say it pinned H (YETO_DILOCO_SYNC_EVERY=N): it keeps a rhythm
 
     def alive(self, now: float, lease: float) -> bool:
         return now - self.last_seen <= lease
 
-    def progress(self, step: Optional[int], rate: Optional[float], now: float) -> None:
-        """Its step (a bounded integer) and compute rate (a bounded number) as a heartbeat or a push says them; None:
-        not said."""
+    def progress(self, step: Optional[int], rate: Optional[float], now: float, pinned: Optional[bool] = None) -> None:
+        """Its step (a bounded integer), compute rate (a bounded number) and whether it pinned H as a heartbeat or a
+        push says them; None: not said."""
+        if pinned is not None:
+            self.pinned = bool(pinned)
         if step is not None:
             if self.moved_at is None or step > self.step:
                 self.moved_at = now

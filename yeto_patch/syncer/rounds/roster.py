@@ -26,6 +26,7 @@ from .settings import RoundSettings
 __all__ = ["Roster", "PACE_SPREAD"]
 
 PACE_SPREAD = 4.0   # the pace is at most this x the median rate of the islands that are up
+STRETCH_SPREAD = 2.0   # a pinned H's rhythm: the slowest rate, at least the fastest / this (schedule.MAX_STRETCH)
 
 
 class Roster:
@@ -115,8 +116,12 @@ class Roster:
         """The fewest answers a round of ``fragment`` may merge with. Fixed roster and explicit quorum: the quorum,
         or fewer once islands have finished (an island that crashed, lost its link or said BYE still counts, so a
         fixed roster waits for it). Elastic: the minimum quorum, or fewer when fewer islands are up (a round never
-        waits for an island that is down)."""
+        waits for an island that is down); 1 while the islands keep a rhythm (``rhythm``) and no minimum quorum was
+        given: their pushes land together by their aim, and a floor would only block the first in the transients
+        (benchmarks/rounds_model.py: 0.85-0.96 of merges held every island with it, 0.1-0.3 with a floor of 2)."""
         pool = self.expected(fragment, now) if self.rs.elastic else self.counted(fragment)
+        if self.rs.elastic and self.rs.min_quorum is None and self.rhythm(now) is not None:
+            return 1
         return max(1, min(self.rs.k, len(pool)))
 
     def joined_enough(self) -> bool:
@@ -150,6 +155,18 @@ class Roster:
         if not rates:
             return 0.0
         return min(max(rates), PACE_SPREAD * statistics.median(rates))
+
+    def rhythm(self, now: float) -> Optional[Member]:
+        """The island whose rhythm the others keep (island/boundary/schedule.stretch and aim): the slowest of the
+        islands that are up and training, when there are at least two, every one of them pinned H
+        (``YETO_DILOCO_SYNC_EVERY=N``: ``auto`` islands follow the fleet's pace instead) and says its rate, and none
+        is more than STRETCH_SPREAD slower than the fastest; else None (each island keeps its H; a fleet further
+        apart shares rounds with ``auto``). A claim of a slow rate thus stretches the others' H at most 2x."""
+        up = [m for m in self.members.values() if not m.finished and self.is_up(m, now)]
+        if len(up) < 2 or not all(m.pinned and m.rate > 0 for m in up):
+            return None
+        slow = min(up, key=lambda m: (m.rate, m.island))
+        return slow if slow.rate * STRETCH_SPREAD >= max(m.rate for m in up) else None
 
     def describe(self, islands, now: float) -> list[str]:
         """``islands`` for a log line: each id, with "(down Ns)" for one that is not up."""

@@ -17,7 +17,9 @@ The rules a round keeps (docs/protocol.md, "Rounds"; docs/operations.md):
 * **the decision** (:meth:`Round.decide`): every island the round expects answered -> due now; at least the floor
   answered -> due at the end of the grace (``--grace``, or the pace window of rounds/window.py); below the floor
   it waits, but never past ``--round-timeout`` after its first answer unless the roster is fixed
-  (``--quorum`` = ``--islands``: reproducible runs wait for every member); answers that weigh nothing (no new
+  (``--quorum`` = ``--islands``: reproducible runs wait for every member), nor for islands that are blocked in
+  another round (their answer there ran out of patience: rounds of different fragments waiting below their floors
+  for each other's islands would otherwise stand still until the timeout); answers that weigh nothing (no new
   steps) do not count towards the floor, so a round of them alone never merges;
 * **each island once** (:func:`fold_carried`): an island's carried pushes join its answer as one contribution,
   whose weight (on time and carried together) is at most the cap of one island (rounds/weights.py), however
@@ -36,6 +38,7 @@ import numpy as np
 from ...wire import codecs
 from ...wire.frames import CodecError
 from .pushes import ReceivedPush
+from .window import LATE_STEPS as window_late_steps
 
 log = logging.getLogger("yeto.syncer")
 
@@ -166,9 +169,16 @@ class Round:
         return [(c.push.arrived, c.push.patience) for c in self.answers.values() if c.folded]
 
     # ----------------------------------------------------------------------------------------- decision
-    def decide(self, rs, roster, window, now: float) -> Optional[Decision]:
+    def blocked(self, now: float) -> set:
+        """Islands whose answer here has run out of patience: they wait for this round's merge and push nothing
+        else meanwhile."""
+        return {i for i, c in self.answers.items() if c.folded and c.push.patience is not None
+                and c.push.arrived is not None and now >= c.push.arrived + c.push.patience}
+
+    def decide(self, rs, roster, window, now: float, blocked: frozenset = frozenset()) -> Optional[Decision]:
         """The decision of this round now (None: nothing to merge: no answer that counts, or merging). ``rs``:
-        RoundSettings; ``roster``: rounds/roster.Roster; ``window``: rounds/window.PaceWindow."""
+        RoundSettings; ``roster``: rounds/roster.Roster; ``window``: rounds/window.PaceWindow; ``blocked``: the
+        islands blocked in another round of this syncer (``Round.blocked``)."""
         answered = self.counted()
         if self.closed or not answered:
             return None
@@ -183,6 +193,8 @@ class Round:
         if len(answered) < need:
             if rs.fixed_roster:
                 return Decision(None, sorted(missing), need, "below its quorum")
+            if missing and missing <= blocked:   # they wait for other rounds, which may wait for this one's
+                return Decision(now, [], need, "every island it waits for is blocked in another round")
             return Decision(timeout_at, sorted(missing), need, "below its floor until --round-timeout")
         if self.phase is Phase.GATHERING:
             self._move(Phase.GRACE)
@@ -190,8 +202,9 @@ class Round:
         if not joined:   # (fewer than the minimum quorum of islands joined the run so far)
             return Decision(timeout_at, sorted(missing), need, "islands of the run have not joined yet")
         if rs.adaptive:
+            late = window_late_steps if roster.rhythm(now) is not None else 0.0
             at, waits = window.deadline(self.fragment, self.patience(), exp - self.answered_islands(), now,
-                                        self.t_first, rs.timeout_s)
+                                        self.t_first, rs.timeout_s, late)
             return Decision(min(at, timeout_at), waits, need, "the pace window")
         return Decision(min(self.t_quorum + rs.grace_s, timeout_at), sorted(exp - self.answered_islands()), need,
                         "--grace")

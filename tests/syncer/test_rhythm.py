@@ -1,0 +1,129 @@
+"""A pinned H keeps the slowest island's rhythm (issue 35, item 5): the syncer names the rhythm only for a fleet of
+islands that all pinned H and are within 2x in speed, says each other island when the rhythm island pushes each
+fragment next, and merges rounds of such a fleet from one answer on (their pushes land together by their aim);
+rounds below their floor whose islands wait in other rounds do not stand still until the timeout. Then, in
+virtual time (benchmarks/rounds_model.py: the real coordinator and the islands' schedule functions), two and
+three islands of different speeds share >= 90% of their merges without the fast island waiting, against a
+control without the rhythm. Runtime: about 10 s."""
+import argparse
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from yeto_patch.syncer.model.runner import ChunkRunner
+from yeto_patch.syncer.rounds.coordinator import Coordinator
+from yeto_patch.syncer.rounds.pushes import ReceivedPush
+from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
+from yeto_patch.wire import codecs
+from yeto_patch.wire.schema import island_beat_meta, read_island_beat, read_syncer_beat, syncer_beat_meta
+
+from .test_rounds import MAN, Clock
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def fleet(rates, clock, pinned=True, fragments=1, min_quorum=None):
+    """A coordinator whose islands i0, i1 ... say these rates; each has pushed fragment 0 at steps 10 and 20."""
+    c = Coordinator(MergeSettings(weights="equal", outer="avg"),
+                    RoundSettings(islands=len(rates), timeout_s=600.0, lease_s=30.0, min_quorum=min_quorum),
+                    ChunkRunner(1), clock=clock, heartbeat_s=1.0)
+    c.set_manifest(MAN, fragments)
+    for f in range(fragments):
+        c.init_fragment(f, np.zeros(c.frags[f].numel, np.float32))
+    for k, r in enumerate(rates):
+        c.join(f"i{k}", "1")
+        c.touch(f"i{k}", 20, r, pinned if isinstance(pinned, bool) else pinned[k])
+        for f in range(fragments):
+            c.window.pushed(f"i{k}", f, 10)
+            c.window.pushed(f"i{k}", f, 20)
+    return c
+
+
+def test_the_rhythm_is_the_slowest_island_of_a_pinned_fleet_within_2x():
+    clock = Clock()
+    c = fleet([10.0, 5.2], clock)
+    (entry,) = c.rhythm("i0")
+    f, eta, period = entry
+    assert f == 0 and period == pytest.approx(10 / 5.2, rel=1e-3)   # i1's 10 steps between pushes at 5.2 steps/s
+    assert eta == pytest.approx(10 / 5.2, rel=1e-3)                 # it said step 20 (its last push) just now
+    assert c.rhythm("i1") == []                                     # the rhythm island keeps its own H
+    assert c.round_status("i0").rhythm == [entry]
+    clock.t += 1.0
+    assert c.rhythm("i0")[0][1] == pytest.approx(10 / 5.2 - 1.0, rel=1e-3)
+
+
+@pytest.mark.parametrize("rates,pinned", [([10.0, 4.0], True),            # more than 2x apart
+                                          ([10.0, 5.2], [True, False]),   # one island follows the fleet's pace
+                                          ([10.0], True)])                # alone
+def test_no_rhythm_beyond_2x_with_an_auto_island_or_alone(rates, pinned):
+    clock = Clock()
+    c = fleet(rates, clock, pinned)
+    assert c.rhythm("i0") == [] and c.roster.rhythm(clock()) is None
+    assert c.round_status("i0").rhythm == []
+
+
+def test_a_fleet_keeping_a_rhythm_merges_from_one_answer_unless_a_minimum_quorum_was_given():
+    clock = Clock()
+    assert fleet([10.0, 8.0, 6.0], clock).roster.floor(0, clock()) == 1
+    assert fleet([10.0, 8.0, 6.0], clock, pinned=False).roster.floor(0, clock()) == 2            # control
+    assert fleet([10.0, 8.0, 6.0], clock, min_quorum=2).roster.floor(0, clock()) == 2
+
+
+def answer(c, island, fragment, patience):
+    n = c.frags[fragment].numel
+    c.accept(ReceivedPush(island=island, fragment=fragment, base_version=0, codec="f32", block=256, steps=1,
+                          body=codecs.encode("f32", np.ones(n, np.float32)), patience=patience))
+
+
+@pytest.mark.parametrize("patience,due", [(0.5, [0, 1, 2]), (100.0, [])])
+def test_rounds_below_their_floor_do_not_wait_for_islands_blocked_in_each_other(patience, due):
+    """Three islands, a minimum quorum of 2, each alone in a different fragment's round: once their patience ran
+    out each waits for the others' rounds, which wait for it. With patience left (the control) they wait."""
+    clock = Clock()
+    c = fleet([10.0, 10.0, 10.0], clock, pinned=False, fragments=3)
+    for k in range(3):
+        answer(c, f"i{k}", k, patience)
+    assert c.due() == []
+    clock.t += 1.0
+    assert c.due() == due
+
+
+def test_heartbeats_carry_pinned_and_the_rhythm_bounded():
+    assert read_island_beat(island_beat_meta(7, 2.5, True)) == (7, 2.5, True)
+    assert read_island_beat(island_beat_meta(7, 2.5)) == (7, 2.5, False)
+    assert read_island_beat({"step": 7, "pinned": "yes"})[2] is False
+    st = read_syncer_beat({"rounds": [], "missing": [], "rhythm": [
+        [0, 1.5, 2.0], [1, -0.5, 2.0],                            # kept (a push overdue: a negative eta)
+        [2, float("nan"), 2.0], [3, 1.0, 0.0], [4, 1.0, -1.0], [True, 1.0, 2.0], [-1, 1.0, 2.0],
+        [5, 1e9, 2.0], [6, 1.0], "x", [7, "1", 2.0]]})
+    assert st.rhythm == [[0, 1.5, 2.0], [1, -0.5, 2.0]]
+    assert len(read_syncer_beat({"rhythm": [[0, 1.0, 1.0]] * 100000}).rhythm) == 4096
+    c = fleet([10.0, 5.2], Clock())
+    assert read_syncer_beat(syncer_beat_meta(0.0, c.round_status("i0"))).rhythm == c.rhythm("i0")
+
+
+def load_model():
+    spec = importlib.util.spec_from_file_location("rounds_model", os.path.join(ROOT, "benchmarks", "rounds_model.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("speeds", [(1.0, 0.52), (1.0, 0.8, 0.6)])
+def test_islands_of_different_speeds_share_their_rounds_at_a_pinned_h(speeds):
+    rm = load_model()
+
+    def run(stretch):
+        a = argparse.Namespace(speeds=speeds, step_s=0.1, h=10, tau=5, checkpoint_every=20, max_base_lag=4,
+                               seconds=90.0, quorum=None, grace=None, chaos=False, auto=False, min_quorum=None,
+                               stretch=stretch)
+        return rm.Model(a, 0).run()
+    kept, control = run(True), run(False)
+    assert kept["everyone"] >= 0.9 and kept["utilisation"] >= 0.99, kept       # nobody waits for the rhythm
+    assert kept["weighted"] >= 0.97, kept
+    assert control["everyone"] <= 0.6, control                                   # without it: split rounds
