@@ -156,3 +156,27 @@ def test_section_pulse_restarts_the_open_sections():
     c.is_initialized = True
     with pytest.raises(RuntimeError, match="open_sections"):
         pulse()
+
+
+def test_the_hook_registers_megatrons_client_after_setup_and_drops_it_at_shutdown(monkeypatch):
+    import sys
+    import types
+
+    from yeto_patch.hooks import mlm_ft
+    client = FakeClient()
+    ft = types.ModuleType(mlm_ft.TARGET)
+    ft.get_rank_monitor_client = lambda: client
+    monkeypatch.setitem(sys.modules, mlm_ft.TARGET, ft)
+    try:
+        assert mlm_ft.setup_wrapper(lambda: "set up", None, (), {}) == "set up"
+        assert mlm_ft.KEEPALIVE_NAME in keepalive.KEEPALIVE.registered()
+        client.start_section("step")
+        _sleeper(keepalive.KEEPALIVE, 1.3 * mlm_ft.PULSE_EVERY_S)()     # a wait on this thread: one pulse
+        assert ("close", "step") in client.sent and list(client.timeouts_calc.open_sections) == ["step"]
+        assert mlm_ft.shutdown_wrapper(lambda: "closed", None, (), {}) == "closed"
+        assert mlm_ft.KEEPALIVE_NAME not in keepalive.KEEPALIVE.registered()
+        ft.get_rank_monitor_client = lambda: None                       # without --enable-ft-package
+        mlm_ft.setup_wrapper(lambda: None, None, (), {})
+        assert mlm_ft.KEEPALIVE_NAME not in keepalive.KEEPALIVE.registered()
+    finally:
+        keepalive.KEEPALIVE.unregister(mlm_ft.KEEPALIVE_NAME)

@@ -109,6 +109,8 @@ class KeepAlive:
 
     def exit(self) -> None:
         """The calling thread's wait ends; returns once a keep-alive call in flight ended."""
+        if not self._depth:   # (nothing registered when it began)
+            return
         me = threading.get_ident()
         with self._cv:
             depth = self._depth.get(me)
