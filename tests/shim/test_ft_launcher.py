@@ -141,7 +141,8 @@ def _run(tmp_path, relay_dark_at_start: bool, keepalive: bool):
            "--ft-rank-section-timeouts", f"setup:600,step:{STEP_S:g},checkpointing:600",
            "--ft-rank-out-of-section-timeout", "600", "--ft-workload-check-interval", "1",
            M.SCRIPT, *M.LAYOUTS["tp2"], *M.mlm_args(100, ITERS),
-           "--enable-ft-package", "--ft-num-warmup-iters", "0", "--save", str(out / "ckpt"), "--save-interval", "1000", "--ckpt-format", "torch",
+           "--enable-ft-package", "--ft-num-warmup-iters", "0",
+           "--save", str(out / "ckpt"), "--save-interval", "1000", "--ckpt-format", "torch",   # (a 10 s torch_dist save)
            *([] if keepalive else ["--no-ft-keepalive"])]
     env = P.base_env(YETO_DILOCO_SYNCER=f"127.0.0.1:{relay.port}", YETO_DILOCO_INSECURE=1,
                      YETO_DILOCO_ISLAND_ID="ft-a", YETO_DILOCO_SYNC_EVERY=2, YETO_DILOCO_OVERLAP_STEPS=1,
