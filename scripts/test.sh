@@ -23,6 +23,12 @@ if [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile --no-loads
 # Debian's prometheus and chromium for the tests that use them (installed where root and apt-get allow; else
 # those tests skip and say why).
 bash scripts/system-packages.sh
+# NVIDIA's ft_launcher (nvidia-resiliency-ext 0.7.0 layered on py312) for tests/shim/test_ft_launcher.py, which
+# py312's stage runs (and skips, saying why, where the venv could not be built)
+case " $envs " in
+  *" py312 "*) bash scripts/venv.sh py312-ft >/dev/null ||
+                 echo "scripts/venv.sh py312-ft failed: tests/shim/test_ft_launcher.py will skip" >&2 ;;
+esac
 status=0
 for env in $envs; do
   venv="$(bash scripts/venv.sh "$env")"

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Create (or reuse) a virtual environment for one supported environment and print its path.
-#   scripts/venv.sh py312|py311|py312-launchers|py312-peers [--if-built]
+#   scripts/venv.sh py312|py311|py312-launchers|py312-peers|py312-ft [--if-built]
 # The venv lives outside the clone, in ${YETO_VENV_CACHE:-$HOME/.cache/yeto-patch/venvs}/<env>-<hash>,
 # keyed by the hash of the requirement files, so a second run (or another clone) reuses it.
 # py312-launchers is py312 plus ms-swift and Megatron-Bridge (the latter from <env>-nodeps.txt, --no-deps).
 # py312-peers is py312 plus torchft (benchmarks/vs_torchft.py only; not in the default test install).
+# py312-ft is nvidia-resiliency-ext 0.7.0 (NVIDIA's ft_launcher) on top of the py312 venv, which a .pth file puts
+# on its path (no second torch); the wheel comes from scripts/nvrx-wheel.sh (tests/shim/test_ft_launcher.py).
 # --if-built: print the path only if that environment is already built (exit 1 otherwise); build nothing.
 set -euo pipefail
 env_name="${1:-py312}"
@@ -14,7 +16,8 @@ case "$env_name" in
   py311) py_ver=3.11 ;;
   py312-launchers) py_ver=3.12 ;;
   py312-peers) py_ver=3.12 ;;
-  *) echo "usage: $0 py312|py311|py312-launchers|py312-peers" >&2; exit 2 ;;
+  py312-ft) py_ver=3.12 ;;
+  *) echo "usage: $0 py312|py311|py312-launchers|py312-peers|py312-ft" >&2; exit 2 ;;
 esac
 req="$here/requirements/$env_name.txt"
 nodeps="$here/requirements/$env_name-nodeps.txt"
@@ -25,6 +28,9 @@ if [ "$env_name" = py312-launchers ]; then
 fi
 if [ "$env_name" = py312-peers ]; then
   hashed+=("$here/requirements/py312.txt")
+fi
+if [ "$env_name" = py312-ft ]; then
+  hashed+=("$here/requirements/py312.txt" "$here/scripts/nvrx-wheel.sh")
 fi
 hash="$(cat "${hashed[@]}" | sha256sum | cut -c1-16)"
 cache="${YETO_VENV_CACHE:-$HOME/.cache/yeto-patch/venvs}"
@@ -53,6 +59,13 @@ if [ ! -f "$venv/.complete" ]; then
   # pip records absolute paths in scripts; build in place under the final name
   rm -rf "$venv"; mv "$venv.tmp" "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >&2 || true
+  if [ "$env_name" = py312-ft ]; then   # py312's packages on the path: pip sees them installed
+    base="$(bash "$here/scripts/venv.sh" py312)"
+    site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    "$base/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$site/yeto-py312.pth"
+    wheel="$(PYTHON="$venv/bin/python" bash "$here/scripts/nvrx-wheel.sh" "$cache/wheels")"
+    "$venv/bin/python" -m pip install -q --no-deps "$wheel" >&2
+  fi
   (cd "$here/requirements" && "$venv/bin/python" -m pip install -q -r "$env_name.txt") >&2
   if [ -f "$nodeps" ]; then
     (cd "$here/requirements" && "$venv/bin/python" -m pip install -q --no-deps -r "$nodeps") >&2

@@ -24,6 +24,7 @@ LONG_FILES_FIRST = (
     "shim/test_faults.py",                      # 131
     "island/masters/test_view_mcore.py",        # 129 (py311: 74)
     "shim/test_elastic.py",                     # 119
+    "shim/test_ft_launcher.py",                 # 123 (alone, 2026-12-05, load 14: two ft_launcher runs, waits)
     "shim/test_start_order.py",                 # 73
     "shim/test_megatron_lm_islands.py",         # 72
     "island/masters/test_names_mcore.py",       # 66 (py311: 55)

@@ -11,6 +11,8 @@ mcore_distrib_optimizer            megatron.core.optimizer.distrib_optimizer
 mcore_hybrid_optimizer             megatron.core.optimizer.cpu_offloading.hybrid_optimizer
 mcore_layer_wise_optimizer         megatron.core.optimizer.layer_wise_optimizer
 mlm_training                       megatron.training.training (Megatron-LM: train_step, save/load_checkpoint)
+mlm_ft                             megatron.training.ft_integration (Megatron-LM's --enable-ft-package: setup,
+                                   shutdown; the island's waits keep NVIDIA FT's sections alive)
 bridge_train                       megatron.bridge.training.train (Megatron-Bridge: train_step)
 bridge_checkpointing               megatron.bridge.training.checkpointing (Megatron-Bridge: save/load_checkpoint)
 swift_megatron                     swift.megatron.trainers.base (ms-swift ``megatron sft`` / ``pt``: train_step,
@@ -66,6 +68,7 @@ HOOK_MODULES = (
     "mcore_hybrid_optimizer",
     "mcore_layer_wise_optimizer",
     "mlm_training",
+    "mlm_ft",
     "bridge_train",
     "bridge_checkpointing",
     "swift_megatron",

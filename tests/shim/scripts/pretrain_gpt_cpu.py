@@ -3,7 +3,7 @@ the local (non-Transformer-Engine) layer spec, mock data or indexed text files, 
 nothing about DiLoCo. Usage: torchrun --nproc-per-node 2 pretrain_gpt_cpu.py <Megatron-LM arguments> [--export-npz PATH]
 [--crash-at-iteration N] [--export-npz-at-start PATH] [--wait-for-file PATH] [--valid-seed N]
 [--sleep-per-iteration S]
-[--hold-at-iteration N PATH]
+[--hold-at-iteration N PATH] [--no-ft-keepalive]
 
 --sleep-per-iteration S: each iteration takes S seconds longer (a slower island). --hold-at-iteration N PATH
 (repeatable): iteration N waits (up to 30 min) until PATH exists (a test decides when an island may go on).
@@ -12,6 +12,8 @@ nothing about DiLoCo. Usage: torchrun --nproc-per-node 2 pretrain_gpt_cpu.py <Me
 rank writes PATH.rank<r>.npz with its part of the full model (full_model.py: FP32 masters and weights).
 --export-npz-at-start PATH: the same at the first forward step of the run (inside the first train_step, so after
 anything that runs before it: with yeto-patch attached, the island's start), tied output-layer copy included.
+--no-ft-keepalive: yeto-patch's hook of Megatron-LM's FT integration (yeto_patch/hooks/mlm_ft.py) is removed, so
+the island's waits do not restart NVIDIA FT's sections (the control of tests/shim/test_ft_launcher.py).
 --valid-seed N: the validation split's samples are drawn with seed N instead of --seed, so that runs of different
 seeds evaluate the same held-out sequences."""
 import os
@@ -146,6 +148,10 @@ if __name__ == "__main__":
     import time
 
     import megatron.training.training as T
+    if "--no-ft-keepalive" in sys.argv:   # (importing the loop imported ft_integration: yeto-patch hooked it)
+        sys.argv.remove("--no-ft-keepalive")
+        from yeto_patch.hooks import mlm_ft
+        mlm_ft.unpatch()
     if sleep_s or holds:
         _slow_step = T.train_step
 

@@ -21,6 +21,7 @@ import time
 from typing import Callable, Optional
 
 from yeto_patch.island.errors import EngineError
+from yeto_patch.island.keepalive import waiting
 
 log = logging.getLogger("yeto_patch")
 
@@ -69,6 +70,7 @@ class BackgroundLane:
         """Wait (bounded by the timeout) until every queued job ended."""
         self._wait(lambda: all(j.result is not None for j in self.jobs.values()), what)
 
+    @waiting   # (keep-alive calls while it lasts, island/keepalive.py)
     def _wait(self, ready: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
         with self._cv:

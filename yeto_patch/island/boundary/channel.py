@@ -20,6 +20,7 @@ import time
 from typing import Callable, Optional
 
 from yeto_patch.island.errors import EngineError, describe
+from yeto_patch.island.keepalive import waiting
 
 log = logging.getLogger("yeto_patch")
 
@@ -31,6 +32,7 @@ class IslandChannel:
         self.comm = comm
         self.rank = comm.rank
 
+    @waiting   # (the other ranks wait for rank 0 here: keep-alive calls while it lasts, island/keepalive.py)
     def rank0(self, fn: Callable[[], object], what: str):
         """Run fn on rank 0 and broadcast its JSON result (or its error) to every rank."""
         out = None

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
+from yeto_patch.island.keepalive import waiting
+
 if TYPE_CHECKING:   # (the modules below import torch; this one stays light)
     from yeto_patch.island.boundary.base_lane import BaseLane
     from yeto_patch.island.boundary.channel import IslandChannel
@@ -46,6 +48,7 @@ class IslandParts:
         collective whose own timeout is YETO_DILOCO_TIMEOUT + 60 s)."""
         return max(1.0, min(30.0, self.settings.timeout / 4))
 
+    @waiting   # (one wait, however many slices: keep-alive calls while it lasts, island/keepalive.py)
     def await_ready(self, ready: Callable[[], bool], what: str, serve_init: Optional[Callable[[int], None]] = None):
         """Every rank: loop until rank 0's `ready()` is True; the wait fails once the syncer has been unreachable
         for YETO_DILOCO_TIMEOUT (rank 0's ``patience``, built by startup.py) and goes on while the syncer is alive,

@@ -26,6 +26,7 @@ import torch
 
 from yeto_patch.island.boundary.background import BackgroundLane
 from yeto_patch.island.errors import EngineError
+from yeto_patch.island.keepalive import waiting
 
 log = logging.getLogger("yeto_patch")
 
@@ -141,6 +142,7 @@ class PushLane(BackgroundLane):
             keys = keys[:last + 1]
         self._wait(lambda: all(self.jobs[k].result is not None for k in keys if k in self.jobs), what)
 
+    @waiting   # (keep-alive calls while it lasts, island/keepalive.py)
     def wait_snapshots(self, what: str) -> None:
         """Training thread, before the next update changes the masters: every queued snapshot is copied (normally
         long done; bounded by the timeout)."""
