@@ -68,6 +68,8 @@ SETTINGS = {
 }
 KINDS = ("ddp", "lone", "diloco", "ref")
 LOADS = ("quiet", "hog", "delay")
+MERGED = re.compile(r"merged fragment \d+ -> v\d+: \d+ push\(es\) \[([^\]]*)\]")
+ITER_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 VALID = re.compile(r"validation loss at iteration (\d+) on validation set \| lm loss value: ([0-9.eE+-]+)")
 
 
@@ -331,11 +333,16 @@ def run_diloco(a, cell: Cell, data: dict, tmp: str) -> dict:
     if rcs != [0, 0, 0]:
         raise RuntimeError(f"{cell.name} failed (rcs {rcs}):\n{P.logs([*islands, syncer])}")
     losses = [final_loss(p) for p in islands]
+    merges = MERGED.findall(syncer.text())
+    both = sum(1 for m in merges if all(f"{ids[x]}(lag" in m for x in ISLANDS))
+    ms = [[float(t) for t in ITER_MS.findall(p.text())] for p in islands]
     who = re.search(r"run initialized from island (\S+)'s INIT", syncer.text())
     got = who and who[1].strip("'")
     if got != ids[cell.init]:
         raise RuntimeError(f"{cell.name}: the syncer took the INIT of {got}, not of {ids[cell.init]}")
-    return {"loss": sum(losses) / 2, "islands": losses, "dir": str(d)}
+    return {"loss": sum(losses) / 2, "islands": losses, "dir": str(d), "merges": len(merges),
+            "both": both / len(merges) if merges else 0.0,   # merges holding a push of each island (on time or carried)
+            "ms_per_iter": [sum(x[1:]) / len(x[1:]) if len(x) > 1 else None for x in ms]}   # (the first: start-up)
 
 
 def island_argv(a, x: str, data: dict, cache: str, seeds: tuple) -> list:
@@ -417,7 +424,8 @@ def tables(res: dict, common: str = "") -> str:
         ddp = res.get(Cell("ddp", seeds), {}).get("loss")
         out += [f"\nseeds {seeds[0]}:{seeds[1]}" + (f" (DDP {ddp:.4f})" if ddp else ""),
                 "| init | F | load | setting | yeto-patch | / DDP | lone (same start) | yeto / lone | reference | "
-                "yeto / ref | wall s | command |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "yeto / ref | wall s | merges holding both | ms/iter a, b | command |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c, v in res.items():
             if c.seeds != seeds or c.kind != "diloco":
                 continue
@@ -427,7 +435,10 @@ def tables(res: dict, common: str = "") -> str:
                 c.init, str(c.fragments), c.load, c.setting + (f" #{c.rep}" if c.rep else ""), f"{v['loss']:.4f}",
                 f"{v['loss'] / ddp:.4f}" if ddp else "n/a", f"{lone:.4f}" if lone else "n/a",
                 f"{v['loss'] / lone:.4f}" if lone else "n/a", f"{ref:.4f}" if ref else "n/a",
-                f"{v['loss'] / ref:.4f}" if ref else "n/a", f"{v['wall_s']:.0f}", f"`{c.command(common)}`"]) + " |")
+                f"{v['loss'] / ref:.4f}" if ref else "n/a", f"{v['wall_s']:.0f}",
+                f"{v['both']:.2f} of {v['merges']}" if "both" in v else "n/a",
+                ", ".join("n/a" if x is None else f"{x:.0f}" for x in v.get("ms_per_iter", [])) or "n/a",
+                f"`{c.command(common)}`"]) + " |")
         for c, v in res.items():
             if c.seeds == seeds and c.kind in ("lone", "ref"):
                 out.append(f"{c.name}: {v['loss']:.4f}" + (f" ({v['loss'] / ddp:.4f}x DDP)" if ddp else ""))
