@@ -64,6 +64,7 @@ LAYOUTS = ("shards", "corpus")   # --data-layout: each island its own shard, or 
 # DiLoCo settings: (island variables beyond H, syncer flags)
 SETTINGS = {
     "defaults": ({}, []),
+    "fixed roster": ({}, ["--quorum", "2"]),   # every merge waits for both islands (the syncer's default is elastic)
     "previous defaults": ({"YETO_DILOCO_OVERLAP_STEPS": 0, "YETO_DILOCO_ERROR_FEEDBACK": 0}, ["--outer-lr", "0.7"]),
 }
 KINDS = ("ddp", "lone", "diloco", "ref")
@@ -308,7 +309,8 @@ def run_diloco(a, cell: Cell, data: dict, tmp: str) -> dict:
     d.mkdir(parents=True, exist_ok=True)
     port = P.free_port()
     key = P.key_file(d)
-    syncer = P.start_syncer(d, port, islands=2, fragments=cell.fragments, key=key, extra=[*init_flags(a), *flags])
+    syncer = P.start_syncer(d, port, islands=2, fragments=cell.fragments, key=key, extra=[*init_flags(a), *flags],
+                            elastic=True)   # (the syncer's defaults: elastic rounds; a setting may add --quorum)
     relay = DelayRelay(port, a.delay_s) if cell.load == "delay" else None
     hog = Hog(a.hog) if cell.load == "hog" else None
     ids = island_ids(cell.init)

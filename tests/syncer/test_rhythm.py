@@ -6,6 +6,7 @@ virtual time (benchmarks/rounds_model.py: the real coordinator and the islands' 
 three islands of different speeds share >= 90% of their merges without the fast island waiting, against a
 control without the rhythm. Runtime: about 10 s."""
 import argparse
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -64,6 +65,15 @@ def test_no_rhythm_beyond_2x_with_an_auto_island_or_alone(rates, pinned):
     c = fleet(rates, clock, pinned)
     assert c.rhythm("i0") == [] and c.roster.rhythm(clock()) is None
     assert c.round_status("i0").rhythm == []
+
+
+def test_no_rhythm_with_a_quorum():
+    """A fixed roster waits for every island anyway; aimed boundaries could put the islands' fragments in different
+    orders, each island waiting at its tau bound for a round that waits for the other (a run stood still so)."""
+    clock = Clock()
+    c = fleet([10.0, 5.2], clock)
+    c.rs = c.roster.rs = dataclasses.replace(c.rs, quorum=2)
+    assert c.rhythm("i0") == [] and c.roster.floor(0, clock()) == 2
 
 
 def test_a_fleet_keeping_a_rhythm_merges_from_one_answer_unless_a_minimum_quorum_was_given():

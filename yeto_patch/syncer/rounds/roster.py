@@ -161,7 +161,12 @@ class Roster:
         islands that are up and training, when there are at least two, every one of them pinned H
         (``YETO_DILOCO_SYNC_EVERY=N``: ``auto`` islands follow the fleet's pace instead) and says its rate, and none
         is more than STRETCH_SPREAD slower than the fastest; else None (each island keeps its H; a fleet further
-        apart shares rounds with ``auto``). A claim of a slow rate thus stretches the others' H at most 2x."""
+        apart shares rounds with ``auto``); never with ``--quorum`` (a round that waits for its quorum whatever the
+        timing needs no rhythm, and aimed boundaries can put two islands' fragments in different orders: each would
+        wait at its tau bound for a round that waits for the other's next push, for ever). A claim of a slow rate
+        thus stretches the others' H at most 2x."""
+        if not self.rs.elastic:
+            return None
         up = [m for m in self.members.values() if not m.finished and self.is_up(m, now)]
         if len(up) < 2 or not all(m.pinned and m.rate > 0 for m in up):
             return None
