@@ -31,9 +31,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from yeto_patch import config  # noqa: E402
 from yeto_patch.island.boundary import sync_state  # noqa: E402
-from yeto_patch.island.boundary.fragment import Fragments, PushWire  # noqa: E402
+from yeto_patch.island.boundary.fragment import Fragments, PushPhase, PushWire  # noqa: E402
 from yeto_patch.island.boundary.plan import InstallRule, install_due, overdue, plan  # noqa: E402
-from yeto_patch.island.boundary.schedule import Cadence, catch_up, keep_rhythm, suggest  # noqa: E402
+from yeto_patch.island.boundary.schedule import Cadence, catch_up, keep_rhythm, reply_aims, suggest  # noqa: E402
 from yeto_patch.island.link.patience import Patience  # noqa: E402
 from yeto_patch.island.link.sharded import ShardedLink  # noqa: E402
 from yeto_patch.wire import auth, codecs  # noqa: E402
@@ -114,6 +114,7 @@ class Island:
         # lane, off the training thread; this island encodes inline)
         codecs.encode(self.s.push_dtype, np.zeros(codecs.DEFAULT_BLOCK, np.float32))
         self.cadence = Cadence(self.s.sync_every, len(self.frags), self.step)
+        self.aimed = {}   # (a pinned H) fragment -> (base version, step) of the push whose reply aimed its boundary
         self.t_start = time.time()   # (up from here: joined, with every base)
         self.record("start", restart=bool(self.a.restart), step0=self.step)
 
@@ -226,6 +227,11 @@ class Island:
             self.cadence.retune(h)
             for f, k in shift.items():
                 self.cadence.shift(f, k)
+            pushes = {fr.index: (fr.push.base_version, fr.push.step) for fr in self.frags
+                      if fr.push is not None and fr.push.phase is PushPhase.AT_SYNCER and fr.index not in p.push}
+            for f, at in reply_aims(self.link.aims(), pushes, self.aimed, self.link.rate(), self.s.overlap_steps,
+                                    h, self.step).items():
+                self.cadence.aim(f, at)
         for f in p.skip:
             self.frags[f].skipped()
         for spec in p.install:   # (no background lane here: a base to stage goes in once it is due)

@@ -19,7 +19,9 @@ from yeto_patch.syncer.rounds.coordinator import Coordinator
 from yeto_patch.syncer.rounds.pushes import ReceivedPush
 from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
 from yeto_patch.wire import codecs
-from yeto_patch.wire.schema import island_beat_meta, read_island_beat, read_syncer_beat, syncer_beat_meta
+from yeto_patch.syncer.rounds.pushes import parse_push, reply_for
+from yeto_patch.wire.schema import (island_beat_meta, push_meta, read_island_beat, read_reply, read_syncer_beat,
+                                    reply_meta, syncer_beat_meta)
 
 from .test_rounds import MAN, Clock
 
@@ -114,6 +116,31 @@ def test_heartbeats_carry_pinned_and_the_rhythm_bounded():
     assert len(read_syncer_beat({"rhythm": [[0, 1.0, 1.0]] * 100000}).rhythm) == 4096
     c = fleet([10.0, 5.2], Clock())
     assert read_syncer_beat(syncer_beat_meta(0.0, c.round_status("i0"))).rhythm == c.rhythm("i0")
+
+
+def test_a_push_says_rate_and_pinned_and_its_reply_says_the_rhythm_from_its_arrival():
+    """A pinned island's push carries its rate (heartbeats come every lease / 4, too seldom for short periods) and
+    the PUSH_REPLY tells it when the rhythm island pushes that fragment next, counted from the push's arrival."""
+    clock = Clock()
+    c = fleet([10.0, 5.2], clock, pinned=[False, True])   # i0's heartbeats did not say pinned yet: no rhythm
+    assert c.rhythm("i0") == []
+    n = c.frags[0].numel
+    meta = push_meta(0, n, base_version=0, local_step=25, steps=5, tokens=5, codec="f32", block=256, final=False,
+                     blend=True, patience=0.5, rate=9.0, pinned=True)
+    p = parse_push("i0", "1", meta, codecs.encode("f32", np.ones(n, np.float32)))
+    assert (p.rate, p.pinned) == (9.0, True)
+    clock.t += 0.25
+    r = read_reply(reply_for(c, p))
+    assert r.status == "accepted" and c.members["i0"].pinned and c.members["i0"].rate == 9.0
+    eta, period = r.rhythm
+    assert period == pytest.approx(10 / 5.2, rel=1e-3) and eta == pytest.approx(10 / 5.2 - 0.25, rel=1e-3)
+    # the rhythm island's own pushes carry none; bounds
+    q = parse_push("i1", "1", {**meta, "local_step": 30, "rate": 5.2}, codecs.encode("f32", np.ones(n, np.float32)))
+    assert read_reply(reply_for(c, q)).rhythm is None
+    for bad in ([float("nan"), 1.0], [1.0, 0.0], [1.0, -2.0], [2e6, 1.0], [1.0], "x", [True, 1.0]):
+        assert read_reply({**reply_meta(0, 0, "accepted"), "rhythm": bad}).rhythm is None
+    assert parse_push("i0", "1", {**meta, "rate": 1e9, "pinned": 1}, b"").rate is None
+    assert parse_push("i0", "1", {**meta, "rate": 1e9, "pinned": 1}, b"").pinned is False
 
 
 def load_model():

@@ -84,6 +84,9 @@ from .values import (Base, PushReply, SyncerRefusal, SyncerStatus, Welcome,  # n
 
 __all__ = ["SyncerClient", "SyncerRefusal", "Welcome", "Base", "PushReply", "probe", "recoverable"]
 
+MAX_AIMS = 4096   # fragments whose last PUSH_REPLY rhythm is kept
+
+
 class SyncerClient:
     def __init__(self, address: str, key: Optional[bytes], island_id: str, manifest, *,
                  incarnation: Optional[int] = None, timeout: float = 60.0, insecure: bool = False,
@@ -118,6 +121,7 @@ class SyncerClient:
         self.local_step = 0
         self.rate = 0.0                  # the island's compute rate (steps/s; 0: unknown), sent in heartbeats
         self.pinned = False              # the island pinned H (it keeps the fleet's rhythm), sent in heartbeats
+        self._aims: dict = {}            # fragment -> (base_version, eta_s, period_s): its last push's PUSH_REPLY rhythm
         self._status = SyncerStatus([], [])
         self._heard = time.monotonic()   # when the syncer last sent anything
         self._cv = threading.Condition()
@@ -185,6 +189,12 @@ class SyncerClient:
             if self._refusals:
                 raise self._refusals.popleft()  # each refusal is reported once; the connection stays usable
 
+    def aims(self) -> dict:
+        """{fragment: (base_version, eta_s, period_s)}: what the PUSH_REPLY of the fragment's last push said of the
+        fleet's rhythm (when the island it keeps pushes the fragment next, counted from the push's arrival)."""
+        with self._cv:
+            return dict(self._aims)
+
     def status(self) -> tuple:
         """(the syncer's last SyncerStatus, seconds since the syncer last sent anything)."""
         with self._cv:
@@ -250,6 +260,9 @@ class SyncerClient:
             r = read_reply(meta)
             key = (r.fragment, r.base_version)
             with self._cv:
+                if r.rhythm is not None and isinstance(r.fragment, int) and isinstance(r.base_version, int) and \
+                        (r.fragment in self._aims or len(self._aims) < MAX_AIMS):
+                    self._aims[r.fragment] = (r.base_version, *r.rhythm)
                 if key in self._waiting:
                     self._replies[key] = (r, meta)
                 elif r.status == "refused":
@@ -359,7 +372,8 @@ class SyncerClient:
         numel, body_len = push_size(self.welcome, fragment, codec, block, body, body_len, body_iter)
         self.local_step = max(self.local_step, int(local_step))
         meta = push_meta(fragment, numel, base_version=base_version, local_step=local_step, steps=steps,
-                         tokens=tokens, codec=codec, block=block, final=final, blend=blend, patience=patience)
+                         tokens=tokens, codec=codec, block=block, final=final, blend=blend, patience=patience,
+                         rate=self.rate, pinned=self.pinned)
         key = (fragment, int(base_version))
         if wait:
             with self._cv:

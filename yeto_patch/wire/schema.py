@@ -99,15 +99,20 @@ class PushHeader:
     final: bool
     blend: bool
     patience: Optional[float]   # None: unknown (absent, or not a number in range)
+    rate: Optional[float] = None   # the island's compute rate, steps/s (None: not said, or out of range)
+    pinned: bool = False           # the island pinned H (it keeps the fleet's rhythm)
 
 
 def push_meta(fragment: int, numel: int, *, base_version: int, local_step: int, steps: int, tokens: int,
-              codec: str, block: int, final: bool, blend: bool, patience: Optional[float]) -> dict:
+              codec: str, block: int, final: bool, blend: bool, patience: Optional[float], rate: float = 0.0,
+              pinned: bool = False) -> dict:
     """The PUSH meta (aligned; docs/protocol.md, "Pushes")."""
     return aligned({"fragment": fragment, "base_version": int(base_version), "local_step": int(local_step),
                     "steps": int(steps), "tokens": int(tokens), "codec": codec, "block": int(block),
                     "numel": numel, "final": bool(final), "blend": bool(blend),
-                    **({} if patience is None else {"patience": round(max(0.0, float(patience)), 3)})})
+                    **({} if patience is None else {"patience": round(max(0.0, float(patience)), 3)}),
+                    **({"rate": round(float(rate), 6)} if rate and rate > 0 else {}),
+                    **({"pinned": True} if pinned else {})})
 
 
 def _count(meta: dict, name: str, hi: int = INT64_MAX) -> int:
@@ -134,7 +139,9 @@ def read_push(meta: dict, known_codecs) -> PushHeader:
                       block=_count(meta, "block"), local_step=_count(meta, "local_step"),
                       steps=_count(meta, "steps", MAX_PUSH_STEPS), tokens=_count(meta, "tokens", MAX_PUSH_TOKENS),
                       final=bool(meta.get("final", False)), blend=blend,
-                      patience=float(patience) if bounded_number(patience, MAX_PATIENCE_S) else None)
+                      patience=float(patience) if bounded_number(patience, MAX_PATIENCE_S) else None,
+                      rate=float(meta["rate"]) if bounded_number(meta.get("rate"), MAX_RATE) else None,
+                      pinned=meta.get("pinned") is True)
 
 
 # ------------------------------------------------------------------------------------------- PUSH_REPLY
@@ -145,9 +152,12 @@ def echo(fragment, base_version) -> dict:
 
 
 def reply_meta(fragment, base_version, status: str, lag: int = 0, version: Optional[int] = None,
-               message: str = "") -> dict:
-    """A PUSH_REPLY that takes the push (``status``: accepted, carried, closed)."""
+               message: str = "", rhythm: Optional[list] = None) -> dict:
+    """A PUSH_REPLY that takes the push (``status``: accepted, carried, closed); ``rhythm`` [eta_s, period_s]:
+    when the island the fleet keeps its rhythm with pushes this fragment next, counted from the push's arrival."""
     out = {**echo(fragment, base_version), "status": status, "lag": int(lag)}
+    if rhythm is not None:
+        out["rhythm"] = [round(float(rhythm[0]), 3), round(float(rhythm[1]), 3)]
     if version is not None:
         out["version"] = int(version)
     if message:
@@ -170,9 +180,13 @@ def read_reply(meta: dict) -> PushReply:
     lag = meta.get("lag", 0)
     version = meta.get("version")
     message = meta.get("message", "")
+    rhythm = meta.get("rhythm")
+    rhythm = (float(rhythm[0]), float(rhythm[1])) if isinstance(rhythm, list) and len(rhythm) == 2 and \
+        bounded_number(rhythm[0], MAX_RHYTHM_S, -MAX_RHYTHM_S) and bounded_number(rhythm[1], MAX_RHYTHM_S) and \
+        rhythm[1] > 0 else None
     return PushReply(e["fragment"], e["base_version"], status[:32] if isinstance(status, str) else "?",
                      lag if bounded_int(lag) else 0, version if bounded_int(version) else None,
-                     message[:MAX_REPLY_MESSAGE] if isinstance(message, str) else "")
+                     message[:MAX_REPLY_MESSAGE] if isinstance(message, str) else "", rhythm)
 
 
 # --------------------------------------------------------------------------------- HEARTBEAT (island's)

@@ -185,6 +185,7 @@ class PushReply:
     lag: int = 0
     version: Optional[int] = None
     message: str = ""
+    rhythm: Optional[tuple] = None   # (eta_s, period_s) of the rhythm island's next push of the fragment
 
 
 TRANSIENT_CODES = ("integrity", "island-taken")   # a frame altered on the path; an id held by a live connection

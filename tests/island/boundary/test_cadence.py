@@ -3,7 +3,8 @@
 import pytest
 
 from yeto_patch import config
-from yeto_patch.island.boundary.schedule import MAX_STRETCH, Cadence, aim, catch_up, due_fragments, stretch, suggest
+from yeto_patch.island.boundary.schedule import (MAX_STRETCH, Cadence, aim, catch_up, due_fragments, reply_aims,
+                                                 stretch, suggest)
 
 
 @pytest.mark.parametrize("h,p,start", [(4, 2, 0), (10, 3, 0), (3, 5, 0), (100, 8, 37), (1, 2, 5)])
@@ -51,6 +52,21 @@ def test_aim_lands_the_next_boundary_on_the_rhythm_islands_push():
         steps = aim(period - (t % period), period, rate, 6, 40)
         step, t = step + steps, t + steps / rate
         assert min(t % period, period - t % period) <= 0.5 / rate + 1e-9   # within half a step
+
+
+def test_a_push_reply_aims_the_next_boundary_once_per_push():
+    c = Cadence(20, 4, 0)
+    aimed = {}
+    aims = {0: (3, 0.05, 1.923), 1: (2, 1.0, 1.923), 2: (5, 1.0, 1.923)}
+    pushes = {0: (3, 100), 1: (4, 100)}            # fragment 1's reply is of an older push; 2 has no push
+    assert reply_aims(aims, pushes, aimed, 10.0, 5, 19, 101) == {0: 120}   # 0.05 + 1.923 s after step 100
+    assert reply_aims(aims, pushes, aimed, 10.0, 5, 19, 102) == {}         # once per push
+    c.aim(0, 120)
+    c.passed(102)
+    assert c.next[0] == 120
+    c.aim(1, 50)                                   # never before the next step
+    c.passed(103)
+    assert c.next[1] == 104
 
 
 def test_suggest_follows_the_fleet_pace_within_bounds():

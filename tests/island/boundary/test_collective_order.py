@@ -260,6 +260,13 @@ class Link:
     def rate(self):
         return self.pacing.choice([2.0, 5.0])   # (slower than the fleet: H between tau + 1 and H / 2)
 
+    def aims(self):
+        """(a pinned H) Sometimes a PUSH_REPLY's rhythm for a push at the syncer: rank 0's aimed boundaries too."""
+        if self.pacing.random() < 0.5:
+            return {}
+        return {f.index: (f.push.base_version, self.pacing.uniform(-3.0, 3.0), self.pacing.uniform(1.0, 4.0))
+                for f in self.frags if f.push is not None}
+
     def rhythm(self):
         """(a pinned H) Sometimes a rhythm to keep: rank 0's stretched H and aimed boundaries reach every rank."""
         if self.pacing.random() < 0.5:

@@ -28,7 +28,7 @@ from yeto_patch.island.boundary.fragment import PushPhase, PushWire
 from yeto_patch.island.boundary.installs import Installer
 from yeto_patch.island.boundary.parts import IslandParts
 from yeto_patch.island.boundary.plan import BaseSpec, Plan, base_spec, needs_plan, overdue, plan, stageable
-from yeto_patch.island.boundary.schedule import Cadence, catch_up, keep_rhythm, suggest
+from yeto_patch.island.boundary.schedule import Cadence, catch_up, keep_rhythm, reply_aims, suggest
 from yeto_patch.island.errors import EngineError
 
 log = logging.getLogger("yeto_patch")
@@ -63,7 +63,7 @@ class Answer:
 
 class Boundaries:
     """The fragments' boundaries on one rank (see the module docstring)."""
-    __slots__ = ("parts", "installer", "planned", "cadence", "syncer_ended")
+    __slots__ = ("parts", "installer", "planned", "cadence", "syncer_ended", "aimed")
 
     def __init__(self, parts: IslandParts, installer: Installer, syncer_ended: bool = False):
         self.parts = parts
@@ -73,6 +73,8 @@ class Boundaries:
         self.syncer_ended = bool(syncer_ended)
         # when each fragment is due (every rank; H may follow the fleet's pace: YETO_DILOCO_SYNC_EVERY=auto)
         self.cadence = Cadence(parts.settings.sync_every, len(parts.frags), parts.step())
+        # rank 0, a pinned H: fragment -> (base version, step) of the push whose PUSH_REPLY aimed its next boundary
+        self.aimed: dict = {}
 
     # ------------------------------------------------------------------------------------- pushes
     def push(self, f: int, final: bool = False) -> None:
@@ -154,10 +156,17 @@ class Boundaries:
     def _keep_rhythm(self, plan_: Plan) -> None:
         """Rank 0 (a pinned YETO_DILOCO_SYNC_EVERY=N): while the syncer says the fleet keeps the slowest island's
         rhythm, H stretched to this island's steps in its period and each fragment pushing now aimed at its next
-        push of that fragment (schedule.keep_rhythm); N again when it says none."""
+        push of that fragment (schedule.keep_rhythm, from the heartbeats); then, once a push's PUSH_REPLY says when
+        that island pushes the fragment next counted from this push, its next boundary aimed from the push's step
+        (schedule.aim_after: fresher than a heartbeat); N again when the syncer says no rhythm."""
         p = self.parts
-        plan_.sync_every, plan_.shift = keep_rhythm(p.settings.sync_every, p.rule.tau, p.link.rate(),
-                                                    p.link.rhythm(), self.cadence.h, plan_.push)
+        rate = p.link.rate()
+        plan_.sync_every, plan_.shift = keep_rhythm(p.settings.sync_every, p.rule.tau, rate, p.link.rhythm(),
+                                                    self.cadence.h, plan_.push)
+        pushes = {fr.index: (fr.push.base_version, fr.push.step) for fr in p.frags
+                  if fr.push is not None and fr.push.phase is PushPhase.AT_SYNCER and fr.index not in plan_.push}
+        plan_.aim = reply_aims(p.link.aims(), pushes, self.aimed, rate, p.rule.tau,
+                               plan_.sync_every or self.cadence.h, p.step())
 
     def begin(self, plan_: Plan) -> None:
         """Every rank: the plan's new H and boundary shifts go to the cadence (from the next boundaries on), its
@@ -166,6 +175,8 @@ class Boundaries:
         self.cadence.retune(plan_.sync_every)
         for f, k in plan_.shift.items():
             self.cadence.shift(f, k)
+        for f, at in plan_.aim.items():
+            self.cadence.aim(f, at)
         for f in plan_.arm:
             self.installer.arm(f, "arrived")
         for spec in plan_.stage:

@@ -91,12 +91,14 @@ class Plan:
     arm: List[int] = field(default_factory=list)            # staged bases installed in this step
     sync_every: Optional[int] = None                        # auto, or a pinned H's rhythm: H from the next boundaries
     shift: Dict[int, int] = field(default_factory=dict)     # fragment -> steps its next boundary comes earlier (< 0: later)
+    aim: Dict[int, int] = field(default_factory=dict)       # fragment -> the step of its next boundary (the rhythm's)
 
     def as_json(self) -> dict:
         return {"push": self.push, "skip": self.skip, "final": self.final, "by_syncer": self.by_syncer,
                 "install": [asdict(b) for b in self.install], "stage": [asdict(b) for b in self.stage],
                 "arm": self.arm, "sync_every": self.sync_every,
-                "shift": {str(f): int(k) for f, k in self.shift.items()}}
+                "shift": {str(f): int(k) for f, k in self.shift.items()},
+                "aim": {str(f): int(s) for f, s in self.aim.items()}}
 
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
@@ -104,7 +106,8 @@ class Plan:
         return cls([int(f) for f in d["push"]], [int(f) for f in d["skip"]], bool(d["final"]),
                    bool(d["by_syncer"]), [BaseSpec.from_json(b) for b in d["install"]],
                    [BaseSpec.from_json(b) for b in d["stage"]], [int(f) for f in d["arm"]],
-                   None if h is None else int(h), {int(f): int(k) for f, k in d["shift"].items()})
+                   None if h is None else int(h), {int(f): int(k) for f, k in d["shift"].items()},
+                   {int(f): int(s) for f, s in d.get("aim", {}).items()})
 
 
 def needs_plan(step: int, total: int, due: Sequence[int], any_push: bool) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["offset", "due_fragments", "Cadence", "suggest", "stretch", "aim", "keep_rhythm", "catch_up", "RETUNE_SHARE", "MAX_STRETCH"]
+__all__ = ["offset", "due_fragments", "Cadence", "suggest", "stretch", "aim", "aim_after", "reply_aims", "keep_rhythm", "catch_up", "RETUNE_SHARE", "MAX_STRETCH"]
 
 RETUNE_SHARE = 0.1
 MAX_STRETCH = 2.0   # a pinned H is stretched at most this much on a fast island (the syncer's weight cap, 2x)
@@ -56,6 +56,7 @@ class Cadence:
         self.next = [_first_after(int(step), offset(f, self.h, self.fragments), self.h) for f in range(fragments)]
         self._pending: Optional[int] = None
         self._shifts: dict = {}
+        self._aims: dict = {}
 
     def due(self, step: int) -> list:
         return [f for f, s in enumerate(self.next) if s == step] if step > 0 else []
@@ -64,6 +65,10 @@ class Cadence:
         """Use `sync_every` from the next boundaries on (applied by ``passed``)."""
         if sync_every is not None and int(sync_every) >= 1 and int(sync_every) != self.h:
             self._pending = int(sync_every)
+
+    def aim(self, fragment: int, step: int) -> None:
+        """Put `fragment`'s next boundary at `step` (applied by ``passed``, after a new H; at least one step on)."""
+        self._aims[int(fragment)] = int(step)
 
     def shift(self, fragment: int, steps: int) -> None:
         """Bring `fragment`'s next boundary `steps` earlier (later when negative; applied by ``passed``, at least
@@ -83,7 +88,10 @@ class Cadence:
         for f, k in self._shifts.items():
             if 0 <= f < len(self.next):
                 self.next[f] = max(step + 1, self.next[f] - k)
-        self._shifts = {}
+        for f, s in self._aims.items():
+            if 0 <= f < len(self.next):
+                self.next[f] = max(step + 1, s)
+        self._shifts, self._aims = {}, {}
 
 
 def suggest(nominal: int, tau: int, rate: float, pace: float, current: int) -> int:
@@ -136,6 +144,31 @@ def keep_rhythm(nominal: int, tau: int, rate: float, rhythm: dict, current: int,
             if steps is not None and steps != h:
                 shift[f] = h - steps
     return h, shift
+
+
+def aim_after(push_step: int, eta_s: float, period_s: float, rate: float, tau: int, h: int) -> Optional[int]:
+    """The step of a fragment's next boundary after its push at `push_step`, aimed at the rhythm island's push of
+    the fragment that the push's PUSH_REPLY named (due `eta_s` after the push arrived, every `period_s`): ``aim``
+    from the push; None when nothing is known."""
+    steps = aim(eta_s, period_s, rate, int(tau) + 1, 2 * int(h))
+    return None if steps is None else int(push_step) + steps
+
+
+def reply_aims(aims: dict, pushes: dict, aimed: dict, rate: float, tau: int, h: int, step: int) -> dict:
+    """{fragment: the step of its next boundary} from the PUSH_REPLYs' rhythm (``aims``: {fragment: (base_version,
+    eta_s, period_s)}) for the pushes at the syncer (``pushes``: {fragment: (base_version, push step)}) that none
+    aimed yet (``aimed``: {fragment: (base_version, push step)}, updated); boundaries not after ``step`` + 1 are
+    left alone."""
+    out = {}
+    for f, (base_version, eta, period) in aims.items():
+        push = pushes.get(f)
+        if push is None or push[0] != base_version or aimed.get(f) == push:
+            continue
+        aimed[f] = push
+        at = aim_after(push[1], eta, period, rate, tau, h)
+        if at is not None and at > step + 1:
+            out[f] = at
+    return out
 
 
 def catch_up(late_s: float, step_s: Optional[float], h: int, tau: int = 0) -> int:

@@ -137,6 +137,13 @@ class ShardedLink:
     def rate(self) -> float:
         return self.links[0].rate()
 
+    def aims(self) -> dict:
+        """Each shard's fragments' last PUSH_REPLY rhythm (SyncerLink.aims), together."""
+        out = {}
+        for link in self.links:
+            out.update(link.aims())
+        return out
+
     def rhythm(self) -> dict:
         """Each shard's fragments' rhythm (SyncerLink.rhythm), together."""
         out = {}

@@ -244,6 +244,12 @@ class SyncerLink:
         """This island's compute rate (steps/s, from the median step time; 0: unknown)."""
         return self.clock.rate
 
+    def aims(self) -> dict:
+        """{fragment: (base_version, eta_s, period_s)}: what the PUSH_REPLY of each fragment's last push said of the
+        fleet's rhythm (wire/client.SyncerClient.aims)."""
+        c = self.client
+        return c.aims() if c is not None else {}
+
     def rhythm(self) -> dict:
         """``{fragment: (seconds from now, period in seconds)}``: when the island the fleet keeps its rhythm with
         pushes each fragment next, as the syncer's last HEARTBEAT said (its age taken off); empty when it said

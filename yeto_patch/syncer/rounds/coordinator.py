@@ -369,7 +369,7 @@ class Coordinator:
                 m.final_fragments.add(f.index)
             m.last_step = max(m.last_step, int(p.local_step or 0))
             if p.local_step:
-                m.progress(int(p.local_step), None, now)
+                m.progress(int(p.local_step), p.rate, now, True if p.pinned else None)
 
     def _fold(self, p: ReceivedPush, f: GlobalFragment, r: Round, c: Contribution, w: float, key) -> tuple[str, int]:
         """Streaming fold of an accepted push into its round's accumulator, outside the central lock."""
@@ -454,6 +454,17 @@ class Coordinator:
         """``[[fragment, eta_s, period_s], ...]`` for ``island`` (see ``_rhythm``)."""
         with self.lock:
             return self._rhythm(island, self.clock())
+
+    def rhythm_after(self, p: ReceivedPush) -> Optional[list]:
+        """[eta_s, period_s] for the PUSH_REPLY of ``p``: when the rhythm island pushes ``p``'s fragment next,
+        counted from ``p``'s arrival (the island aims its next boundary of the fragment from that push's step);
+        None without a rhythm, or for the rhythm island itself."""
+        with self.lock:
+            now = self.clock()
+            for f, eta, period in self._rhythm(p.island, now):
+                if f == p.fragment:
+                    return [eta + (now - p.arrived if p.arrived is not None else 0.0), period]
+            return None
 
     def _rhythm(self, island: str, now: float) -> list:
         """(lock held) When the island the fleet keeps its rhythm with (the slowest that is up, when all pinned H:

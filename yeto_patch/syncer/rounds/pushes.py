@@ -47,6 +47,8 @@ class ReceivedPush:
     blend: bool = False   # the island blends merged bases in (tau > 0): the outer lr "auto" rule depends on it
     nbytes: int = 0
     patience: Optional[float] = None   # seconds from sending until the island blocks for the answer (None: unknown)
+    rate: Optional[float] = None       # the island's compute rate, steps/s, as the push says it (None: not said)
+    pinned: bool = False               # the island pinned H (the push says so)
     arrived: Optional[float] = None    # the coordinator's clock when it was accepted
 
 
@@ -58,7 +60,8 @@ def parse_push(island: str, incarnation, meta: dict, body) -> ReceivedPush:
         raise PushRefused(e.code, e.message) from None
     return ReceivedPush(island=island, fragment=h.fragment, base_version=h.base_version, codec=h.codec,
                 block=h.block or codecs.DEFAULT_BLOCK, body=body, local_step=h.local_step, steps=h.steps,
-                tokens=h.tokens, final=h.final, incarnation=str(incarnation), blend=h.blend, patience=h.patience)
+                tokens=h.tokens, final=h.final, incarnation=str(incarnation), blend=h.blend, patience=h.patience,
+                rate=h.rate, pinned=h.pinned)
 
 
 def refusal(fragment, base_version, code: str, message: str) -> dict:
@@ -78,7 +81,8 @@ def reply_for(coord, p: ReceivedPush) -> dict:
         message = "this fragment takes no more pushes (final cut / total rounds reached)"
         log.info("push of fragment %s (base v%s) from island %s came after the fragment closed: the final model "
                  "answers it", shown(p.fragment), shown(p.base_version), p.island)
-    return reply_meta(p.fragment, p.base_version, status, lag, _version(coord, p), message)
+    rhythm = coord.rhythm_after(p) if status in ("accepted", "carried") else None
+    return reply_meta(p.fragment, p.base_version, status, lag, _version(coord, p), message, rhythm)
 
 
 def _version(coord, p: ReceivedPush) -> Optional[int]:
