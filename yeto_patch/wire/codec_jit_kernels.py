@@ -363,7 +363,8 @@ def _masks(ab, g, masks):
 @_jit
 def _rank_all(cv, rank):
     """rank[a] = how many of cv rank above cv[a]: larger, or equal at a lower position. cv's length is 16, 32 or
-    64 (padded with -1, which ranks below every value): loops of constant length, which LLVM vectorizes."""
+    64 (padded with -1, which ranks below every value). O(p**2) compares: the bulk of the sparse encoder's time
+    (docs/benchmarks.md)."""
     p = cv.size
     for a in range(p):
         v = cv[a]
