@@ -530,6 +530,13 @@ def sparse_enc(x, out, a, b, block, k, k_last, width, vb, vb_last, off_idx, off_
 
 
 @_jit
+def _zero(db):
+    """db[:] = 0 (a function of its own, so that LLVM makes it a vector store loop)."""
+    for i in range(db.size):
+        db[i] = np.float32(0.0)
+
+
+@_jit
 def sparse_dec(data, dst, a, b, block, k, k_last, width, vb, vb_last, off_idx, off_val, bits, w, add, lut):
     """Values [a, b) of validated sparse ``data``: block by block, dst[lo:hi] zeroed and dst[lo + index] =
     lut[code] * scale, or dst[lo + index] += lut[code] * (scale * w) when accumulating."""
@@ -544,8 +551,7 @@ def sparse_dec(data, dst, a, b, block, k, k_last, width, vb, vb_last, off_idx, o
         n = hi - lo
         db = dst[lo:hi]
         if not add:
-            for i in range(n):
-                db[i] = np.float32(0.0)
+            _zero(db)
         kk = k if n == block else k_last
         p4 = 4 * j
         s = _i2f(np.int32(data[p4]) | (np.int32(data[p4 + 1]) << 8) | (np.int32(data[p4 + 2]) << 16)
@@ -567,3 +573,39 @@ def sparse_dec(data, dst, a, b, block, k, k_last, width, vb, vb_last, off_idx, o
             else:
                 db[i] = v
     return 0
+
+
+@_jit
+def sparse_valid(data, nb, block, numel, k, k_last, width, vb, vb_last, off_idx, off_val, bits, limit):
+    """Whether sparse ``data`` passes sparse.validate (scales finite, >= 0 and <= limit; each block's indices
+    strictly increasing and below its size; no set bit after a block's last value): one pass, no temporaries.
+    False: sparse.validate finds the first fault and raises with its message."""
+    for j in range(nb):
+        p4 = 4 * j
+        s = _i2f(np.int32(data[p4]) | (np.int32(data[p4 + 1]) << 8) | (np.int32(data[p4 + 2]) << 16)
+                 | (np.int32(data[p4 + 3]) << 24))
+        if not (s >= np.float32(0.0) and s <= limit):
+            return False
+        lo = j * block
+        size = min(numel, lo + block) - lo
+        kk = k if size == block else k_last
+        if kk == 0:
+            continue
+        ib = off_idx + width * j * k
+        prev = -1
+        for c in range(kk):
+            if width == 1:
+                i = np.int64(data[ib + c])
+            else:
+                i = np.int64(data[ib + 2 * c]) | (np.int64(data[ib + 2 * c + 1]) << 8)
+            if i <= prev:
+                return False
+            prev = i
+        if prev >= size:
+            return False
+        used = (kk * bits) & 7
+        if used:
+            vbb = vb if size == block else vb_last
+            if data[off_val + j * vb + vbb - 1] >> used:
+                return False
+    return True
