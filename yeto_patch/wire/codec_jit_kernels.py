@@ -185,8 +185,9 @@ def dec_int8(codes, scales, dst, a, b, block, w, add):
 
 @_jit
 def _lin4(c):
-    """int4: the factor of nibble c (nibble - 8)."""
-    return np.float32(c & 15) - np.float32(8.0)
+    """int4: the factor of nibble c (nibble - 8), exactly, from float bits: 2**23 + nibble minus 2**23 + 8 (numba
+    computes the nibble in int64, whose conversion to float32 is not vectorized)."""
+    return _i2f(np.int32(0x4B000000) | (c & 15)) - np.float32(8388616.0)
 
 
 @_jit
