@@ -362,12 +362,12 @@ def _masks(ab, g, masks):
 
 
 @_jit
-def _rank_all(cv, rank):
-    """rank[a] = how many of cv rank above cv[a]: larger, or equal at a lower position. cv's length is 16, 32 or
-    64 (padded with -1, which ranks below every value). O(p**2) compares: the bulk of the sparse encoder's time
-    (docs/benchmarks.md)."""
+def _rank_all(cv, rank, nc):
+    """rank[a] = how many of cv rank above cv[a], a < nc: larger, or equal at a lower position. cv's length is 16,
+    32 or 64 (padded with -1, which ranks below every value). O(nc * p) compares: the bulk of the sparse encoder's
+    time (docs/benchmarks.md)."""
     p = cv.size
-    for a in range(p):
+    for a in range(nc):
         v = cv[a]
         r = np.int32(0)
         for b in range(p):
@@ -429,7 +429,7 @@ def _select(ab, kk, g, top, sel, cidx, cval, masks, best, work):
         for a in range(nc, p):
             cval[a] = -1
         rank = work[:p]
-        _rank_all(cval[:p], rank)
+        _rank_all(cval[:p], rank, nc)
         o = 0
         t = np.int32(0x7FFFFFFF)
         for a in range(nc):
