@@ -30,6 +30,24 @@ def _data(rng, n, kind):
         x[::7] = -0.0
     elif kind == "tiny":   # subnormal blocks: the clamp of absmax to tiny_k
         x = (rng.standard_normal(n) * 1e-42).astype(np.float32)
+    elif kind == "blocks":   # runs of 50 values (across block edges) of unlike shapes: the sparse encoder guesses
+        # each block's threshold from the previous one; zero and constant runs (every value a candidate, ties),
+        # one spike in zeros, scales 1e-30 .. 1e30, heavy tails
+        x = rng.standard_normal(n).astype(np.float32)
+        for r0 in range(0, n, 50):
+            seg = x[r0:r0 + 50]
+            shape = r0 // 50 % 6
+            if shape == 0:
+                seg[:] = 0.0
+            elif shape == 1:
+                seg[:] = np.float32(-3.5)
+            elif shape == 2:
+                seg[:] = 0.0
+                seg[len(seg) // 2] = 1.0
+            elif shape == 3:
+                seg *= np.float32(10.0 ** rng.integers(-30, 31))
+            elif shape == 4:
+                seg[:] = (rng.standard_cauchy(len(seg)) * 1e3).astype(np.float32)
     else:
         x = rng.standard_normal(n).astype(np.float32)
     return x
@@ -37,7 +55,7 @@ def _data(rng, n, kind):
 
 @pytest.mark.parametrize("codec", BLOCK_CODECS)
 @pytest.mark.parametrize("block", [2, 6, 64, 256, 1000])
-@pytest.mark.parametrize("kind", ["normal", "wide", "grid", "tiny"])
+@pytest.mark.parametrize("kind", ["normal", "wide", "grid", "tiny", "blocks"])
 def test_byte_equal_to_the_reference(codec, block, kind, reference):
     rng = np.random.default_rng(block * 7 + len(kind) + len(codec))
     for n in (1, 5, block - 1, block, 3 * block + 1, 2 * pieces.PIECE + 3):
@@ -94,7 +112,7 @@ SPARSE = ("topk:0.02+int2", "topk:0.05+int4", "topk:0.1+int8", "topk:0.5+int2")
 
 @pytest.mark.parametrize("codec", SPARSE)
 @pytest.mark.parametrize("block", [8, 63, 256, 1024])
-@pytest.mark.parametrize("kind", ["normal", "wide", "grid", "tiny"])
+@pytest.mark.parametrize("kind", ["normal", "wide", "grid", "tiny", "blocks"])
 def test_sparse_byte_equal_to_the_reference(codec, block, kind, reference):
     rng = np.random.default_rng(block * 3 + len(kind) + len(codec))
     for n in (1, block - 1, 3 * block + 5, pieces.PIECE + block + 1):

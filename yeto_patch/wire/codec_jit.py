@@ -18,17 +18,12 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from .codec_kernels import _LUT_INT4LOG_F, TINY
+from .codec_kernels import TINY
 from .codec_kernels import BLOCK_ENCODERS as _NP_ENCODERS
 
 __all__ = ["available", "enabled", "set_enabled", "encoder", "decoder", "kernels"]
 
 _KIND = {"int8": (0, 127.0, 127.0), "int4": (1, 7.0, 7.0), "int4-log": (2, 4.0 / 3.0, 1.0)}
-# nibble -> factor of the scale: int4 ``nibble - 8``; int4-log the reference's table (nibble 8, a sign without a
-# level, is never produced and decodes to -0 there and here)
-_INT4 = (np.arange(16) - 8).astype(np.float32)
-_LOG_LEVELS = np.ascontiguousarray(_LUT_INT4LOG_F.reshape(-1)[0:32:2])
-_DUMMY = np.empty(0, np.float32)
 _HAVE = importlib.util.find_spec("numba") is not None   # found, not imported (see codec_jit_kernels)
 _enabled = True
 _kernels = None
@@ -87,7 +82,6 @@ def decoder(codec: str) -> Optional[Callable]:
     if codec not in _KIND or not enabled():
         return None
     kind = _KIND[codec][0]
-    lut = _INT4 if kind == 1 else _LOG_LEVELS
     kern = _k()
 
     def dec(codes, scales, out, a, b, block, acc, w):
@@ -95,5 +89,5 @@ def decoder(codec: str) -> Optional[Callable]:
         if kind == 0:
             kern.dec_int8(codes, scales, dst, a, b, block, float(w), add)
         else:
-            kern.dec_nib(codes, scales, dst, a, b, block, float(w), add, lut, kind == 1, kind == 2)
+            kern.dec_nib(codes, scales, dst, a, b, block, float(w), add, kind == 2)
     return dec

@@ -257,7 +257,12 @@ def decode_piece(lay: Layout, data: np.ndarray, out, a: int, b: int, acc, w: flo
 
 def validate(lay: Layout, data: np.ndarray) -> None:
     """Refuse (CodecError) scales out of range, indices not strictly increasing or outside their block, and
-    set bits where a block's values end: everything a peer controls. ``data`` has the right length."""
+    set bits where a block's values end: everything a peer controls. ``data`` has the right length. (The fused
+    kernel checks the same in one pass; on a fault this numpy pass finds it and raises.)"""
+    if codec_jit.enabled() and codec_jit.kernels().sparse_valid(
+            data, lay.nb, lay.block, lay.numel, lay.k, lay.k_last, lay.width, lay.vb, lay.vb_last, lay.off_idx,
+            lay.off_val, lay.spec.bits, np.float32(LIMIT)):
+        return
     scales = data[: 4 * lay.nb]
     scales = scales.view(F32) if scales.ctypes.data % 4 == 0 else scales.copy().view(F32)
     ok = (scales >= 0) & (scales <= np.float32(LIMIT))
