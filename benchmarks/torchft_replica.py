@@ -14,7 +14,8 @@ the Manager's docstring asks for it when every replica seeds its weights identic
 syncer's own partition of the model (yeto_patch.syncer.layout.partition), so both sides sync the same tensors.
 
 Writes one JSON line per step (step, loss, step_s, outer steps so far) to --log and, at the end, a result JSON
-(--result): held-out loss of this replica's model on the convergence benchmark's held-out windows, step times,
+(--result): held-out loss of this replica's model on the convergence benchmark's held-out windows, step times
+and optimizer-step times (DiLoCo's sync runs in the optimizer's post-hook),
 the Manager's committed outer steps and how many of them had every replica. With --die-at-step N the process
 exits hard (os._exit) after step N, for a failure schedule (not used by vs_torchft.py yet); the state_dict
 registered with the Manager is what a restarted replica would heal from a live peer.
@@ -98,7 +99,7 @@ def main(argv=None):
                       checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu")),
                       use_async_quorum=False, init_sync=False)
     setup_s = time.time() - t0
-    step_s, losses = [], []
+    step_s, opt_s, losses = [], [], []
     log = open(mine.log, "a")
     # a restarted replica continues from the global step its peers report (set by the Manager on healing)
     with DiLoCo(manager, frags, rep.opt, outers, sync_every=o.sync_every,
@@ -112,7 +113,9 @@ def main(argv=None):
             loss = ref.token_loss(rep.model, corpus.global_batch(rep.shards, s, rep.batch, a.seq_length))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(rep.model.parameters(), a.clip_grad)
+            to = time.perf_counter()
             rep.opt.step()  # DiLoCo's post-hook: quorum, allreduce, outer step at a fragment's turn
+            opt_s.append(time.perf_counter() - to)
             rep.sched.step(1)
             dt = time.perf_counter() - ts
             s += 1
@@ -129,7 +132,7 @@ def main(argv=None):
                 os._exit(17)
         train_s = time.time() - t_train
     loss = ref.heldout_loss(rep.model, heldout, a.micro_batch_size)
-    res = dict(replica=mine.replica, heldout_loss=loss, step_s=step_s, train_s=train_s, setup_s=setup_s,
+    res = dict(replica=mine.replica, heldout_loss=loss, step_s=step_s, opt_s=opt_s, train_s=train_s, setup_s=setup_s,
                outer_steps=manager.current_step(), full_syncs=full_syncs, batches_committed=manager.batches_committed(),
                params=sum(p.numel() for p in rep.model.parameters()), pid=os.getpid())
     with open(mine.result + ".tmp", "w") as f:

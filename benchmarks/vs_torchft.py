@@ -179,6 +179,39 @@ def blocked_per_step(step_s):
     return sum(s - med for s in inner) / len(inner)
 
 
+def blocked_per_sync(opt_s, sync_steps):
+    """Seconds the optimizer step (where both sides do their sync work: yeto-patch's hooks around it, torchft's
+    DiLoCo post-hook) took above its median, summed over steps 2..T-1 and divided by the syncs this replica or
+    island made in those steps (`sync_steps`: the steps, 1-based, at which it pushed / ran a fragment's outer
+    step)."""
+    inner = opt_s[1:-1]
+    n = sum(1 for s in sync_steps if 2 <= s <= len(opt_s) - 1)
+    if len(inner) < 3 or not n:
+        return None
+    med = statistics.median(inner)
+    return sum(s - med for s in inner) / n
+
+
+def memcpy_s(nbytes, repeat=21):
+    """A plain memcpy (torch copy_) of `nbytes` of float32 on the host, median of `repeat` (as
+    benchmarks/boundary_scaling.py measures its reference)."""
+    import torch
+    src = torch.rand(max(1, nbytes // 4), dtype=torch.float32)
+    dst = torch.empty_like(src)
+    out = []
+    for i in range(repeat + 1):
+        t = time.perf_counter()
+        dst.copy_(src)
+        if i:
+            out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
 def mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -216,13 +249,17 @@ def run_yeto(a, hidden, steps, out, baseline):
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "demo-output.txt"), "w") as f:
             f.write(buf.getvalue())
-    steps_by_island = []
+    steps_by_island, per_sync = [], []
     for path in sorted(glob.glob(os.path.join(out, "island-*.jsonl"))):
         if path.endswith(".boundaries.jsonl"):
             continue
-        with open(path) as f:
-            recs = [json.loads(x) for x in f if x.strip()]
-        steps_by_island.append([r["step_s"] for r in recs if r.get("event") == "train"])
+        recs = [r for r in read_jsonl(path) if r.get("event") == "train"]
+        steps_by_island.append([r["step_s"] for r in recs])
+        bpath = path[:-len(".jsonl")] + ".boundaries.jsonl"
+        pushes = [r["step"] for r in (read_jsonl(bpath) if os.path.exists(bpath) else ())
+                  if r.get("event") == "boundary" and not r.get("final")]
+        if recs and "opt_s" in recs[0]:
+            per_sync.append(blocked_per_sync([r["opt_s"] for r in recs], pushes))
     link = res.get("link") or {}
     full = 0  # the syncer's merges that had every island's push (its tape: one line per merge)
     with contextlib.suppress(OSError):
@@ -231,7 +268,7 @@ def run_yeto(a, hidden, steps, out, baseline):
         full = sum(1 for r in tape if r.get("ok") and len(r.get("responders", ())) == a.islands)
     return dict(loss=res.get("global_heldout_loss"), ddp=res.get("baseline_heldout_loss"),
                 bytes=res.get("bytes_between"), bytes_up=link.get("up"), bytes_down=link.get("down"), full_syncs=full, syncs=res.get("merges"), params=res.get("params"),
-                blocked=mean([blocked_per_step(s) for s in steps_by_island]),
+                blocked=mean([blocked_per_step(s) for s in steps_by_island]), blocked_sync=mean(per_sync),
                 median_step=mean([statistics.median(s) for s in steps_by_island if s]),
                 steps_done=[len(s) for s in steps_by_island], wall_s=time.time() - t0, flags=flags)
 
@@ -302,10 +339,13 @@ def run_torchft(a, hidden, steps, out):
             lh_log.close()
             for f in logs:
                 f.close()
-    res = []
+    res, per_sync = [], []
     for k in range(a.islands):
         with open(os.path.join(out, f"replica-{k}.json")) as f:
             res.append(json.load(f))
+        recs = read_jsonl(os.path.join(out, f"replica-{k}.jsonl"))
+        syncs = [r["step"] for prev, r in zip([dict(outer=0)] + recs, recs) if r["outer"] > prev["outer"]]
+        per_sync.append(blocked_per_sync(res[-1]["opt_s"], syncs))
     pids = [r["pid"] for r in res]
     with open(os.path.join(out, "sockets.json"), "w") as f:  # the evidence behind the byte count
         json.dump(dict(replica_pids=pids, lighthouse_pid=lighthouse.pid,
@@ -313,7 +353,7 @@ def run_torchft(a, hidden, steps, out):
     return dict(loss=res[0]["heldout_loss"], loss_mean=mean([r["heldout_loss"] for r in res]),
                 bytes=meter.between(pids), bytes_peers=meter.between(pids, peers_only=True), syncs=res[0]["outer_steps"],
                 full_syncs=res[0].get("full_syncs"), params=res[0]["params"],
-                blocked=mean([blocked_per_step(r["step_s"]) for r in res]),
+                blocked=mean([blocked_per_step(r["step_s"]) for r in res]), blocked_sync=mean(per_sync),
                 median_step=mean([statistics.median(r["step_s"]) for r in res]),
                 steps_done=[len(r["step_s"]) for r in res], samples=meter.samples, wall_s=time.time() - t0)
 
@@ -348,6 +388,20 @@ def _f(x, fmt=".4f"):
     return "n/a" if x is None else format(x, fmt)
 
 
+def _ms(x):
+    return _f(None if x is None else x * 1e3, '.2f')
+
+
+def slope(rows, side):
+    """(blocked per sync at the largest size - at the smallest) / (memcpy of a fragment there - here), as
+    benchmarks/boundary_scaling.py computes its slope."""
+    b0, b1 = rows[0][side].get("blocked_sync"), rows[-1][side].get("blocked_sync")
+    m0, m1 = rows[0].get("memcpy"), rows[-1].get("memcpy")
+    if None in (b0, b1, m0, m1) or m1 == m0:
+        return None
+    return (b1 - b0) / (m1 - m0)
+
+
 def report(a, rows, cmd):
     y, t = rows[0]["yeto"], rows[0]["torchft"]
     lines = [f"## vs_torchft: {a.islands} replicas/islands, H={a.sync_every}, {a.fragments} fragment(s), "
@@ -377,7 +431,14 @@ def report(a, rows, cmd):
                   f"| {tag}: median step ms | {_f(y['median_step'] * 1e3, '.1f')} | "
                   f"{_f(t['median_step'] * 1e3, '.1f')} | {_r(t['median_step'], y['median_step'], '.2f')} |",
                   f"| {tag}: blocked ms per step | {_f(y['blocked'] * 1e3, '.2f')} | {_f(t['blocked'] * 1e3, '.2f')} | "
-                  f"{_r(t['blocked'], y['blocked'], '.2f')} |"]
+                  f"{_r(t['blocked'], y['blocked'], '.2f')} |",
+                  f"| {tag}: blocked ms per sync (optimizer step above its median; memcpy of a fragment "
+                  f"{_f(r['memcpy'] and r['memcpy'] * 1e3, '.3f')} ms) | {_ms(y.get('blocked_sync'))} | "
+                  f"{_ms(t.get('blocked_sync'))} | {_r(t.get('blocked_sync'), y.get('blocked_sync'), '.2f')} |"]
+    if len(rows) >= 2:
+        sy, st = slope(rows, "yeto"), slope(rows, "torchft")
+        lines += [f"| blocked time per sync, slope against memcpy, GPT {a.layers}x{rows[0]['hidden']} -> "
+                  f"{a.layers}x{rows[-1]['hidden']} | {_f(sy, '.1f')} x | {_f(st, '.1f')} x | {_r(st, sy, '.2f')} |"]
     lines += ["", "versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()), f"command: {cmd}"]
     return "\n".join(lines)
 
@@ -437,7 +498,10 @@ def main(argv=None):
         print(f"[GPT {a.layers}x{hidden}, {steps} steps] torchft ...", flush=True)
         t = run_torchft(a, hidden, steps, os.path.join(a.out, f"h{hidden}", "torchft"))
         print(f"    {json.dumps(t)}", flush=True)
-        row = dict(hidden=hidden, steps=steps, yeto=y, torchft=t)
+        params = y["params"] or t["params"]
+        row = dict(hidden=hidden, steps=steps, yeto=y, torchft=t,
+                   fragment_bytes=params * 4 // a.fragments if params else None)
+        row["memcpy"] = memcpy_s(row["fragment_bytes"]) if params else None
         if baseline and a.reference:
             print(f"[GPT {a.layers}x{hidden}, {steps} steps] textbook Streaming DiLoCo (diloco_reference) ...",
                   flush=True)
