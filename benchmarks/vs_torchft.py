@@ -219,18 +219,24 @@ def blocked_per_sync(opt_s, syncs):
     return sum(per) / len(per), statistics.median(per)
 
 
-def memcpy_s(nbytes, repeat=21):
+def memcpy_s(nbytes, repeat=51):
     """A plain memcpy (torch copy_) of `nbytes` of float32 on the host, median of `repeat` (as
-    benchmarks/boundary_scaling.py measures its reference)."""
+    benchmarks/boundary_scaling.py measures its reference), on one thread as the replicas and islands train
+    (OMP_NUM_THREADS=1: a second intra-op thread on a loaded 2-core host made a 0.27 MB copy take ms)."""
     import torch
-    src = torch.rand(max(1, nbytes // 4), dtype=torch.float32)
-    dst = torch.empty_like(src)
-    out = []
-    for i in range(repeat + 1):
-        t = time.perf_counter()
-        dst.copy_(src)
-        if i:
-            out.append(time.perf_counter() - t)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.rand(max(1, nbytes // 4), dtype=torch.float32)
+        dst = torch.empty_like(src)
+        out = []
+        for i in range(repeat + 1):
+            t = time.perf_counter()
+            dst.copy_(src)
+            if i:
+                out.append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
     return statistics.median(out)
 
 
