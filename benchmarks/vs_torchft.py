@@ -330,7 +330,9 @@ def run_yeto(a, hidden, steps, out, baseline, lab=None, events=()):
         path = os.path.join(out, f"island-{iid}.jsonl")
         recs = [r for r in read_jsonl(path) if r.get("event") == "train"]
         steps_by_island.append([r["step_s"] for r in recs])
-        times.append([r["elapsed_s"] for r in recs])
+        start = [r for r in read_jsonl(path) if r.get("event") == "start"]
+        t_proc = start[0]["time"] - start[0]["setup_s"] if start else 0.0   # train_gpt's elapsed_s counts from it
+        times.append([t_proc + r["elapsed_s"] for r in recs])
         bpath = os.path.join(out, f"island-{iid}.boundaries.jsonl")
         # each scheduled push: its step, the install point tau steps later, and the step its answer was
         # installed at (the island's boundary records; a push answered by a later base has no record)
@@ -346,7 +348,9 @@ def run_yeto(a, hidden, steps, out, baseline, lab=None, events=()):
     with contextlib.suppress(OSError):
         tape = read_jsonl(os.path.join(out, "syncer-tape.jsonl"))
     full = sum(1 for r in tape if r.get("ok") and len(r.get("responders", ())) == a.islands)
-    stops = [faults.longest_stop(times[k]) for k in faults.survivors(all_events, a.islands)]
+    alive = faults.survivors(all_events, a.islands)
+    stops = [faults.longest_stop(times[k]) for k in alive]
+    during = [faults.stop_during(times[k], events) for k in alive]
     return dict(loss=res.get("global_heldout_loss"), ddp=res.get("baseline_heldout_loss"),
                 bytes=res.get("bytes_between"), bytes_up=link.get("up"), bytes_down=link.get("down"),
                 access_bytes=access, full_syncs=full, syncs=res.get("merges"), params=res.get("params"),
@@ -355,6 +359,8 @@ def run_yeto(a, hidden, steps, out, baseline, lab=None, events=()):
                 median_step=mean([statistics.median(s) for s in steps_by_island if s]),
                 train_s=max((t[-1] - t[0] for t in times if t), default=None),
                 longest_stop=max((x[0] for x in stops if x[0] is not None), default=None),
+                stop_during={k: max(d.get(k, 0.0) for d in during) for k in ("outage", "kill")
+                             if any(k in d for d in during)},
                 goodput=faults.goodput_yeto(tape, sum(len(s) for s in steps_by_island), a.fragments),
                 events=[e.as_dict() for e in events],
                 steps_done=[len(s) for s in steps_by_island], wall_s=time.time() - t0, flags=flags)
@@ -496,7 +502,9 @@ def run_torchft(a, hidden, steps, out, lab=None, events=()):
         json.dump(dict(replica_pids=pids, lighthouse_pid=lighthouse.pid,
                        sockets=[dict(local=k[0], peer=k[1], **v) for k, v in meter.socks.items()]), f, indent=1)
     survivors = [k for k in range(a.islands) if k not in reps.restarts]   # for the step-time figures
-    stops = [faults.longest_stop([r["t"] for r in logs[k]]) for k in faults.survivors(events, a.islands)]
+    alive = faults.survivors(events, a.islands)
+    stops = [faults.longest_stop([r["t"] for r in logs[k]]) for k in alive]
+    during = [faults.stop_during([r["t"] for r in logs[k]], events) for k in alive]
     back = {}
     for k, r in reps.restarts.items():   # the restarted one: from its restart to its first step after healing
         healed = res[k].get("healed") or []
@@ -511,6 +519,8 @@ def run_torchft(a, hidden, steps, out, lab=None, events=()):
                 median_step=mean([statistics.median(res[k]["step_s"]) for k in survivors]),
                 train_s=max(logs[k][-1]["t"] - logs[k][0]["t"] for k in survivors),
                 longest_stop=max((x[0] for x in stops if x[0] is not None), default=None),
+                stop_during={k: max(d.get(k, 0.0) for d in during) for k in ("outage", "kill")
+                             if any(k in d for d in during)},
                 goodput=faults.goodput_torchft(logs, a.fragments, a.sync_every), restarts=back,
                 events=[e.as_dict() for e in events], min_replicas=min_replicas,
                 steps_done=[len(r["step_s"]) for r in res], samples=meter.samples, wall_s=time.time() - t0)
@@ -570,6 +580,11 @@ def fault_rows(a, tag, y, t):
            f"{_f(t['goodput'], '.3f')} | {_r(t['goodput'], y['goodput'], '.2f')} |",
            f"| {tag}: longest stop of a survivor (no event hit it), s | {_f(y['longest_stop'], '.2f')} | {_f(t['longest_stop'], '.2f')} "
            f"| {_r(t['longest_stop'], y['longest_stop'], '.2f')} |"]
+    for kind, what in (("kill", "the kill until 30 s after the restart"), ("outage", "the outage until 30 s after")):
+        yv, tv = (y.get("stop_during") or {}).get(kind), (t.get("stop_during") or {}).get(kind)
+        if yv is not None or tv is not None:
+            out.append(f"| {tag}: longest stop of a survivor, from {what}, s | "
+                       f"{'not run' if yv is None else _f(yv, '.2f')} | {_f(tv, '.2f')} | {_r(tv, yv, '.2f')} |")
     for k, r in (t.get("restarts") or {}).items():
         out.append(f"| {tag}: replica {k} killed, started again {r['restarted_t'] - r['killed_t']:.0f} s later: "
                    f"training again after, s | not run (needs a Megatron checkpoint) | "

@@ -20,7 +20,7 @@ import statistics
 import threading
 import time
 
-__all__ = ["Event", "parse_events", "seeded_events", "survivors", "Watcher", "longest_stop", "goodput_torchft",
+__all__ = ["Event", "parse_events", "seeded_events", "survivors", "Watcher", "longest_stop", "stop_during", "goodput_torchft",
            "goodput_yeto"]
 
 
@@ -123,6 +123,23 @@ def longest_stop(times):
     if not gaps:
         return None, None
     return max(gaps), statistics.median(gaps)
+
+
+AFTER_S = 30.0   # an event's window: from it until this long after it ended (a restart, a link back up)
+
+
+def stop_during(times, events):
+    """Per event kind, the longest time between two consecutive step ends of one participant (`times`: absolute
+    step-end times) that overlaps the event's window (from the event until AFTER_S after it ended)."""
+    out = {}
+    for ev in events:
+        if ev.fired_t is None:
+            continue
+        lo, hi = ev.fired_t, (ev.done_t or ev.fired_t) + AFTER_S
+        gaps = [b - a for a, b in zip(times, times[1:]) if b >= lo and a <= hi]
+        if gaps:
+            out[ev.kind] = max(out.get(ev.kind, 0.0), max(gaps))
+    return out
 
 
 def goodput_torchft(logs, fragments, sync_every):
