@@ -361,6 +361,7 @@ def run_yeto(a, hidden, steps, out, baseline, lab=None, events=()):
                 longest_stop=max((x[0] for x in stops if x[0] is not None), default=None),
                 stop_during={k: max(d.get(k, 0.0) for d in during) for k in ("outage", "kill")
                              if any(k in d for d in during)},
+                final_wait=max((faults.final_wait(times[k]) or 0.0 for k in alive), default=None),
                 goodput=faults.goodput_yeto(tape, sum(len(s) for s in steps_by_island), a.fragments),
                 events=[e.as_dict() for e in events],
                 steps_done=[len(s) for s in steps_by_island], wall_s=time.time() - t0, flags=flags)
@@ -521,6 +522,7 @@ def run_torchft(a, hidden, steps, out, lab=None, events=()):
                 longest_stop=max((x[0] for x in stops if x[0] is not None), default=None),
                 stop_during={k: max(d.get(k, 0.0) for d in during) for k in ("outage", "kill")
                              if any(k in d for d in during)},
+                final_wait=max((faults.final_wait([r["t"] for r in logs[k]]) or 0.0 for k in alive), default=None),
                 goodput=faults.goodput_torchft(logs, a.fragments, a.sync_every), restarts=back,
                 events=[e.as_dict() for e in events], min_replicas=min_replicas,
                 steps_done=[len(r["step_s"]) for r in res], samples=meter.samples, wall_s=time.time() - t0)
@@ -585,6 +587,9 @@ def fault_rows(a, tag, y, t):
         if yv is not None or tv is not None:
             out.append(f"| {tag}: longest stop of a survivor, from {what}, s | "
                        f"{'not run' if yv is None else _f(yv, '.2f')} | {_f(tv, '.2f')} | {_r(tv, yv, '.2f')} |")
+    out.append(f"| {tag}: a survivor's last step beyond its median step, s (yeto-patch: the final cut, which waits "
+               f"for every island's last push) | {_f(y.get('final_wait'), '.2f')} | {_f(t.get('final_wait'), '.2f')} | "
+               f"{_r(t.get('final_wait'), y.get('final_wait'), '.2f')} |")
     for k, r in (t.get("restarts") or {}).items():
         out.append(f"| {tag}: replica {k} killed, started again {r['restarted_t'] - r['killed_t']:.0f} s later: "
                    f"training again after, s | not run (needs a Megatron checkpoint) | "

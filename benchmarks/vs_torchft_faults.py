@@ -130,7 +130,9 @@ AFTER_S = 30.0   # an event's window: from it until this long after it ended (a 
 
 def stop_during(times, events):
     """Per event kind, the longest time between two consecutive step ends of one participant (`times`: absolute
-    step-end times) that overlaps the event's window (from the event until AFTER_S after it ended)."""
+    step-end times) that overlaps the event's window (from the event until AFTER_S after it ended), over steps
+    2..T-1 as `longest_stop` (the last step's wait, yeto-patch's final cut, is reported apart: `final_wait`)."""
+    times = times[1:-1]
     out = {}
     for ev in events:
         if ev.fired_t is None:
@@ -140,6 +142,15 @@ def stop_during(times, events):
         if gaps:
             out[ev.kind] = max(out.get(ev.kind, 0.0), max(gaps))
     return out
+
+
+def final_wait(times):
+    """The last step's time beyond the median step of one participant: yeto-patch's final cut waits there for
+    every island's last push and the final model; torchft's last step is an ordinary one."""
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    if len(gaps) < 2:
+        return None
+    return gaps[-1] - statistics.median(gaps)
 
 
 def goodput_torchft(logs, fragments, sync_every):
