@@ -55,6 +55,10 @@ def test_vs_torchft_smoke(tmp_path):
     for loss in (y["loss"], t["loss"], t["loss_mean"]):
         assert math.isfinite(loss) and loss < math.log(256), (y, t)  # below the uniform byte guess: it trained
     assert t["blocked"] is not None and y["blocked"] is not None
+    # the optimizer step timed on both sides (train_gpt.py's opt_s, the replica's): a per-sync figure for the
+    # sync at step 4 of 8
+    assert t["blocked_sync"] is not None and y["blocked_sync"] is not None
+    assert t["blocked_sync_median"] is not None and y["blocked_sync_median"] is not None
     assert os.path.exists(out / "h32" / "torchft" / "sockets.json")
 
 
