@@ -14,10 +14,12 @@ the Manager's docstring asks for it when every replica seeds its weights identic
 syncer's own partition of the model (yeto_patch.syncer.layout.partition), so both sides sync the same tensors.
 
 Writes one JSON line per step (step, loss, step_s, outer steps so far) to --log and, at the end, a result JSON
-(--result): held-out loss of this replica's model on the convergence benchmark's held-out windows, step times,
+(--result): held-out loss of this replica's model on the convergence benchmark's held-out windows, step times
+and optimizer-step times (DiLoCo's sync runs in the optimizer's post-hook),
 the Manager's committed outer steps and how many of them had every replica. With --die-at-step N the process
-exits hard (os._exit) after step N, for a failure schedule (not used by vs_torchft.py yet); the state_dict
-registered with the Manager is what a restarted replica would heal from a live peer.
+exits hard (os._exit) after step N (vs_torchft.py --kill); started again, the replica heals from a live peer at
+its first quorum (the Manager's state_dict: model, inner optimizer, LR schedule, DiLoCo's local step and this
+loop's step, so it goes on at its peers' step and data position) and records when (`healed`).
 """
 from __future__ import annotations
 
@@ -57,6 +59,8 @@ def parse(argv=None):
     ap.add_argument("--release", default=None, help="after writing the result, keep the process group (and its "
                     "sockets) open until this file exists (at most 120 s), so the caller can read the final byte counts")
     ap.add_argument("--die-at-step", type=int, default=0)
+    ap.add_argument("--hostname", default=None, help="the address this replica's Manager advertises to its peers "
+                    "(default: socket.gethostname(), the Manager's own default; a network namespace needs its IP)")
     mine, rest = ap.parse_known_args(argv)
     return mine, demo_cli.parse(rest)
 
@@ -80,42 +84,47 @@ def main(argv=None):
     frags = fragment_modules(rep.model, o.fragments)
     outers = [torch.optim.SGD(f.parameters(), lr=o.outer_lr, momentum=o.outer_momentum, nesterov=True)
               for f in frags]
-    box = {}
+    box = {"step": 0, "healed": []}
 
     def state_dict():
         return {"model": rep.model.state_dict(), "inner_optim": rep.opt.state_dict(),
-                "sched": rep.sched.state_dict(), "local_step": box["diloco"]._local_step}
+                "sched": rep.sched.state_dict(), "local_step": box["diloco"]._local_step, "step": box["step"]}
 
     def load_state_dict(sd):
         rep.model.load_state_dict(sd["model"])
         rep.opt.load_state_dict(sd["inner_optim"])
         rep.sched.load_state_dict(sd["sched"])
         box["diloco"]._local_step = sd["local_step"]
+        box["step"] = sd["step"]   # a restarted replica goes on at its peers' step (its data position too)
+        box["healed"].append(dict(step=sd["step"], t=time.time()))
 
     pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
     manager = Manager(pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
                       replica_id=f"vs_torchft_{mine.replica}", timeout=timedelta(seconds=30),
                       checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu")),
-                      use_async_quorum=False, init_sync=False)
+                      use_async_quorum=False, init_sync=False,
+                      **({"hostname": mine.hostname} if mine.hostname else {}))
     setup_s = time.time() - t0
-    step_s, losses = [], []
+    step_s, opt_s, losses = [], [], []
     log = open(mine.log, "a")
-    # a restarted replica continues from the global step its peers report (set by the Manager on healing)
     with DiLoCo(manager, frags, rep.opt, outers, sync_every=o.sync_every,
                 backup_device=torch.device("cpu")) as diloco:
         box["diloco"] = diloco
-        s = outer_seen = full_syncs = 0
+        outer_seen = full_syncs = 0
         t_train = time.time()
-        while s < o.steps:
+        while box["step"] < o.steps:
             ts = time.perf_counter()
             rep.opt.zero_grad(set_to_none=True)
-            loss = ref.token_loss(rep.model, corpus.global_batch(rep.shards, s, rep.batch, a.seq_length))
+            loss = ref.token_loss(rep.model, corpus.global_batch(rep.shards, box["step"], rep.batch, a.seq_length))
             loss.backward()
             torch.nn.utils.clip_grad_norm_(rep.model.parameters(), a.clip_grad)
+            to = time.perf_counter()
             rep.opt.step()  # DiLoCo's post-hook: quorum, allreduce, outer step at a fragment's turn
+            opt_s.append(time.perf_counter() - to)
             rep.sched.step(1)
             dt = time.perf_counter() - ts
-            s += 1
+            box["step"] += 1   # after the optimizer step: a heal inside it set the peers' step
+            s = box["step"]
             step_s.append(dt)
             losses.append(float(loss))
             outer = manager.current_step()
@@ -129,8 +138,8 @@ def main(argv=None):
                 os._exit(17)
         train_s = time.time() - t_train
     loss = ref.heldout_loss(rep.model, heldout, a.micro_batch_size)
-    res = dict(replica=mine.replica, heldout_loss=loss, step_s=step_s, train_s=train_s, setup_s=setup_s,
-               outer_steps=manager.current_step(), full_syncs=full_syncs, batches_committed=manager.batches_committed(),
+    res = dict(replica=mine.replica, heldout_loss=loss, step_s=step_s, opt_s=opt_s, train_s=train_s, setup_s=setup_s,
+               outer_steps=manager.current_step(), full_syncs=full_syncs, healed=box["healed"], batches_committed=manager.batches_committed(),
                params=sum(p.numel() for p in rep.model.parameters()), pid=os.getpid())
     with open(mine.result + ".tmp", "w") as f:
         json.dump(res, f)

@@ -8,6 +8,9 @@ torchft_lighthouse binary), which the default test install does not build:
     nice -n 10 $V/bin/python benchmarks/vs_torchft.py                 # 2 replicas, ~10 min on an idle 2-core CPU
     nice -n 10 $V/bin/python benchmarks/vs_torchft.py --islands 4
     nice -n 10 $V/bin/python benchmarks/vs_torchft.py --smoke         # both sides start and finish 2 syncs
+    nice -n 10 $V/bin/python benchmarks/vs_torchft.py --hidden 64 --hidden2 0 --link-mbit 4 --no-reference
+    nice -n 10 $V/bin/python benchmarks/vs_torchft.py --hidden 256 --hidden2 0 --no-baseline --faults-seed 2 \
+        --lighthouse-min-replicas 1
 
 Both sides train benchmarks/convergence.py's model and data (megatron-core GPTModel on byte-level text from
 Python's standard library, each replica/island on its own shard) in fp32 on CPU with gloo, at their own documented
@@ -34,9 +37,23 @@ Measured, each as a ratio within this one run:
    replicas and the lighthouse, sampled every 0.2 s), every byte that crossed between two different processes
    counted once (gloo allreduce, TCPStore, Manager and lighthouse gRPC, heartbeats). A sync = one fragment's outer
    step (torchft: Manager.current_step(); yeto-patch: the syncer's merges);
-3. time the training thread is blocked at syncs, per step: per replica/island, the sum over steps 2..T-1 of
-   (step time - the median step time), over T-2 (the start and the last step, where yeto-patch runs its final
-   cut and torchft its last sync, are left out on both sides), at two model sizes (--hidden and --hidden2).
+3. time the training thread is blocked at syncs, at two model sizes (--hidden and --hidden2): per step (per
+   replica/island, the sum over steps 2..T-1 of (step time - the median step time), over T-2: the start and the
+   last step, where yeto-patch runs its final cut and torchft its last sync, are left out on both sides) and per
+   sync (the optimizer step, where both sides do their sync work, above its median at the steps a sync touches:
+   torchft's sync step; yeto-patch's push step and its install step tau later), mean and median over the syncs;
+   the median's slope from the small to the large model against a memcpy of one fragment (as
+   benchmarks/boundary_scaling.py);
+4. under failures (--faults-seed S or --event, needs root): the same seeded schedule on both sides, at the
+   participants' own steps: a participant killed and started again (torchft: the replica exits hard and is
+   started again; it heals from a live peer. yeto-patch: not run, see docs/benchmarks.md: a demo island writes no
+   Megatron checkpoint to come back from) and its access link cut (benchmarks/netlab.py: every participant in a
+   network namespace of its own). Goodput (fragment-steps that went into a committed / merged sync over those
+   computed), the longest stop of the participants no event hit, the restarted replica's time from its start to
+   training again after healing;
+5. a slow link (--link-mbit R, needs root): every replica / island behind an access link shaped by tc tbf at R
+   Mbit/s both ways (no added delay: this kernel has no sch_netem); the bytes on the access links (interface
+   counters), training time, blocked time.
 """
 from __future__ import annotations
 
@@ -179,6 +196,55 @@ def blocked_per_step(step_s):
     return sum(s - med for s in inner) / len(inner)
 
 
+def scheduled_syncs(steps, sync_every, fragments):
+    """The steps at which a fragment syncs (both sides: every H / F steps, fragments taking turns)."""
+    every = max(1, sync_every // fragments)
+    return list(range(every, steps + 1, every))
+
+
+def blocked_per_sync(opt_s, syncs):
+    """Seconds the training thread spends at one sync: the optimizer step (where both sides do their sync work:
+    yeto-patch's hooks around it, torchft's DiLoCo post-hook) above its median, summed over the steps that sync
+    touches. `syncs`: per sync, those steps (1-based): torchft its one step (quorum, allreduce, outer step);
+    yeto-patch the push step (gather, encode) and its install step (the wait at the tau bound, the install).
+    Syncs in steps 2..T-1 only (start-up and the final cut left out). Returns (mean, median) over the syncs."""
+    inner = opt_s[1:-1]
+    if len(inner) < 3:
+        return None, None
+    med = statistics.median(inner)
+    per = [sum(opt_s[s - 1] - med for s in set(steps) if s <= len(opt_s)) for steps in syncs
+           if 2 <= min(steps) <= len(opt_s) - 1]
+    if not per:
+        return None, None
+    return sum(per) / len(per), statistics.median(per)
+
+
+def memcpy_s(nbytes, repeat=51):
+    """A plain memcpy (torch copy_) of `nbytes` of float32 on the host, median of `repeat` (as
+    benchmarks/boundary_scaling.py measures its reference), on one thread as the replicas and islands train
+    (OMP_NUM_THREADS=1: a second intra-op thread on a loaded 2-core host made a 0.27 MB copy take ms)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.rand(max(1, nbytes // 4), dtype=torch.float32)
+        dst = torch.empty_like(src)
+        out = []
+        for i in range(repeat + 1):
+            t = time.perf_counter()
+            dst.copy_(src)
+            if i:
+                out.append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(out)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
 def mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -200,15 +266,57 @@ def demo_flags(a, hidden, steps, baseline=True):
     return f + ([] if baseline else ["--no-baseline"])
 
 
-def run_yeto(a, hidden, steps, out, baseline):
+def island_ids(n):
+    """The demo's island ids (yeto_patch.demo.run: letter + layout name; every island here is 'single')."""
+    return [f"{chr(ord('A') + i)}-single" for i in range(n)]
+
+
+def last_step(path):
+    """The last step a per-step JSONL log reached (0 before its first step)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError):
+            r = json.loads(line)
+            if "step" in r and r.get("event", "train") == "train":
+                return int(r["step"])
+    return 0
+
+
+def lab_bytes(lab, before):
+    """Bytes on every participant's access link since `before` (both ways; a byte between two participants
+    crosses two access links and counts on both, as it would on two sites' WAN links)."""
+    if lab is None:
+        return None
+    now = [lab.counters(k) for k in range(lab.n)]
+    return sum(n["up"] + n["down"] - b["up"] - b["down"] for n, b in zip(now, before))
+
+
+def run_yeto(a, hidden, steps, out, baseline, lab=None, events=()):
+    from benchmarks import netlab
+    from benchmarks import vs_torchft_faults as faults
     from yeto_patch.demo import cli as demo_cli
     from yeto_patch.demo.run import DemoError, run as demo_run
+    # a kill runs on the torchft side only: a demo island (examples/train_gpt.py) writes no Megatron checkpoint,
+    # and a yeto-patch island restarts from one (its sync state is saved beside it)
+    all_events, events = events, [e for e in events if e.kind != "kill"]
     flags = demo_flags(a, hidden, steps, baseline)
+    ids = island_ids(a.islands)
+    if lab is not None:
+        flags += ["--python", netlab.island_python(os.path.join(out + "-bin"), lab,
+                                                   {iid: k for k, iid in enumerate(ids)})]
     o = demo_cli.parse(flags + ["--out", out, "--timeout", str(a.timeout)])
     buf = io.StringIO()
     t0 = time.time()
+    before = [lab.counters(k) for k in range(lab.n)] if lab else None
+    watch = faults.Watcher(events, lambda k: last_step(os.path.join(out, f"island-{ids[k]}.jsonl")), lab)
     try:
-        with contextlib.redirect_stdout(buf):
+        with contextlib.redirect_stdout(buf), watch:
             res = demo_run(o)
     except DemoError as err:
         raise SystemExit(f"yeto-patch side failed: {str(err).splitlines()[0]} (see {out})")
@@ -216,23 +324,46 @@ def run_yeto(a, hidden, steps, out, baseline):
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "demo-output.txt"), "w") as f:
             f.write(buf.getvalue())
-    steps_by_island = []
-    for path in sorted(glob.glob(os.path.join(out, "island-*.jsonl"))):
-        if path.endswith(".boundaries.jsonl"):
-            continue
-        with open(path) as f:
-            recs = [json.loads(x) for x in f if x.strip()]
-        steps_by_island.append([r["step_s"] for r in recs if r.get("event") == "train"])
+    access = lab_bytes(lab, before)
+    steps_by_island, per_sync, times = [], [], []
+    for iid in ids:
+        path = os.path.join(out, f"island-{iid}.jsonl")
+        recs = [r for r in read_jsonl(path) if r.get("event") == "train"]
+        steps_by_island.append([r["step_s"] for r in recs])
+        start = [r for r in read_jsonl(path) if r.get("event") == "start"]
+        t_proc = start[0]["time"] - start[0]["setup_s"] if start else 0.0   # train_gpt's elapsed_s counts from it
+        times.append([t_proc + r["elapsed_s"] for r in recs])
+        bpath = os.path.join(out, f"island-{iid}.boundaries.jsonl")
+        # each scheduled push: its step, the install point tau steps later, and the step its answer was
+        # installed at (the island's boundary records; a push answered by a later base has no record)
+        installs = {r["step"]: r["step"] + (r.get("pull_lag") or 0)
+                    for r in (read_jsonl(bpath) if os.path.exists(bpath) else ())
+                    if r.get("event") == "boundary" and not r.get("final")}
+        tau = min(a.yeto_tau, a.sync_every // 2)
+        syncs = [(s, s + tau, installs.get(s, s)) for s in scheduled_syncs(len(recs), a.sync_every, a.fragments)]
+        if recs and "opt_s" in recs[0]:
+            per_sync.append(blocked_per_sync([r["opt_s"] for r in recs], syncs))
     link = res.get("link") or {}
-    full = 0  # the syncer's merges that had every island's push (its tape: one line per merge)
+    tape = []
     with contextlib.suppress(OSError):
-        with open(os.path.join(out, "syncer-tape.jsonl")) as f:
-            tape = [json.loads(x) for x in f if x.strip()]
-        full = sum(1 for r in tape if r.get("ok") and len(r.get("responders", ())) == a.islands)
+        tape = read_jsonl(os.path.join(out, "syncer-tape.jsonl"))
+    full = sum(1 for r in tape if r.get("ok") and len(r.get("responders", ())) == a.islands)
+    alive = faults.survivors(all_events, a.islands)
+    stops = [faults.longest_stop(times[k]) for k in alive]
+    during = [faults.stop_during(times[k], events) for k in alive]
     return dict(loss=res.get("global_heldout_loss"), ddp=res.get("baseline_heldout_loss"),
-                bytes=res.get("bytes_between"), bytes_up=link.get("up"), bytes_down=link.get("down"), full_syncs=full, syncs=res.get("merges"), params=res.get("params"),
-                blocked=mean([blocked_per_step(s) for s in steps_by_island]),
+                bytes=res.get("bytes_between"), bytes_up=link.get("up"), bytes_down=link.get("down"),
+                access_bytes=access, full_syncs=full, syncs=res.get("merges"), params=res.get("params"),
+                blocked=mean([blocked_per_step(s) for s in steps_by_island]), blocked_sync=mean([x[0] for x in per_sync]),
+                blocked_sync_median=mean([x[1] for x in per_sync]),
                 median_step=mean([statistics.median(s) for s in steps_by_island if s]),
+                train_s=max((t[-1] - t[0] for t in times if t), default=None),
+                longest_stop=max((x[0] for x in stops if x[0] is not None), default=None),
+                stop_during={k: max(d.get(k, 0.0) for d in during) for k in ("outage", "kill")
+                             if any(k in d for d in during)},
+                final_wait=max((faults.final_wait(times[k]) or 0.0 for k in alive), default=None),
+                goodput=faults.goodput_yeto(tape, sum(len(s) for s in steps_by_island), a.fragments),
+                events=[e.as_dict() for e in events],
                 steps_done=[len(s) for s in steps_by_island], wall_s=time.time() - t0, flags=flags)
 
 
@@ -250,71 +381,150 @@ def lighthouse_port(proc, log_path, timeout_s=60):
     raise SystemExit(f"torchft side: the lighthouse did not report its port within {timeout_s}s; see {log_path}")
 
 
-def run_torchft(a, hidden, steps, out):
+class _Replicas:
+    """torchft's replica groups of one run: started (in their network namespaces with a lab), restarted after a
+    kill event, waited for."""
+
+    def __init__(self, a, out, flags, env, lport, lab, events):
+        self.a, self.out, self.flags, self.env, self.lport, self.lab = a, out, flags, env, lport, lab
+        self.kills = {e.who: e for e in events if e.kind == "kill"}
+        self.procs, self.logs = [None] * a.islands, []
+        self.release = os.path.join(out, "release")
+        self.restarts = {}   # replica -> dict(killed_t, restarted_t)
+
+    def start(self, k, die_at=0):
+        host = self.lab.host_ip if self.lab else "127.0.0.1"
+        me = self.lab.ip_of(k) if self.lab else "127.0.0.1"
+        renv = dict(self.env, MASTER_ADDR=me, MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                    LOCAL_RANK="0", TORCHFT_LIGHTHOUSE=f"http://{host}:{self.lport}",
+                    GLOO_SOCKET_IFNAME="eth0" if self.lab else "lo")
+        log = open(os.path.join(self.out, f"replica-{k}.log"), "a")
+        self.logs.append(log)
+        argv = [sys.executable, REPLICA, "--replica", str(k), "--log", os.path.join(self.out, f"replica-{k}.jsonl"),
+                "--result", os.path.join(self.out, f"replica-{k}.json"), "--release", self.release, *self.flags]
+        if self.lab:
+            argv = self.lab.wrap(k, argv + ["--hostname", me])
+        if die_at:
+            argv += ["--die-at-step", str(die_at)]
+        self.procs[k] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=renv, cwd=ROOT)
+
+    def start_all(self):
+        for k in range(self.a.islands):
+            for p in (f"replica-{k}.jsonl", f"replica-{k}.json", f"replica-{k}.log"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.out, p))
+            self.start(k, self.kills[k].step if k in self.kills else 0)
+
+    def wait_results(self, deadline):
+        """Until every replica wrote its result; a replica killed by its event is started again after its
+        seconds (its exit status 17 is the kill's)."""
+        results = [os.path.join(self.out, f"replica-{k}.json") for k in range(self.a.islands)]
+        while not all(map(os.path.exists, results)) and time.time() < deadline:
+            for k, p in enumerate(self.procs):
+                rc = p.poll()
+                if rc is None or os.path.exists(results[k]):
+                    continue
+                ev = self.kills.get(k)
+                if rc == 17 and ev is not None and ev.fired_t is None:
+                    ev.fired_t = time.time()
+                    time.sleep(ev.seconds)  # the others train on meanwhile (their own processes)
+                    self.restarts[k] = dict(killed_t=ev.fired_t, restarted_t=time.time())
+                    ev.done_t = time.time()
+                    self.start(k)
+                    continue
+                raise SystemExit(f"torchft side: replica {k} exited with {rc} (see {self.out}/replica-{k}.log)")
+            time.sleep(0.1)
+
+    def finish(self, deadline):
+        open(self.release, "w").close()
+        for k, p in enumerate(self.procs):
+            try:
+                rc = p.wait(timeout=max(1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"torchft side: replica {k} did not finish within {self.a.timeout:.0f}s "
+                                 f"(see {self.out}/replica-{k}.log)")
+            if rc:
+                raise SystemExit(f"torchft side: replica {k} exited with {rc} (see {self.out}/replica-{k}.log)")
+
+    def close(self):
+        for p in self.procs:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in self.logs:
+            f.close()
+
+
+def run_torchft(a, hidden, steps, out, lab=None, events=()):
+    from benchmarks import vs_torchft_faults as faults
     os.makedirs(out, exist_ok=True)
     flags = [x for x in demo_flags(a, hidden, steps, baseline=False) if x != "--no-baseline"]
-    release = os.path.join(out, "release")
     with contextlib.suppress(FileNotFoundError):
-        os.remove(release)
-    logs, procs = [], []
+        os.remove(os.path.join(out, "release"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("YETO_", "TORCHFT_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo",
-               RUST_BACKTRACE="1")
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1", RUST_BACKTRACE="1")
     t0 = time.time()
+    before = [lab.counters(k) for k in range(lab.n)] if lab else None
+    min_replicas = a.lighthouse_min_replicas or a.islands
+    reps = None
     with SocketMeter() as meter:
         lh_log = open(os.path.join(out, "lighthouse.log"), "w")
-        lighthouse = subprocess.Popen([lighthouse_binary(), "--min_replicas", str(a.islands), *LIGHTHOUSE_FLAGS,
-                                       "--bind", "127.0.0.1:0"], stdout=lh_log, stderr=subprocess.STDOUT, env=env)
+        lighthouse = subprocess.Popen([lighthouse_binary(), "--min_replicas", str(min_replicas), *LIGHTHOUSE_FLAGS,
+                                       "--bind", f"{lab.host_ip if lab else '127.0.0.1'}:0"],
+                                      stdout=lh_log, stderr=subprocess.STDOUT, env=env)
         try:
             lport = lighthouse_port(lighthouse, os.path.join(out, "lighthouse.log"))
-            for k in range(a.islands):
-                renv = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                            LOCAL_RANK="0", TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{lport}")
-                log = open(os.path.join(out, f"replica-{k}.log"), "w")
-                logs.append(log)
-                for p in (f"replica-{k}.jsonl", f"replica-{k}.json"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(os.path.join(out, p))
-                procs.append(subprocess.Popen(
-                    [sys.executable, REPLICA, "--replica", str(k), "--log", os.path.join(out, f"replica-{k}.jsonl"),
-                     "--result", os.path.join(out, f"replica-{k}.json"), "--release", release, *flags],
-                    stdout=log, stderr=subprocess.STDOUT, env=renv, cwd=ROOT))
+            reps = _Replicas(a, out, flags, env, lport, lab, events)
+            reps.start_all()
             deadline = time.time() + a.timeout
-            results = [os.path.join(out, f"replica-{k}.json") for k in range(a.islands)]
-            while not all(map(os.path.exists, results)) and all(p.poll() is None for p in procs) \
-                    and time.time() < deadline:
-                time.sleep(0.1)
+            with faults.Watcher(events, lambda k: last_step(os.path.join(out, f"replica-{k}.jsonl")), lab):
+                reps.wait_results(deadline)
             meter.sample()  # every replica is done and still holds its sockets: the final counts
-            open(release, "w").close()
-            for k, p in enumerate(procs):
-                try:
-                    rc = p.wait(timeout=max(1, deadline - time.time()))
-                except subprocess.TimeoutExpired:
-                    raise SystemExit(f"torchft side: replica {k} did not finish within {a.timeout:.0f}s "
-                                     f"(see {out}/replica-{k}.log)")
-                if rc:
-                    raise SystemExit(f"torchft side: replica {k} exited with {rc} (see {out}/replica-{k}.log)")
+            access = lab_bytes(lab, before)
+            reps.finish(deadline)
         finally:
-            for p in procs + [lighthouse]:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            if reps is not None:
+                reps.close()
+            if lighthouse.poll() is None:
+                lighthouse.kill()
+                lighthouse.wait()
             lh_log.close()
-            for f in logs:
-                f.close()
-    res = []
+    res, per_sync, logs = [], [], []
     for k in range(a.islands):
         with open(os.path.join(out, f"replica-{k}.json")) as f:
             res.append(json.load(f))
+        recs = read_jsonl(os.path.join(out, f"replica-{k}.jsonl"))
+        logs.append(recs)
+        if k not in reps.restarts:
+            syncs = [(s,) for s in scheduled_syncs(len(res[-1]["opt_s"]), a.sync_every, a.fragments)]
+            per_sync.append(blocked_per_sync(res[-1]["opt_s"], syncs))
     pids = [r["pid"] for r in res]
     with open(os.path.join(out, "sockets.json"), "w") as f:  # the evidence behind the byte count
         json.dump(dict(replica_pids=pids, lighthouse_pid=lighthouse.pid,
                        sockets=[dict(local=k[0], peer=k[1], **v) for k, v in meter.socks.items()]), f, indent=1)
+    survivors = [k for k in range(a.islands) if k not in reps.restarts]   # for the step-time figures
+    alive = faults.survivors(events, a.islands)
+    stops = [faults.longest_stop([r["t"] for r in logs[k]]) for k in alive]
+    during = [faults.stop_during([r["t"] for r in logs[k]], events) for k in alive]
+    back = {}
+    for k, r in reps.restarts.items():   # the restarted one: from its restart to its first step after healing
+        healed = res[k].get("healed") or []
+        after = [x["t"] for x in logs[k] if x["t"] > r["restarted_t"] and (not healed or x["t"] >= healed[0]["t"])]
+        back[k] = dict(r, healed=healed, training_again_s=(after[0] - r["restarted_t"]) if after else None)
     return dict(loss=res[0]["heldout_loss"], loss_mean=mean([r["heldout_loss"] for r in res]),
-                bytes=meter.between(pids), bytes_peers=meter.between(pids, peers_only=True), syncs=res[0]["outer_steps"],
+                bytes=None if lab else meter.between(pids), bytes_peers=None if lab else meter.between(pids, True),
+                access_bytes=access, syncs=res[0]["outer_steps"],
                 full_syncs=res[0].get("full_syncs"), params=res[0]["params"],
-                blocked=mean([blocked_per_step(r["step_s"]) for r in res]),
-                median_step=mean([statistics.median(r["step_s"]) for r in res]),
+                blocked=mean([blocked_per_step(res[k]["step_s"]) for k in survivors]), blocked_sync=mean([x[0] for x in per_sync]),
+                blocked_sync_median=mean([x[1] for x in per_sync]),
+                median_step=mean([statistics.median(res[k]["step_s"]) for k in survivors]),
+                train_s=max(logs[k][-1]["t"] - logs[k][0]["t"] for k in survivors),
+                longest_stop=max((x[0] for x in stops if x[0] is not None), default=None),
+                stop_during={k: max(d.get(k, 0.0) for d in during) for k in ("outage", "kill")
+                             if any(k in d for d in during)},
+                final_wait=max((faults.final_wait([r["t"] for r in logs[k]]) or 0.0 for k in alive), default=None),
+                goodput=faults.goodput_torchft(logs, a.fragments, a.sync_every), restarts=back,
+                events=[e.as_dict() for e in events], min_replicas=min_replicas,
                 steps_done=[len(r["step_s"]) for r in res], samples=meter.samples, wall_s=time.time() - t0)
 
 
@@ -348,6 +558,45 @@ def _f(x, fmt=".4f"):
     return "n/a" if x is None else format(x, fmt)
 
 
+def _ms(x):
+    return _f(None if x is None else x * 1e3, '.2f')
+
+
+def slope(rows, side):
+    """(median blocked time per sync at the largest size - at the smallest) / (memcpy of a fragment there -
+    here), as benchmarks/boundary_scaling.py computes its slope."""
+    b0, b1 = rows[0][side].get("blocked_sync_median"), rows[-1][side].get("blocked_sync_median")
+    m0, m1 = rows[0].get("memcpy"), rows[-1].get("memcpy")
+    if None in (b0, b1, m0, m1) or m1 == m0:
+        return None
+    return (b1 - b0) / (m1 - m0)
+
+
+def fault_rows(a, tag, y, t):
+    """The slow link's and the failure schedule's rows (items 4 and 5)."""
+    shaped = f"tbf {a.link_mbit:g} Mbit/s" if a.link_mbit else "not shaped"
+    out = [f"| {tag}: bytes on the access links ({shaped}; a byte between two replicas crosses two) | {y['access_bytes']:,} | {t['access_bytes']:,} | {_r(t['access_bytes'], y['access_bytes'], '.2f')} |",
+           f"| {tag}: training time, first to last step, s | {_f(y['train_s'], '.1f')} | {_f(t['train_s'], '.1f')} | "
+           f"{_r(t['train_s'], y['train_s'], '.2f')} |",
+           f"| {tag}: goodput (fragment-steps merged / computed) | {_f(y['goodput'], '.3f')} | "
+           f"{_f(t['goodput'], '.3f')} | {_r(t['goodput'], y['goodput'], '.2f')} |",
+           f"| {tag}: longest stop of a survivor (no event hit it), s | {_f(y['longest_stop'], '.2f')} | {_f(t['longest_stop'], '.2f')} "
+           f"| {_r(t['longest_stop'], y['longest_stop'], '.2f')} |"]
+    for kind, what in (("kill", "the kill until 30 s after the restart"), ("outage", "the outage until 30 s after")):
+        yv, tv = (y.get("stop_during") or {}).get(kind), (t.get("stop_during") or {}).get(kind)
+        if yv is not None or tv is not None:
+            out.append(f"| {tag}: longest stop of a survivor, from {what}, s | "
+                       f"{'not run' if yv is None else _f(yv, '.2f')} | {_f(tv, '.2f')} | {_r(tv, yv, '.2f')} |")
+    out.append(f"| {tag}: a survivor's last step beyond its median step, s (yeto-patch: the final cut, which waits "
+               f"for every island's last push) | {_f(y.get('final_wait'), '.2f')} | {_f(t.get('final_wait'), '.2f')} | "
+               f"{_r(t.get('final_wait'), y.get('final_wait'), '.2f')} |")
+    for k, r in (t.get("restarts") or {}).items():
+        out.append(f"| {tag}: replica {k} killed, started again {r['restarted_t'] - r['killed_t']:.0f} s later: "
+                   f"training again after, s | not run (needs a Megatron checkpoint) | "
+                   f"{_f(r['training_again_s'], '.1f')} (healed from a live peer: {len(r['healed'])}) | |")
+    return out
+
+
 def report(a, rows, cmd):
     y, t = rows[0]["yeto"], rows[0]["torchft"]
     lines = [f"## vs_torchft: {a.islands} replicas/islands, H={a.sync_every}, {a.fragments} fragment(s), "
@@ -356,7 +605,9 @@ def report(a, rows, cmd):
              f"tau {min(a.yeto_tau, a.sync_every // 2)}, bases {a.yeto_base_wire}"
              f"{f', syncer --quorum {a.yeto_quorum}' if a.yeto_quorum else ''}; torchft: DiLoCo defaults (fp32 "
              f"allreduce, fragment_sync_delay 0, fragment_update_alpha 0); outer Nesterov lr {a.outer_lr} "
-             f"momentum 0.9 both", "", "| measure | yeto-patch | torchft | torchft / yeto-patch |", "|---|---|---|---|"]
+             f"momentum 0.9 both" + (f"; events {', '.join(a.events)}" if a.events else "")
+             + (f"; lighthouse --min_replicas {a.lighthouse_min_replicas}" if a.lighthouse_min_replicas else ""),
+             "", "| measure | yeto-patch | torchft | torchft / yeto-patch |", "|---|---|---|---|"]
     if y.get("ddp"):
         lines += [f"| held-out loss (DDP {y['ddp']:.4f}) | {_f(y['loss'])} | {_f(t['loss'])} "
                   f"(replica mean {_f(t['loss_mean'])}) | {_r(t['loss'], y['loss'], '.4f')} |",
@@ -368,16 +619,30 @@ def report(a, rows, cmd):
     for r in rows:
         y, t = r["yeto"], r["torchft"]
         tag = f"GPT {a.layers}x{r['hidden']} ({y['params'] or t['params']:,} params, {r['steps']} steps)"
-        yb, tb = (s["bytes"] / s["syncs"] if s["syncs"] else None for s in (y, t))
         lines += [f"| {tag}: syncs with every replica | {y['full_syncs']} of {y['syncs']} | "
-                  f"{'n/a' if t['full_syncs'] is None else t['full_syncs']} of {t['syncs']} | |",
-                  f"| {tag}: bytes on the link in all | {y['bytes']:,} (up {y['bytes_up']:,}) | {t['bytes']:,} "
-                  f"(between replicas {t['bytes_peers']:,}) | {_r(t['bytes'], y['bytes'], '.2f')} |",
-                  f"| {tag}: bytes per sync | {_f(yb, ',.0f')} | {_f(tb, ',.0f')} | {_r(tb, yb, '.2f')} |",
+                  f"{'n/a' if t['full_syncs'] is None else t['full_syncs']} of {t['syncs']} | |"]
+        if t.get("bytes") is not None:
+            yb, tb = (s["bytes"] / s["syncs"] if s["syncs"] else None for s in (y, t))
+            lines += [f"| {tag}: bytes on the link in all | {y['bytes']:,} (up {y['bytes_up']:,}) | {t['bytes']:,} "
+                      f"(between replicas {t['bytes_peers']:,}) | {_r(t['bytes'], y['bytes'], '.2f')} |",
+                      f"| {tag}: bytes per sync | {_f(yb, ',.0f')} | {_f(tb, ',.0f')} | {_r(tb, yb, '.2f')} |"]
+        if t.get("access_bytes") is not None:
+            lines += fault_rows(a, tag, y, t)
+        lines += [
                   f"| {tag}: median step ms | {_f(y['median_step'] * 1e3, '.1f')} | "
                   f"{_f(t['median_step'] * 1e3, '.1f')} | {_r(t['median_step'], y['median_step'], '.2f')} |",
                   f"| {tag}: blocked ms per step | {_f(y['blocked'] * 1e3, '.2f')} | {_f(t['blocked'] * 1e3, '.2f')} | "
-                  f"{_r(t['blocked'], y['blocked'], '.2f')} |"]
+                  f"{_r(t['blocked'], y['blocked'], '.2f')} |",
+                  f"| {tag}: blocked ms per sync, mean (optimizer step above its median) | "
+                  f"{_ms(y.get('blocked_sync'))} | {_ms(t.get('blocked_sync'))} | "
+                  f"{_r(t.get('blocked_sync'), y.get('blocked_sync'), '.2f')} |",
+                  f"| {tag}: blocked ms per sync, median; memcpy of a fragment {_f(r['memcpy'] and r['memcpy'] * 1e3, '.3f')}"
+                  f" ms | {_ms(y.get('blocked_sync_median'))} | {_ms(t.get('blocked_sync_median'))} | "
+                  f"{_r(t.get('blocked_sync_median'), y.get('blocked_sync_median'), '.2f')} |"]
+    if len(rows) >= 2:
+        sy, st = slope(rows, "yeto"), slope(rows, "torchft")
+        lines += [f"| median blocked time per sync, slope against memcpy, GPT {a.layers}x{rows[0]['hidden']} -> "
+                  f"{a.layers}x{rows[-1]['hidden']} | {_f(sy, '.1f')} x | {_f(st, '.1f')} x | {_r(st, sy, '.2f')} |"]
     lines += ["", "versions: " + ", ".join(f"{k} {v}" for k, v in versions().items()), f"command: {cmd}"]
     return "\n".join(lines)
 
@@ -410,8 +675,21 @@ def main(argv=None):
     g.add_argument("--yeto-base-wire", default="int4", choices=("f32", "bf16", "int8", "int4"))
     g.add_argument("--yeto-quorum", type=int, default=0, help="the syncer's --quorum K (0: its default, elastic "
                    "rounds; M: every round waits for every island, as torchft's quorum does)")
+    ap.add_argument("--no-baseline", dest="baseline", action="store_false",
+                    help="skip the DDP baseline (and with it the quality rows)")
     ap.add_argument("--no-reference", dest="reference", action="store_false",
                     help="skip benchmarks/diloco_reference.py (textbook Streaming DiLoCo, tau 0) at the first size")
+    g = ap.add_argument_group("the slow link and the failure schedule (issue #39, items 4 and 5; needs root)")
+    g.add_argument("--link-mbit", type=float, default=0, help="every replica / island in a network namespace of "
+                   "its own behind an access link shaped by tc tbf at this rate both ways (benchmarks/netlab.py); "
+                   "0: loopback")
+    g.add_argument("--event", action="append", default=[], metavar="KIND:K:STEP:SECONDS",
+                   help="outage:K:STEP:S (participant K's link down S seconds at its step STEP; both sides) or "
+                   "kill:K:STEP:S (replica K exits after STEP, started again S seconds later; torchft only)")
+    g.add_argument("--faults-seed", type=int, default=None, help="a seeded schedule: one kill and one outage "
+                   "in the middle half of the run (benchmarks/vs_torchft_faults.seeded_events)")
+    g.add_argument("--lighthouse-min-replicas", type=int, default=0, help="the lighthouse's --min_replicas "
+                   "(0: --islands, every replica in every sync; 1: torchft README's, survivors go on alone)")
     ap.add_argument("--smoke", action="store_true", help="both sides start and finish 2 syncs on a tiny model "
                     "(H 4, 1 fragment, 8 steps, GPT 1x32, no baseline, one size)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench-out", "vs_torchft"))
@@ -425,19 +703,37 @@ def main(argv=None):
         a.steps, a.sync_every, a.fragments, a.hidden, a.layers, a.eval_seqs = 8, 4, 1, 32, 1, 8
         a.seq_length, a.warmup = 32, 2
     a.eval_interval, a.base_wire = a.steps, a.yeto_base_wire  # convergence.demo_flags reads these
-    sizes = [(a.hidden, a.steps, not a.smoke)]
+    sizes = [(a.hidden, a.steps, not a.smoke and a.baseline)]
     if not a.smoke and a.hidden2 > 0:
         sizes.append((a.hidden2, a.steps2 or a.steps, False))
+    from benchmarks import vs_torchft_faults as faults
+    events = faults.parse_events(a.event, a.islands)
+    if a.faults_seed is not None:
+        events += faults.seeded_events(a.faults_seed, a.islands, a.steps)
+    a.events = [str(e) for e in events]
+    if (events or a.link_mbit) and os.geteuid() != 0:
+        print("vs_torchft: --link-mbit and --event need root (network namespaces, tc)", file=sys.stderr)
+        return 2
     rows = []
     t0 = time.time()
     for hidden, steps, baseline in sizes:
-        print(f"[GPT {a.layers}x{hidden}, {steps} steps] yeto-patch ...", flush=True)
-        y = run_yeto(a, hidden, steps, os.path.join(a.out, f"h{hidden}", "yeto"), baseline)
-        print(f"    {json.dumps({k: v for k, v in y.items() if k != 'flags'})}", flush=True)
-        print(f"[GPT {a.layers}x{hidden}, {steps} steps] torchft ...", flush=True)
-        t = run_torchft(a, hidden, steps, os.path.join(a.out, f"h{hidden}", "torchft"))
+        lab_ctx = contextlib.nullcontext()
+        if a.link_mbit or events:
+            from benchmarks.netlab import NetLab
+            lab_ctx = NetLab(a.islands, rate_mbit=a.link_mbit or None)
+        with lab_ctx as lab:
+            print(f"[GPT {a.layers}x{hidden}, {steps} steps] yeto-patch ...", flush=True)
+            y = run_yeto(a, hidden, steps, os.path.join(a.out, f"h{hidden}", "yeto"), baseline, lab,
+                         [faults.Event(e.kind, e.who, e.step, e.seconds) for e in events])
+            print(f"    {json.dumps({k: v for k, v in y.items() if k != 'flags'})}", flush=True)
+            print(f"[GPT {a.layers}x{hidden}, {steps} steps] torchft ...", flush=True)
+            t = run_torchft(a, hidden, steps, os.path.join(a.out, f"h{hidden}", "torchft"), lab,
+                            [faults.Event(e.kind, e.who, e.step, e.seconds) for e in events])
         print(f"    {json.dumps(t)}", flush=True)
-        row = dict(hidden=hidden, steps=steps, yeto=y, torchft=t)
+        params = y["params"] or t["params"]
+        row = dict(hidden=hidden, steps=steps, yeto=y, torchft=t,
+                   fragment_bytes=params * 4 // a.fragments if params else None)
+        row["memcpy"] = memcpy_s(row["fragment_bytes"]) if params else None
         if baseline and a.reference:
             print(f"[GPT {a.layers}x{hidden}, {steps} steps] textbook Streaming DiLoCo (diloco_reference) ...",
                   flush=True)

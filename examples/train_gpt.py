@@ -17,7 +17,8 @@ to this file, or ``--cpu-patches PATH``).
 
 Outputs (written by global rank 0):
 * ``--log-jsonl``: one JSON object per line: ``{"event": "start", ...}``, ``{"event": "train", "step", "loss",
-  "lr", "grad_norm", "skipped", "tokens", "elapsed_s", "step_s"}``, ``{"event": "eval", "step", "heldout_loss"}``,
+  "lr", "grad_norm", "skipped", "tokens", "elapsed_s", "step_s", "opt_s"}`` (opt_s: the optimizer step,
+  with whatever hooks a tool attached to it), ``{"event": "eval", "step", "heldout_loss"}``,
   ``{"event": "end", ...}``.
 * ``--save-npz``: the final model, full (un-sharded) parameters as float32 keyed by a layout-independent name
   (``decoder.layers.<global index>...``): ``param/<name>`` are the model's weights, ``master/<name>`` the
@@ -528,7 +529,9 @@ def main(argv=None):
         reports = fb(forward_step_func=forward_step, data_iterator=micro_batches(rows, a.micro_batch_size),
                      model=[model], num_microbatches=n_micro, seq_length=a.seq_length,
                      micro_batch_size=a.micro_batch_size, forward_only=False)
+        to = time.time()
         ok, grad_norm, _ = optimizer.step()
+        opt_s = time.time() - to
         if ok:
             scheduler.step(increment=1)
             tokens += tokens_per_step
@@ -536,7 +539,8 @@ def main(argv=None):
         step = it + 1
         lr = optimizer.param_groups[0]["lr"]
         log(event="train", step=step, loss=loss, lr=lr, grad_norm=None if grad_norm is None else float(grad_norm),
-            skipped=not ok, tokens=tokens, elapsed_s=round(time.time() - t0, 3), step_s=round(time.time() - ts, 4))
+            skipped=not ok, tokens=tokens, elapsed_s=round(time.time() - t0, 3), step_s=round(time.time() - ts, 4),
+            opt_s=round(opt_s, 5))
         if a.log_interval and (step % a.log_interval == 0 or step == a.train_iters):
             say(f"step {step:5d} | loss {loss:.4f} | lr {lr:.2e} | {time.time() - ts:.3f}s/step")
         if a.eval_interval and step % a.eval_interval == 0 and step != a.train_iters:

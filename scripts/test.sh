@@ -2,13 +2,14 @@
 # Install the supported environments (cached venvs) and run the test suite in each.
 #   bash scripts/test.sh            # py312 (megatron-core 0.19.2; everything), py311 (megatron-core 0.16.1;
 #                                   # what touches megatron-core), then
-#                                   # py312-launchers (py312 + ms-swift + Megatron-Bridge: tests/launchers only)
+#                                   # py312-launchers (py312 + ms-swift + Megatron-Bridge: tests/launchers only),
+#                                   # py312-peers (py312 + torchft, layered on py312's venv: the torchft smoke test)
 #   YETO_TEST_ENVS=py312 bash scripts/test.sh -k wire    # one environment, extra pytest arguments
 #   YETO_TEST_WORKERS=1 bash scripts/test.sh             # one pytest process (default: 2, pytest-xdist)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
-envs="${YETO_TEST_ENVS:-py312 py311 py312-launchers}"
+envs="${YETO_TEST_ENVS:-py312 py311 py312-launchers py312-peers}"
 # Two pytest workers (pytest-xdist), each taking whole test files (--dist loadfile: a file's module-scoped
 # worker pools and shared runs stay in one process; --no-loadscope-reorder keeps the order tests/conftest.py
 # sets, long files first). Many end-to-end tests spend much of their time waiting (a syncer's round timeout, an
@@ -38,15 +39,17 @@ for env in $envs; do
   # names, the harness, two end-to-end runs) and imports every module on Python 3.11; the wire, syncer, demo
   # and island boundary/link tests (fakes and sockets, no megatron-core object) are the same pure-Python code
   # and run once, on py312. py312-launchers adds ms-swift and Megatron-Bridge
-  # to py312's packages and runs only the tests of those launchers.
+  # to py312's packages and runs only the tests of those launchers. py312-peers adds torchft to py312's packages
+  # (a venv layered on py312's, built in seconds) and runs benchmarks/vs_torchft.py's smoke test (about a minute).
   case "$env" in
     py312-launchers) paths=(tests/launchers) ;;
+    py312-peers) paths=(tests/test_vs_torchft.py) ;;
     py311) paths=(tests/test_modules.py tests/hooks tests/mcore tests/island/masters tests/shim/test_end_to_end.py
                   tests/shim/test_optimizer_boundary.py) ;;
     *) paths=(tests) ;;
   esac
   run_parallel=("${parallel[@]}")
-  if [ "$env" = py312-launchers ]; then run_parallel=(); fi
+  if [ "$env" = py312-launchers ] || [ "$env" = py312-peers ]; then run_parallel=(); fi
   # The repository root goes first on PYTHONPATH so the code under test is this clone's.
   if ! PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=25 "${run_parallel[@]}" "$@" "${paths[@]}"; then
     status=1

@@ -4,7 +4,7 @@
 # The venv lives outside the clone, in ${YETO_VENV_CACHE:-$HOME/.cache/yeto-patch/venvs}/<env>-<hash>,
 # keyed by the hash of the requirement files, so a second run (or another clone) reuses it.
 # py312-launchers is py312 plus ms-swift and Megatron-Bridge (the latter from <env>-nodeps.txt, --no-deps).
-# py312-peers is py312 plus torchft (benchmarks/vs_torchft.py only; not in the default test install).
+# py312-peers is py312 plus torchft (benchmarks/vs_torchft.py and its smoke test), layered on py312's venv.
 # py312-ft is nvidia-resiliency-ext 0.7.0 (NVIDIA's ft_launcher) on top of the py312 venv, which a .pth file puts
 # on its path (no second torch); the wheel comes from scripts/nvrx-wheel.sh (tests/shim/test_ft_launcher.py).
 # --if-built: print the path only if that environment is already built (exit 1 otherwise); build nothing.
@@ -58,6 +58,13 @@ if [ ! -f "$venv/.complete" ]; then
   "$py" -m venv "$venv.tmp"
   # pip records absolute paths in scripts; build in place under the final name
   rm -rf "$venv"; mv "$venv.tmp" "$venv"
+  if [ "$env_name" = py312-peers ]; then
+    # layered on py312's venv (its packages on sys.path through a .pth file, which pip sees as installed): only
+    # torchft and its few dependencies are installed here, in seconds rather than another torch install
+    base="$(bash "$here/scripts/venv.sh" py312 --if-built 2>/dev/null || bash "$here/scripts/venv.sh" py312)"
+    "$venv/bin/python" -c 'import sys, sysconfig; open(sysconfig.get_paths()["purelib"] + "/_yeto_base_py312.pth", "w").write(sys.argv[1] + "\n")' \
+      "$("$base/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  fi
   "$venv/bin/python" -m pip install -q --upgrade pip >&2 || true
   if [ "$env_name" = py312-ft ]; then   # py312's packages on the path: pip sees them installed
     base="$(bash "$here/scripts/venv.sh" py312)"
