@@ -59,8 +59,8 @@ def test_a_push_reply_aims_the_next_boundary_once_per_push():
     aimed = {}
     aims = {0: (3, 0.05, 1.923), 1: (2, 1.0, 1.923), 2: (5, 1.0, 1.923)}
     pushes = {0: (3, 100), 1: (4, 100)}            # fragment 1's reply is of an older push; 2 has no push
-    assert reply_aims(aims, pushes, aimed, 10.0, 5, 19, 101) == {0: 120}   # 0.05 + 1.923 s after step 100
-    assert reply_aims(aims, pushes, aimed, 10.0, 5, 19, 102) == {}         # once per push
+    assert reply_aims(aims, pushes, aimed, 10.0, 10, 38, 101) == {0: 120}  # 0.05 + 1.923 s after step 100
+    assert reply_aims(aims, pushes, aimed, 10.0, 10, 38, 102) == {}        # once per push
     c.aim(0, 120)
     c.passed(102)
     assert c.next[0] == 120
