@@ -31,7 +31,7 @@ def test_retune_and_shift_move_the_next_boundaries():
 
 def test_stretch_takes_the_steps_of_the_rhythm_islands_period_within_bounds():
     assert stretch(10, 5, rate=10.0, period_s=10 / 5.2, current=10) == 19     # 0.52 of the speed: 19 steps
-    assert stretch(10, 5, rate=10.0, period_s=5.0, current=10) == 10 * MAX_STRETCH   # at most 2x
+    assert stretch(10, 5, rate=10.0, period_s=5.0, current=10) == 10 * MAX_STRETCH   # at most 3x
     assert stretch(10, 5, rate=10.0, period_s=0.5, current=10) == 10          # never below N (N is the slowest's)
     assert stretch(10, 5, rate=10.0, period_s=None, current=19) == 10         # no rhythm: N again
     assert stretch(10, 5, rate=10.0, period_s=1.05, current=10) == 10         # a change below 10%: kept

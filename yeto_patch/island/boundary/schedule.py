@@ -24,7 +24,7 @@ from typing import Optional
 __all__ = ["offset", "due_fragments", "Cadence", "suggest", "stretch", "aim", "aim_after", "reply_aims", "keep_rhythm", "catch_up", "RETUNE_SHARE", "MAX_STRETCH"]
 
 RETUNE_SHARE = 0.1
-MAX_STRETCH = 2.0   # a pinned H is stretched at most this much on a fast island (the syncer's weight cap, 2x)
+MAX_STRETCH = 3.0   # a pinned H is stretched at most this much on a fast island (its weight is capped at 2x)
 
 
 def offset(fragment: int, sync_every: int, fragments: int) -> int:
