@@ -229,8 +229,8 @@ class Island:
                 self.cadence.shift(f, k)
             pushes = {fr.index: (fr.push.base_version, fr.push.step) for fr in self.frags
                       if fr.push is not None and fr.push.phase is PushPhase.AT_SYNCER and fr.index not in p.push}
-            for f, at in reply_aims(self.link.aims(), pushes, self.aimed, self.link.rate(), self.s.overlap_steps,
-                                    h, self.step).items():
+            for f, at in reply_aims(self.link.aims(), pushes, self.aimed, self.link.rate(),
+                                    max(self.s.overlap_steps + 1, self.s.sync_every), 2 * h, self.step).items():
                 self.cadence.aim(f, at)
         for f in p.skip:
             self.frags[f].skipped()

@@ -97,7 +97,7 @@ TABLE = (
         show=lambda s: s.island_id + ("  (default)" if s.island_id_default else "")),
     Var("YETO_DILOCO_SYNC_EVERY", "sync_every", sync_every(AUTO_H), 100, "H: optimizer steps between a fragment's "
         f"boundaries (fragments take turns); `auto` (`auto:N`): {AUTO_H} (N) on the fastest island, fewer on slower "
-        "ones; `N`: N on the slowest, more (at most 2x) on faster ones: all push together", int,
+        "ones; `N`: N on the slowest, more (at most 3x) on faster ones: all push together", int,
         show=lambda s: f"auto:{s.sync_every}" if s.sync_auto else s.sync_every),
     Var("YETO_DILOCO_PUSH_DTYPE", "push_dtype", codec(), "int4", "pushes' wire dtype", str),
     Var("YETO_DILOCO_BLOCK", "block", integer(8, 65536, "elements per quantization scale"), 256,

@@ -31,7 +31,7 @@ def test_retune_and_shift_move_the_next_boundaries():
 
 def test_stretch_takes_the_steps_of_the_rhythm_islands_period_within_bounds():
     assert stretch(10, 5, rate=10.0, period_s=10 / 5.2, current=10) == 19     # 0.52 of the speed: 19 steps
-    assert stretch(10, 5, rate=10.0, period_s=5.0, current=10) == 10 * MAX_STRETCH   # at most 2x
+    assert stretch(10, 5, rate=10.0, period_s=5.0, current=10) == 10 * MAX_STRETCH   # at most 3x
     assert stretch(10, 5, rate=10.0, period_s=0.5, current=10) == 10          # never below N (N is the slowest's)
     assert stretch(10, 5, rate=10.0, period_s=None, current=19) == 10         # no rhythm: N again
     assert stretch(10, 5, rate=10.0, period_s=1.05, current=10) == 10         # a change below 10%: kept
@@ -59,8 +59,8 @@ def test_a_push_reply_aims_the_next_boundary_once_per_push():
     aimed = {}
     aims = {0: (3, 0.05, 1.923), 1: (2, 1.0, 1.923), 2: (5, 1.0, 1.923)}
     pushes = {0: (3, 100), 1: (4, 100)}            # fragment 1's reply is of an older push; 2 has no push
-    assert reply_aims(aims, pushes, aimed, 10.0, 5, 19, 101) == {0: 120}   # 0.05 + 1.923 s after step 100
-    assert reply_aims(aims, pushes, aimed, 10.0, 5, 19, 102) == {}         # once per push
+    assert reply_aims(aims, pushes, aimed, 10.0, 10, 38, 101) == {0: 120}  # 0.05 + 1.923 s after step 100
+    assert reply_aims(aims, pushes, aimed, 10.0, 10, 38, 102) == {}        # once per push
     c.aim(0, 120)
     c.passed(102)
     assert c.next[0] == 120

@@ -165,8 +165,9 @@ class Boundaries:
                                                     self.cadence.h, plan_.push)
         pushes = {fr.index: (fr.push.base_version, fr.push.step) for fr in p.frags
                   if fr.push is not None and fr.push.phase is PushPhase.AT_SYNCER and fr.index not in plan_.push}
-        plan_.aim = reply_aims(p.link.aims(), pushes, self.aimed, rate, p.rule.tau,
-                               plan_.sync_every or self.cadence.h, p.step())
+        h = plan_.sync_every or self.cadence.h
+        plan_.aim = reply_aims(p.link.aims(), pushes, self.aimed, rate, max(p.rule.tau + 1, p.settings.sync_every),
+                               2 * h, p.step())
 
     def begin(self, plan_: Plan) -> None:
         """Every rank: the plan's new H and boundary shifts go to the cadence (from the next boundaries on), its

@@ -24,7 +24,7 @@ from typing import Optional
 __all__ = ["offset", "due_fragments", "Cadence", "suggest", "stretch", "aim", "aim_after", "reply_aims", "keep_rhythm", "catch_up", "RETUNE_SHARE", "MAX_STRETCH"]
 
 RETUNE_SHARE = 0.1
-MAX_STRETCH = 2.0   # a pinned H is stretched at most this much on a fast island (the syncer's weight cap, 2x)
+MAX_STRETCH = 3.0   # a pinned H is stretched at most this much on a fast island (its weight is capped at 2x)
 
 
 def offset(fragment: int, sync_every: int, fragments: int) -> int:
@@ -140,32 +140,33 @@ def keep_rhythm(nominal: int, tau: int, rate: float, rhythm: dict, current: int,
     shift = {}
     for f in pushing:
         if f in rhythm:
-            steps = aim(*rhythm[f], rate, int(tau) + 1, 2 * h)
+            steps = aim(*rhythm[f], rate, max(int(tau) + 1, int(nominal)), 2 * h)
             if steps is not None and steps != h:
                 shift[f] = h - steps
     return h, shift
 
 
-def aim_after(push_step: int, eta_s: float, period_s: float, rate: float, tau: int, h: int) -> Optional[int]:
+def aim_after(push_step: int, eta_s: float, period_s: float, rate: float, lo: int, hi: int) -> Optional[int]:
     """The step of a fragment's next boundary after its push at `push_step`, aimed at the rhythm island's push of
     the fragment that the push's PUSH_REPLY named (due `eta_s` after the push arrived, every `period_s`): ``aim``
     from the push; None when nothing is known."""
-    steps = aim(eta_s, period_s, rate, int(tau) + 1, 2 * int(h))
+    steps = aim(eta_s, period_s, rate, lo, hi)
     return None if steps is None else int(push_step) + steps
 
 
-def reply_aims(aims: dict, pushes: dict, aimed: dict, rate: float, tau: int, h: int, step: int) -> dict:
+def reply_aims(aims: dict, pushes: dict, aimed: dict, rate: float, lo: int, hi: int, step: int) -> dict:
     """{fragment: the step of its next boundary} from the PUSH_REPLYs' rhythm (``aims``: {fragment: (base_version,
     eta_s, period_s)}) for the pushes at the syncer (``pushes``: {fragment: (base_version, push step)}) that none
-    aimed yet (``aimed``: {fragment: (base_version, push step)}, updated); boundaries not after ``step`` + 1 are
-    left alone."""
+    aimed yet (``aimed``: {fragment: (base_version, push step)}, updated), each [lo, hi] steps after its push (a
+    pinned H: at least N, never more often than the user asked); boundaries not after ``step`` + 1 are left
+    alone."""
     out = {}
     for f, (base_version, eta, period) in aims.items():
         push = pushes.get(f)
         if push is None or push[0] != base_version or aimed.get(f) == push:
             continue
         aimed[f] = push
-        at = aim_after(push[1], eta, period, rate, tau, h)
+        at = aim_after(push[1], eta, period, rate, lo, hi)
         if at is not None and at > step + 1:
             out[f] = at
     return out
