@@ -25,12 +25,13 @@ payload without the tag), with ``nonce = u32 0 | u64 seq`` (``seq`` counts the f
 the 16-byte tag follows the payload. A frame that was altered, injected, replayed, reordered or dropped makes
 the receiver's sequence number or data differ, so its tag does not verify: the connection fails.
 
-Streaming (the wire bytes are the same as sealing a frame at once): the sender seals a frame piece by piece
-(:data:`PIECE` bytes) and writes each piece as soon as it is sealed, so the socket drains one piece while the next
-is sealed (in ``aead`` mode through one reused scratch buffer: no allocation per frame); the receiver verifies
-(and decrypts) each piece as it arrives, while it is still in the cache, and checks the tag once the frame is
-complete. Nothing of a frame is used before its tag verified: a receiver that gets :class:`InvalidTag` from
-:meth:`OpenStream.finish` discards what it decrypted.
+Streaming (the wire bytes are the same as sealing a frame at once): a frame larger than one piece
+(:data:`PIECE` bytes) is sealed piece by piece in one GCM context and each piece is written as soon as it is
+sealed, so the peer copies piece k out of the socket while piece k+1 is sealed; the receiver authenticates
+(decrypts) each piece as it arrives, while it is in the cache, and checks the tag once the frame is complete. In
+``aead`` mode the ciphertext passes through one reused scratch piece on each side (wire/scratch.py): no
+allocation or copy per frame. Nothing of a frame is used before its tag verified: a receiver that gets
+:class:`InvalidTag` from :meth:`OpenStream.finish` discards what it decrypted.
 """
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from . import scratch
+from .scratch import PIECE
+
 __all__ = ["FLAG_AUTH", "FLAG_ENC", "TAG_SIZE", "MODES", "EPHEMERAL_SIZE", "PIECE", "Ephemeral", "SessionKeys",
            "transcript", "hello_mac", "derive_keys", "derive_resumption", "resumption_proof", "Sealer", "Opener",
            "OpenStream", "InvalidTag"]
@@ -60,9 +64,6 @@ RESUME_INFO = b"yeto-patch resume v3\0"
 PROOF_LABEL = b"yeto-patch resume proof v3\0"
 HELLO_LABEL = b"yeto-patch hello v3\0"
 _NONCE = struct.Struct("<IQ")
-#: Bytes sealed (or opened) per step of a streamed frame: large enough to amortise the per-call and per-syscall
-#: costs, small enough to stay in the L2 cache between the crypto and the socket copy.
-PIECE = 1 << 20
 
 
 class Ephemeral:
@@ -132,7 +133,6 @@ class _Dir:
         self.encrypt = encrypt
         self.flags = FLAG_AUTH | (FLAG_ENC if encrypt else 0)
         self.seq = 0
-        self._buf: Optional[memoryview] = None   # the sealer's ciphertext scratch (aead)
 
     def _nonce(self) -> bytes:
         return _NONCE.pack(0, self.seq)
@@ -158,43 +158,41 @@ class Sealer(_Dir):
         enc.finalize()
         return out, enc.tag
 
-    def stream(self, header: bytes, parts: list, write, clear: int = 0, piece: int = PIECE) -> None:
-        """Seal one frame and write it with ``write(list of buffers)`` piece by piece as it is sealed: the header
-        and the ``clear`` leading parts first, then at most ``piece`` bytes of sealed payload per call, then the
-        tag. Same bytes on the wire as ``[header] + seal(header, parts, clear)``. ``write`` must have handed
-        every byte to the socket before it returns (``aead`` reuses one scratch buffer for the ciphertext)."""
+    def stream(self, header: bytes, parts: list, write, clear: int = 0) -> None:
+        """Seal one frame and write it with ``write(list of buffers)`` as it is sealed: the header and the
+        ``clear`` leading parts with the first piece, then piece by piece (:data:`PIECE` bytes), then the tag,
+        so the socket drains one piece while the next is sealed. Same bytes on the wire as ``[header] +
+        seal(header, parts, clear)``. ``write`` must have handed every byte to the socket before it returns
+        (``aead`` reuses one scratch piece)."""
+        pieces = [q for p in parts[clear:] for q in _pieces(p)]
+        if len(pieces) <= 1:   # one piece: nothing to overlap, one write
+            out, tag = self.seal(header, parts, clear)
+            write([header] + out + [tag])
+            return
         enc = Cipher(self.alg, modes.GCM(self._nonce())).encryptor()
         self.seq += 1
         enc.authenticate_additional_data(header)
-        out, pending = [header], 0
+        out = [header]
         for p in parts[:clear]:
             enc.authenticate_additional_data(p)
             out.append(p)
-        for p in parts[clear:]:
-            p = memoryview(p).cast("B")
-            for o in range(0, len(p), piece):
-                q = p[o:o + piece]
+        with scratch.piece() as buf:
+            for q in pieces:
                 if self.encrypt:
-                    s = self._scratch(len(q))
+                    s = buf[:len(q)]
                     enc.update_into(q, s)
-                    out.append(s)
-                    write(out)   # the scratch is reused by the next piece
-                    out, pending = [], 0
-                    continue
-                enc.authenticate_additional_data(q)
-                out.append(q)
-                pending += len(q)
-                if pending >= piece:
-                    write(out)
-                    out, pending = [], 0
+                    q = s
+                else:
+                    enc.authenticate_additional_data(q)
+                write(out + [q])
+                out = []
         enc.finalize()
-        out.append(enc.tag)
-        write(out)
+        write([enc.tag])
 
-    def _scratch(self, n: int) -> memoryview:
-        if self._buf is None or len(self._buf) < n:
-            self._buf = memoryview(bytearray(max(n, PIECE)))
-        return self._buf[:n]
+
+def _pieces(p) -> list:
+    p = memoryview(p).cast("B")
+    return [p[o:o + PIECE] for o in range(0, len(p), PIECE)]
 
 
 class Opener(_Dir):

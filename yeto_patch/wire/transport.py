@@ -29,7 +29,9 @@ from .chunks import DEFAULT_CHUNK, ENVELOPE, ENVELOPE_SIZE, MAX_CHUNK, Reassembl
 from .frames import (HEADER_SIZE, MAX_PAYLOAD, BrokenHere, DigestError, FrameAuthError, FrameError, MsgType,
                      PeerError, ProtocolError, WireTimeout, decode_header, encode_header)
 from .message import pack_meta, unpack
-from .secure import FLAG_AUTH, FLAG_ENC, PIECE, TAG_SIZE, InvalidTag, Opener, Sealer
+from . import scratch
+from .scratch import PIECE
+from .secure import FLAG_AUTH, FLAG_ENC, TAG_SIZE, InvalidTag, Opener, Sealer
 
 # Back-off jitter from a generator of our own, seeded by the OS: Megatron seeds the `random` module with --seed, so
 # every island of a run would draw the same jitter and redial a restarted syncer in step.
@@ -102,7 +104,6 @@ class Connection:
         self._tx: Optional[Sealer] = None   # frame protection (after the handshake), per direction
         self._rx: Optional[Opener] = None
         self._rx_clear_error = False
-        self._rx_buf: Optional[memoryview] = None   # ciphertext scratch of the receiving side (aead)
         _tune(sock)
         # non-blocking: each direction polls with its own deadline (a socket timeout would be shared by a
         # receive and a concurrent send on another thread, shortening the send's to the receive's wait)
@@ -328,8 +329,8 @@ class Connection:
                     self._break("message not complete in time")
                     raise WireTimeout(f"message from {self.peer} not complete within {self._within}s")
                 wait = min(wait, left)
-            try:
-                r = self.sock.recv_into(view[got:], n - got)
+            try:   # (with on_data, a piece at a time: digested while it is still in the cache)
+                r = self.sock.recv_into(view[got:], n - got if on_data is None else min(n - got, PIECE))
             except (BlockingIOError, InterruptedError):
                 if self._wait_io(select.POLLIN, wait):
                     continue
@@ -462,27 +463,23 @@ class Connection:
         each piece as it arrives; FrameAuthError if the tag does not verify (``body`` must then be discarded)."""
         seq = self._rx.seq
         st = self._rx.begin(hdr, clear)
-        if not st.encrypt:
-            self._recv_into(body, on_data=st.authenticate)
-        else:   # the ciphertext lands in a reused scratch piece, the plaintext in place
-            for o in range(0, len(body), PIECE):
-                piece = body[o:o + PIECE]
-                s = self._rx_scratch(len(piece))
-                self._recv_into(s)
-                st.decrypt_into(s, piece)
-        tag = bytearray(TAG_SIZE)
-        self._recv_into(memoryview(tag))
         try:
+            if not st.encrypt:
+                self._recv_into(body, on_data=st.authenticate)   # each piece while it is in the cache
+            else:
+                with scratch.piece() as buf:   # the ciphertext lands in the scratch piece, the plaintext in place
+                    for o in range(0, len(body), PIECE):
+                        piece = body[o:o + PIECE]
+                        s = buf[:len(piece)]
+                        self._recv_into(s)
+                        st.decrypt_into(s, piece)
+            tag = bytearray(TAG_SIZE)
+            self._recv_into(memoryview(tag))
             st.finish(tag)
         except InvalidTag:
             raise FrameAuthError(f"frame authentication failed: {what} from {self.peer} is not frame {seq} as "
                                  "sealed by the peer (altered, injected, replayed, reordered or dropped on the "
                                  "path); closing the connection") from None
-
-    def _rx_scratch(self, n: int) -> memoryview:
-        if self._rx_buf is None:
-            self._rx_buf = memoryview(bytearray(PIECE))
-        return self._rx_buf[:n]
 
     def _deliver(self, t: MsgType, payload: memoryview, sealed: bool) -> tuple[MsgType, dict, memoryview]:
         meta, body = unpack(payload)
