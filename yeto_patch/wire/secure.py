@@ -39,7 +39,6 @@ import hashlib
 import hmac
 import json
 import struct
-from typing import Optional
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -196,24 +195,7 @@ def _pieces(p) -> list:
 
 
 class Opener(_Dir):
-    """One direction's receiving side; call :meth:`open` under the connection's receive lock."""
-
-    def open(self, header, clear: Optional[memoryview], body: memoryview, tag: bytes) -> None:
-        """Verify (and in ``aead`` mode decrypt ``body`` in place) one frame; InvalidTag if it is not the next
-        frame the peer sealed."""
-        dec = Cipher(self.alg, modes.GCM(self._nonce(), bytes(tag))).decryptor()
-        self.seq += 1
-        dec.authenticate_additional_data(bytes(header))
-        if clear is not None:
-            dec.authenticate_additional_data(clear)
-        if not self.encrypt:
-            if len(body):
-                dec.authenticate_additional_data(body)
-            dec.finalize()
-            return
-        plain = dec.update(body)
-        dec.finalize()   # raises InvalidTag before anything is written
-        body[:] = plain
+    """One direction's receiving side; call :meth:`begin` under the connection's receive lock (frame order)."""
 
     def begin(self, header, clear=None) -> "OpenStream":
         """Start opening the next frame piece by piece (:class:`OpenStream`); its sequence number is taken now."""
