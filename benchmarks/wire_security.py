@@ -6,7 +6,9 @@ AES-256-GCM, ``--encrypt``), against a raw socket sending the same bytes (no fra
 
 Each figure is the median of ``--repeat`` transfers of one ``--mib`` MiB message (chunked as the transport does:
 4 MiB chunks), sender and receiver in two threads of this process; each transfer's ratio is to a raw-socket
-transfer measured just before it (the host is noisy: ratios of neighbours, not of separate runs). The frame keys
+transfer measured just before it (the host is noisy: ratios of neighbours, not of separate runs), and the CPU
+seconds (both ends, this process) the raw transfer took over those the framed one took: on a host shared with
+other work the wall-clock ratio follows the CPU share the two threads get, the CPU ratio does not. The frame keys
 come from real handshakes (protocol 3: an X25519 exchange, wire/secure.py). Then what a handshake costs: the key
 exchange and derivations of both sides alone, and ``--handshakes`` whole authenticated handshakes (CHALLENGE,
 PROBE, protected WELCOME) with an in-process syncer over loopback.
@@ -43,9 +45,9 @@ def _socketpair():
     return a, b
 
 
-def raw(nbytes: int) -> float:
-    """The same bytes over a plain socket, received (like the transport does) into one fresh buffer of the
-    message's size."""
+def raw(nbytes: int) -> tuple:
+    """(bytes/s, CPU seconds of both ends) of the same bytes over a plain socket, received (like the transport
+    does) into one fresh buffer of the message's size."""
     a, b = _socketpair()
 
     def reader():
@@ -56,15 +58,15 @@ def raw(nbytes: int) -> float:
 
     data = memoryview(np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8))
     th = threading.Thread(target=reader)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     th.start()
     for o in range(0, nbytes, PIECE):
         a.sendall(data[o:o + PIECE])
     th.join()
-    dt = time.perf_counter() - t0
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
     a.close()
     b.close()
-    return nbytes / dt
+    return nbytes / dt, dc
 
 
 def session(mode: str):
@@ -77,7 +79,8 @@ def session(mode: str):
     return hello.session(), syncer
 
 
-def framed(nbytes: int, mode: str, msg_type: MsgType) -> float:
+def framed(nbytes: int, mode: str, msg_type: MsgType) -> tuple:
+    """(bytes/s, CPU seconds of both ends) of one ``msg_type`` message through two transport connections."""
     a, b = _socketpair()
     tx, rx = transport.Connection(a, timeout=30), transport.Connection(b, timeout=30)
     rx.set_limits({msg_type: nbytes + (1 << 20)})
@@ -92,17 +95,17 @@ def framed(nbytes: int, mode: str, msg_type: MsgType) -> float:
         box["msg"] = rx.recv(timeout=30)
 
     th = threading.Thread(target=reader)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     th.start()
     mv = memoryview(body)
     tx.send(msg_type, {"fragment": 0, "numel": nbytes // 4}, body_len=nbytes,
             body_iter=(mv[o:o + PIECE] for o in range(0, nbytes, PIECE)))
     th.join()
-    dt = time.perf_counter() - t0
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
     assert box["msg"][0] == msg_type and len(box["msg"][2]) == nbytes
     tx.close()
     rx.close()
-    return nbytes / dt
+    return nbytes / dt, dc
 
 
 def handshakes(n: int) -> tuple:
@@ -135,21 +138,24 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     n = a.mib << 20
     cases = [(t, mode) for t in (MsgType.INIT, MsgType.BASE, MsgType.PUSH) for mode in ("none", "mac", "aead")]
-    raws, rates, ratios = [], {c: [] for c in cases}, {c: [] for c in cases}
+    raws, rates, ratios, cpu = [], {c: [] for c in cases}, {c: [] for c in cases}, {c: [] for c in cases}
     raw(n)   # warm-up (first allocations, socket buffers)
     for _ in range(a.repeat):   # interleaved: each repetition measures the raw socket next to every case
         for c in cases:
-            base = raw(n)
-            r = framed(n, c[1], c[0])
+            base, base_cpu = raw(n)
+            r, r_cpu = framed(n, c[1], c[0])
             raws.append(base)
             rates[c].append(r)
             ratios[c].append(r / base)
+            cpu[c].append(base_cpu / max(r_cpu, 1e-9))
     print(f"loopback, {a.mib} MiB messages, {a.repeat} interleaved repetitions; raw socket median "
-          f"{statistics.median(raws) / 1e9:.2f} GB/s (min {min(raws) / 1e9:.2f}, max {max(raws) / 1e9:.2f})")
-    print(f"{'message':8s} {'mode':5s} {'GB/s':>6s} {'x raw':>6s}   (medians; x raw: against the raw transfer "
-          "measured just before)")
+          f"{statistics.median(raws) / 1e9:.2f} GB/s (min {min(raws) / 1e9:.2f}, max {max(raws) / 1e9:.2f}); "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'message':8s} {'mode':5s} {'GB/s':>6s} {'x raw':>6s} {'CPU x raw':>9s}   (medians; x raw: against the raw "
+          "transfer measured just before; CPU x raw: its CPU seconds over ours)")
     for c in cases:
-        print(f"{c[0].name:8s} {c[1]:5s} {statistics.median(rates[c]) / 1e9:6.2f} {statistics.median(ratios[c]):6.2f}")
+        print(f"{c[0].name:8s} {c[1]:5s} {statistics.median(rates[c]) / 1e9:6.2f} {statistics.median(ratios[c]):6.2f} "
+              f"{statistics.median(cpu[c]):9.2f}")
     if a.handshakes:
         crypto, whole = handshakes(a.handshakes)
         print(f"handshake (protocol 3): X25519 exchange and session derivations of both sides {crypto * 1e3:.2f} ms; "

@@ -24,6 +24,14 @@ payload without the tag), with ``nonce = u32 0 | u64 seq`` (``seq`` counts the f
 
 the 16-byte tag follows the payload. A frame that was altered, injected, replayed, reordered or dropped makes
 the receiver's sequence number or data differ, so its tag does not verify: the connection fails.
+
+Streaming (the wire bytes are the same as sealing a frame at once): a frame larger than one piece
+(:data:`PIECE` bytes) is sealed piece by piece in one GCM context and each piece is written as soon as it is
+sealed, so the peer copies piece k out of the socket while piece k+1 is sealed; the receiver authenticates
+(decrypts) each piece as it arrives, while it is in the cache, and checks the tag once the frame is complete. In
+``aead`` mode the ciphertext passes through one reused scratch piece on each side (wire/scratch.py): no
+allocation or copy per frame. Nothing of a frame is used before its tag verified: a receiver that gets
+:class:`InvalidTag` from :meth:`OpenStream.finish` discards what it decrypted.
 """
 from __future__ import annotations
 
@@ -31,7 +39,6 @@ import hashlib
 import hmac
 import json
 import struct
-from typing import Optional
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -39,9 +46,12 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-__all__ = ["FLAG_AUTH", "FLAG_ENC", "TAG_SIZE", "MODES", "EPHEMERAL_SIZE", "Ephemeral", "SessionKeys",
+from . import scratch
+from .scratch import PIECE
+
+__all__ = ["FLAG_AUTH", "FLAG_ENC", "TAG_SIZE", "MODES", "EPHEMERAL_SIZE", "PIECE", "Ephemeral", "SessionKeys",
            "transcript", "hello_mac", "derive_keys", "derive_resumption", "resumption_proof", "Sealer", "Opener",
-           "InvalidTag"]
+           "OpenStream", "InvalidTag"]
 
 FLAG_AUTH = 1
 FLAG_ENC = 2
@@ -147,26 +157,78 @@ class Sealer(_Dir):
         enc.finalize()
         return out, enc.tag
 
+    def stream(self, header: bytes, parts: list, write, clear: int = 0) -> None:
+        """Seal one frame and write it with ``write(list of buffers)`` as it is sealed: the header and the
+        ``clear`` leading parts with the first piece, then piece by piece (:data:`PIECE` bytes), then the tag,
+        so the socket drains one piece while the next is sealed. Same bytes on the wire as ``[header] +
+        seal(header, parts, clear)``. ``write`` must have handed every byte to the socket before it returns
+        (``aead`` reuses one scratch piece)."""
+        pieces = [q for p in parts[clear:] for q in _pieces(p)]
+        if len(pieces) <= 1:   # one piece: nothing to overlap, one write
+            out, tag = self.seal(header, parts, clear)
+            write([header] + out + [tag])
+            return
+        enc = Cipher(self.alg, modes.GCM(self._nonce())).encryptor()
+        self.seq += 1
+        enc.authenticate_additional_data(header)
+        out = [header]
+        for p in parts[:clear]:
+            enc.authenticate_additional_data(p)
+            out.append(p)
+        with scratch.piece() as buf:
+            for q in pieces:
+                if self.encrypt:
+                    s = buf[:len(q)]
+                    enc.update_into(q, s)
+                    q = s
+                else:
+                    enc.authenticate_additional_data(q)
+                write(out + [q])
+                out = []
+        enc.finalize()
+        write([enc.tag])
+
+
+def _pieces(p) -> list:
+    p = memoryview(p).cast("B")
+    return [p[o:o + PIECE] for o in range(0, len(p), PIECE)]
+
 
 class Opener(_Dir):
-    """One direction's receiving side; call :meth:`open` under the connection's receive lock."""
+    """One direction's receiving side; call :meth:`begin` under the connection's receive lock (frame order)."""
 
-    def open(self, header, clear: Optional[memoryview], body: memoryview, tag: bytes) -> None:
-        """Verify (and in ``aead`` mode decrypt ``body`` in place) one frame; InvalidTag if it is not the next
-        frame the peer sealed."""
-        dec = Cipher(self.alg, modes.GCM(self._nonce(), bytes(tag))).decryptor()
+    def begin(self, header, clear=None) -> "OpenStream":
+        """Start opening the next frame piece by piece (:class:`OpenStream`); its sequence number is taken now."""
+        dec = Cipher(self.alg, modes.GCM(self._nonce())).decryptor()
         self.seq += 1
         dec.authenticate_additional_data(bytes(header))
         if clear is not None:
             dec.authenticate_additional_data(clear)
-        if not self.encrypt:
-            if len(body):
-                dec.authenticate_additional_data(body)
-            dec.finalize()
-            return
-        plain = dec.update(body)
-        dec.finalize()   # raises InvalidTag before anything is written
-        body[:] = plain
+        return OpenStream(dec, self.encrypt)
+
+
+class OpenStream:
+    """One frame being opened as its payload arrives: :meth:`authenticate` (``mac``) or :meth:`decrypt_into`
+    (``aead``) every piece in order, then :meth:`finish` with the tag (InvalidTag if the frame is not the one the
+    peer sealed; whatever was decrypted must then be discarded unused)."""
+
+    __slots__ = ("_dec", "encrypt")
+
+    def __init__(self, dec, encrypt: bool):
+        self._dec = dec
+        self.encrypt = encrypt
+
+    def authenticate(self, piece) -> None:
+        if len(piece):
+            self._dec.authenticate_additional_data(piece)
+
+    def decrypt_into(self, cipher, plain) -> None:
+        """Decrypt ``cipher`` into ``plain`` (same length, not overlapping)."""
+        if self._dec.update_into(cipher, plain) != len(cipher):
+            raise InvalidTag()
+
+    def finish(self, tag) -> None:
+        self._dec.finalize_with_tag(bytes(tag))
 
 
 def derive_resumption(key: bytes, dh: bytes, th: bytes) -> bytes:

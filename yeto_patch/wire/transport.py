@@ -29,6 +29,8 @@ from .chunks import DEFAULT_CHUNK, ENVELOPE, ENVELOPE_SIZE, MAX_CHUNK, Reassembl
 from .frames import (HEADER_SIZE, MAX_PAYLOAD, BrokenHere, DigestError, FrameAuthError, FrameError, MsgType,
                      PeerError, ProtocolError, WireTimeout, decode_header, encode_header)
 from .message import pack_meta, unpack
+from . import scratch
+from .scratch import PIECE
 from .secure import FLAG_AUTH, FLAG_ENC, TAG_SIZE, InvalidTag, Opener, Sealer
 
 # Back-off jitter from a generator of our own, seeded by the OS: Megatron seeds the `random` module with --seed, so
@@ -227,8 +229,8 @@ class Connection:
         with self._send_lock:   # sealed under the lock: the sequence numbers follow the wire order
             self._check_usable(msg_type == MsgType.ERROR)
             header = encode_header(msg_type, length, 0, flags | self._tx.flags)
-            out, tag = self._tx.seal(header, parts, clear=1 if msg_type == MsgType.CHUNK else 0)
-            self._sendmsg_all([header] + out + [tag])
+            # sealed and written piece by piece: the socket drains one piece while the next is sealed
+            self._tx.stream(header, parts, self._sendmsg_all, clear=1 if msg_type == MsgType.CHUNK else 0)
 
     def send(self, msg_type: int, meta: Optional[dict] = None, body: Body = b"", *,
              body_len: Optional[int] = None, body_iter: Optional[Iterable] = None) -> None:
@@ -314,8 +316,9 @@ class Connection:
         self.send(MsgType.ERROR, {"code": str(code), "message": str(message)[:4000]})
 
     # ---------------------------------------------------------------------------------------- recv
-    def _recv_into(self, view: memoryview, first_wait: Optional[float] = None) -> None:
-        """Fill ``view`` completely. ``first_wait``: timeout for the first byte (then the stall timeout)."""
+    def _recv_into(self, view: memoryview, first_wait: Optional[float] = None, on_data=None) -> None:
+        """Fill ``view`` completely. ``first_wait``: timeout for the first byte (then the stall timeout).
+        ``on_data``: called with each slice of ``view`` as it arrives (digests while the bytes are in the cache)."""
         got, n = 0, len(view)
         while got < n:
             first = got == 0 and first_wait is not None
@@ -326,8 +329,8 @@ class Connection:
                     self._break("message not complete in time")
                     raise WireTimeout(f"message from {self.peer} not complete within {self._within}s")
                 wait = min(wait, left)
-            try:
-                r = self.sock.recv_into(view[got:], n - got)
+            try:   # (with on_data, a piece at a time: digested while it is still in the cache)
+                r = self.sock.recv_into(view[got:], n - got if on_data is None else min(n - got, PIECE))
             except (BlockingIOError, InterruptedError):
                 if self._wait_io(select.POLLIN, wait):
                     continue
@@ -350,6 +353,8 @@ class Connection:
                 what = "closed the connection" if first else \
                     f"closed the connection mid-frame ({got} of {n} bytes)"
                 raise ProtocolError(f"{self.peer} {what}")
+            if on_data is not None:
+                on_data(view[got:got + r])
             got += r
 
     def recv(self, timeout: Optional[float] = None, *, within: Optional[float] = None
@@ -400,11 +405,13 @@ class Connection:
                     raise FrameError(f"unchunked {h.msg_type.name} frame announces {h.length} bytes, above this "
                                      f"receiver's maximum {limit} (larger messages travel as CHUNKs)")
                 payload = np.empty(h.length, np.uint8)
-                self._recv_into(memoryview(payload))
                 if sealed:
-                    self._open(hdr, None, memoryview(payload), h.msg_type.name)
-                elif xxhash.xxh3_64_intdigest(payload) != h.digest:
-                    raise DigestError(f"digest mismatch in {h.msg_type.name} message from {self.peer}")
+                    self._recv_sealed(hdr, None, memoryview(payload), h.msg_type.name)
+                else:
+                    d = xxhash.xxh3_64()
+                    self._recv_into(memoryview(payload), on_data=d.update)
+                    if d.intdigest() != h.digest:
+                        raise DigestError(f"digest mismatch in {h.msg_type.name} message from {self.peer}")
                 return h.msg_type, memoryview(payload), sealed
             if h.length < ENVELOPE_SIZE:
                 raise FrameError(f"CHUNK frame of {h.length} bytes is shorter than its envelope")
@@ -413,16 +420,16 @@ class Connection:
             env = parse_envelope(envb)
             n = h.length - ENVELOPE_SIZE
             dst = self._reasm.reserve(env, n)  # validated against maxima before any allocation
-            self._recv_into(dst)
             if sealed:
                 try:
-                    self._open(hdr, memoryview(envb), dst, f"chunk of {_chunks._label(env)} (offset {env.offset})")
+                    self._recv_sealed(hdr, memoryview(envb), dst,
+                                      f"chunk of {_chunks._label(env)} (offset {env.offset})")
                 except FrameAuthError:
                     self._reasm.drop(env.msg_id)
                     raise
             else:
                 d = xxhash.xxh3_64(envb)
-                d.update(dst)
+                self._recv_into(dst, on_data=d.update)
                 if d.intdigest() != h.digest:
                     self._reasm.drop(env.msg_id)
                     raise DigestError(f"digest mismatch in chunk of {_chunks._label(env)} from {self.peer} "
@@ -451,12 +458,24 @@ class Connection:
         raise FrameAuthError(f"frame {self._rx.seq} from {self.peer} ({h.msg_type.name}, flags {h.flags}) is not "
                              f"{want} as agreed in the handshake: injected or downgraded; closing the connection")
 
-    def _open(self, hdr, clear, body: memoryview, what: str) -> None:
-        tag = bytearray(TAG_SIZE)
-        self._recv_into(memoryview(tag))
+    def _recv_sealed(self, hdr, clear, body: memoryview, what: str) -> None:
+        """Receive a protected frame's payload into ``body`` and its tag, verifying (in ``aead`` mode decrypting)
+        each piece as it arrives; FrameAuthError if the tag does not verify (``body`` must then be discarded)."""
         seq = self._rx.seq
+        st = self._rx.begin(hdr, clear)
         try:
-            self._rx.open(hdr, clear, body, tag)
+            if not st.encrypt:
+                self._recv_into(body, on_data=st.authenticate)   # each piece while it is in the cache
+            else:
+                with scratch.piece() as buf:   # the ciphertext lands in the scratch piece, the plaintext in place
+                    for o in range(0, len(body), PIECE):
+                        piece = body[o:o + PIECE]
+                        s = buf[:len(piece)]
+                        self._recv_into(s)
+                        st.decrypt_into(s, piece)
+            tag = bytearray(TAG_SIZE)
+            self._recv_into(memoryview(tag))
+            st.finish(tag)
         except InvalidTag:
             raise FrameAuthError(f"frame authentication failed: {what} from {self.peer} is not frame {seq} as "
                                  "sealed by the peer (altered, injected, replayed, reordered or dropped on the "

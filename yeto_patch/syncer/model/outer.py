@@ -35,6 +35,7 @@ from typing import Optional
 
 import numpy as np
 
+from . import outer_jit
 from .runner import ChunkRunner
 
 __all__ = ["OUTER_KINDS", "OuterOptimizer", "NonFiniteMerge", "FragmentTensors", "AUTO_LR", "lr_for_steps",
@@ -248,6 +249,8 @@ def _scan(acc: np.ndarray, a: int, b: int):
     x = acc[a:b]
     if b <= a:
         return True, 0.0, 0.0
+    if outer_jit.enabled():   # one pass (outer_jit.py)
+        return outer_jit.scan(x)
     mx, mn = float(x.max()), float(x.min())  # NaN propagates through max/min
     if not (np.isfinite(mx) and np.isfinite(mn)):
         return False, 0.0, 0.0
@@ -309,6 +312,9 @@ def _check(p: _StepPlan, acc: np.ndarray, runner: ChunkRunner, a: int, b: int) -
 
 def _commit(p: _StepPlan, acc: np.ndarray, runner: ChunkRunner, divided: bool, a: int, b: int) -> None:
     """The update of elements a:b (``divided``: pass 2 already turned acc into g)."""
+    if outer_jit.enabled():   # one pass, the same bits (outer_jit.py)
+        outer_jit.commit(p, acc, divided, a, b)
+        return
     W, lr, mu, invN = p.W, p.lr, p.mu, p.invN
     base, m, d, dn = p.base, p.m, p.d, p.dn
     if divided:

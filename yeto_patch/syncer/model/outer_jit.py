@@ -1,0 +1,67 @@
+"""One-pass kernels for the outer step (numba), bit-identical to the numpy kernels of outer.py.
+
+The outer step reads the merged accumulator twice: pass 1 checks it (finite, max |g|, ||g||^2) before anything
+is written, pass 2 updates momentum and base. In numpy each pass is several whole-chunk passes (max, min and a
+float64 einsum; then a divide, two multiplies and adds, a scale and a subtract through scratch arrays); here each
+is one loop over the chunk, so the step moves about the bytes it must (acc read twice, base and momentum read and
+written once). The commit gives the same bits as numpy; the sum of squares is summed in float64 in another order
+(8 interleaved partial sums per chunk), so the norm can differ from numpy's in its last bits, and is the same for
+any thread count. numba is imported, and the kernels compiled, on first use (then cached in ``__pycache__``); when
+numba is not installed, or after ``set_enabled(False)``, outer.py runs its numpy kernels.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import threading
+
+import numpy as np
+
+__all__ = ["available", "enabled", "set_enabled", "scan", "commit"]
+
+_HAVE = importlib.util.find_spec("numba") is not None
+_enabled = True
+_kernels = None
+_lock = threading.Lock()
+_EMPTY = np.empty(0, np.float32)
+
+
+def available() -> bool:
+    return _HAVE
+
+
+def enabled() -> bool:
+    return _enabled and _HAVE
+
+
+def set_enabled(on: bool) -> None:
+    """Use the numba kernels (the default when numba is installed) or outer.py's numpy kernels."""
+    global _enabled
+    _enabled = bool(on)
+
+
+def _k():
+    global _kernels
+    if _kernels is None:
+        with _lock:
+            if _kernels is None:
+                _kernels = importlib.import_module(f"{__package__}.outer_kernels")
+    return _kernels
+
+
+def scan(x: np.ndarray) -> tuple:
+    """(finite, max |x|, sum of x^2 as float64) of a float32 chunk, in one pass."""
+    if x.size == 0:
+        return True, 0.0, 0.0
+    ok, bits, sq = _k().scan(x)
+    if not ok:
+        return False, 0.0, 0.0
+    return True, float(np.int32(bits).view(np.float32)), float(sq)
+
+
+def commit(p, acc: np.ndarray, divided: bool, a: int, b: int) -> None:
+    """outer.py's ``_commit`` of elements a:b in one pass (``p``: its _StepPlan)."""
+    m = p.m[a:b] if p.use_m else _EMPTY
+    d = p.d[a:b] if p.dn else _EMPTY
+    _k().commit(acc[a:b], p.base[a:b], m, d, np.float32(p.W), np.float32(p.lr), np.float32(p.mu),
+                np.float32(p.invN), bool(p.use_m), bool(p.dn), bool(divided))
