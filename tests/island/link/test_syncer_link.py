@@ -293,3 +293,19 @@ def test_a_declared_initializer_is_said_in_the_manifest_and_refused_when_another
         assert "a" not in server.sessions
     finally:
         server.stop()
+
+
+def test_outlier_refusals_are_survived_until_several_in_a_row(tmp_path):
+    """The outlier guard judges a push against the other islands' recent ones and refused an honest one early in a
+    Megatron-LM run (0.5% over its bound), which used to fail the island. An outlier refusal now settles the push
+    (the island keeps its progress; its next push carries it again); MAX_OUTLIERS in a row, with no merge of its
+    pushes between, still fail it: its training diverged."""
+    from yeto_patch.island.link.syncer import MAX_OUTLIERS
+    from yeto_patch.wire.client import SyncerRefusal
+    link = SyncerLink(settings(tmp_path, free_port()), MANIFEST, step=lambda: 7)
+    for n in range(1, MAX_OUTLIERS):
+        r = link._expected_refusal(SyncerRefusal("outlier", "too large", 0, n))
+        assert r is not None and r.code == "outlier" and link.outliers == n
+    assert link._expected_refusal(SyncerRefusal("outlier", "too large", 0, 9)) is None   # the island fails
+    link.outliers = MAX_OUTLIERS - 1
+    assert link._expected_refusal(SyncerRefusal("nonfinite", "NaN", 0, 1)) is None       # never survived

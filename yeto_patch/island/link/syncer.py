@@ -116,6 +116,9 @@ class _Unanswered:
         self.asked_at = 0.0
 
 
+MAX_OUTLIERS = 3   # outlier refusals in a row that fail the island (its training diverged)
+
+
 class SyncerLink:
     """Rank 0's connection to the syncer. `settings`: syncer, island_id, timeout, insecure, send_queue_bytes,
     key_file / key_from_env, overlap_steps; `step()`: the island's step (for log lines); `record(event, **fields)`:
@@ -140,6 +143,7 @@ class SyncerLink:
         self.resilient = False       # after start: a lost link is replaced instead of failing the island
         self.outage: Optional[float] = None   # when the link was lost (None: it is up)
         self.refusals = collections.deque()   # refusals the sender thread met (raised by poll)
+        self.outliers = 0                      # outlier refusals in a row (no merge of this island's pushes since)
         self.clock = StepClock()              # this island's step and compute rate
         self._final_wait: Optional[Patience] = None
         self._redial: Optional[tuple] = None  # (thread, result, cause, deadline) of a reconnect under way
@@ -504,6 +508,7 @@ class SyncerLink:
                 a = ArrivedBase(b, took_by(b), now)
                 if a.took is not None and a.took >= 0:
                     self._answered(a.fragment, a.took)
+                    self.outliers = 0   # a merge took a push of this island
                 elif a.took is None:   # no merge figures (an older or restarted syncer): a push that went out on
                     self._answered(a.fragment, a.version - 1, sent_only=True)   # this link is at the syncer
                 arrived.append(a)
@@ -522,12 +527,23 @@ class SyncerLink:
 
     def _expected_refusal(self, e) -> Optional[Refusal]:
         """A refusal that answers a push without failing the island: a push the syncer already holds (duplicate),
-        or one it merged past beyond its --max-base-lag (stale). Its reason is logged here and by the syncer."""
-        if e.code not in ("duplicate", "stale"):
+        one it merged past beyond its --max-base-lag (stale), or up to MAX_OUTLIERS - 1 outliers in a row (the
+        guard judges a push against the other islands' recent ones, and an honest push early in a run was refused
+        by 0.5%: the island keeps its progress, which its next push carries again; MAX_OUTLIERS in a row, with no
+        merge of its pushes between, say its training diverged and fail it). Its reason is logged here and by the
+        syncer."""
+        if e.code not in ("duplicate", "stale", "outlier"):
             return None
         f, v = e.fragment, e.base_version
         if not (isinstance(f, int) and isinstance(v, int)):
             return None
+        if e.code == "outlier":
+            self.outliers += 1
+            if self.outliers >= MAX_OUTLIERS:
+                return None
+            log.warning("yeto-patch: step %d: the syncer refused the push of fragment %s relative to v%s as an "
+                        "outlier (%d in a row; %d fail the island): %s", self.step(), f, v, self.outliers,
+                        MAX_OUTLIERS, e.message)
         with self._lock:
             mine = self._unanswered.get(f, [])
             u = next((u for u in mine if u.push.base_version == v), None)
@@ -536,7 +552,7 @@ class SyncerLink:
             (log.debug if u is not None and u.again else log.info)(
                 "yeto-patch: step %d: the syncer already holds this island's push of fragment %s relative to v%s; "
                 "it counts once", self.step(), f, v)
-        else:
+        elif e.code == "stale":
             log.warning("yeto-patch: step %d: the syncer refused the push of fragment %s relative to v%s as stale "
                         "(it merged on without this island): %s", self.step(), f, v, e.message)
         return Refusal(f, v, e.code, str(e.message))
