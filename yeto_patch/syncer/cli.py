@@ -379,6 +379,7 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     _setup_logging(a.log_level, a.log)
     log = logging.getLogger("yeto.syncer")
+    from .model import outer_jit
     from .net.server import SyncerServer
 
     try:
@@ -386,6 +387,7 @@ def main(argv: Optional[list] = None) -> int:
         exchange_shard_addresses(a)
         cfg.shard_addresses, cfg.run_id = tuple(a.shard_addresses or ()), a.run_id
         server = SyncerServer(cfg)
+        outer_jit.warm()   # (before it listens: its first merge must not wait for numba's compilation)
         host, port = server.start()
     except (ValueError, AuthError, CheckpointError, OSError, RuntimeError) as e:
         print(f"yeto-syncer: error: {e}", file=sys.stderr)

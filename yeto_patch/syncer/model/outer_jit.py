@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["available", "enabled", "set_enabled", "scan", "commit"]
+__all__ = ["available", "enabled", "set_enabled", "warm", "scan", "commit"]
 
 _HAVE = importlib.util.find_spec("numba") is not None
 _enabled = True
@@ -38,6 +38,18 @@ def set_enabled(on: bool) -> None:
     """Use the numba kernels (the default when numba is installed) or outer.py's numpy kernels."""
     global _enabled
     _enabled = bool(on)
+
+
+def warm() -> None:
+    """Compile (or load from the cache) both kernels now, on tiny arrays: the syncer calls it before it listens,
+    so its first merge does not pay numba's compilation (seconds on a machine without the cache: a syncer killed
+    within them, as tests/syncer/test_checkpoint_crash.py does, never merged nor cached anything)."""
+    if not enabled():
+        return
+    x = np.zeros(8, np.float32)
+    _k().scan(x)
+    _k().commit(x.copy(), x.copy(), x.copy(), x.copy(), np.float32(1), np.float32(1), np.float32(0),
+                np.float32(1), True, True, True)
 
 
 def _k():
