@@ -1,9 +1,9 @@
 """benchmarks/convergence_mlm.py in its CI setting (issue 24): Megatron-LM's pretrain() on indexed byte-level text,
-two islands (TP2 seed 11 on shard 0, PP2 seed 22 on shard 1) at the defaults with 4 fragments, island a
+two islands (TP2 seed 11 on shard 0, PP2 seed 22 on shard 1) at the defaults and with the fixed roster, 4 fragments, island a
 initializing (the syncer's default policy takes the lowest id; the start the issue found worse), the lone island
 from that start, and textbook DiLoCo (benchmarks/diloco_reference_mlm.py) from it. The DiLoCo run ends with one
 final model (both islands' evaluations agree) that is no worse than the lone island from the same start and within
-3% of the reference, and the lone run starts bit for bit from the INIT the DiLoCo run took. (INIT from island b:
+3% of the reference (the fixed roster's: the reference merges every island in every round), and the lone run starts bit for bit from the INIT the DiLoCo run took. (INIT from island b:
 the benchmark's grid, docs/convergence.md; kept out of CI for time.)"""
 import importlib.util
 import json
@@ -25,27 +25,33 @@ SLACK = 1.0
 def test_two_islands_f4_are_no_worse_than_the_lone_island_from_the_same_start(tmp_path):
     out = tmp_path / "res.json"
     cmd = [sys.executable, "benchmarks/convergence_mlm.py", "--ci", "--jobs", "4", "--out", str(tmp_path),
-           "--json", str(out), "--timeout", "700", "--init", "a"]
+           "--json", str(out), "--timeout", "700", "--init", "a", "--settings", "defaults,fixed roster"]
     r = subprocess.run(cmd, cwd=P.ROOT, env=P.base_env(), capture_output=True, text=True, timeout=840)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    res = {(c["kind"], c["init"]): c for c in json.loads(out.read_text())}
-    assert sorted(res) == [("diloco", "a"), ("lone", "a"), ("ref", "a")], r.stdout[-3000:]
-    for init in "a":
-        d, lone = res[("diloco", init)], res[("lone", init)]
-        assert d["fragments"] == 4 and d["setting"] == "defaults"
+    res = {(c["kind"], c["init"], c.get("setting") if c["kind"] == "diloco" else None): c
+           for c in json.loads(out.read_text())}
+    assert sorted(res, key=str) == sorted([("diloco", "a", "defaults"), ("diloco", "a", "fixed roster"),
+                                           ("lone", "a", None), ("ref", "a", None)], key=str), r.stdout[-3000:]
+    lone, ref = res[("lone", "a", None)], res[("ref", "a", None)]      # ref: textbook DiLoCo, fp32, same start
+    for setting in ("defaults", "fixed roster"):
+        d = res[("diloco", "a", setting)]
+        assert d["fragments"] == 4
         assert abs(d["islands"][0] - d["islands"][1]) < 2e-3, d           # one final model
         assert d["same_start"] is True, d                                  # the lone run's start is the INIT
         assert 2.0 < lone["loss"] < 5.5 and 2.0 < d["loss"] < 5.5, (d, lone)   # trained (ln 257 = 5.55)
-        assert d["loss"] <= lone["loss"] * SLACK, (init, d["loss"], lone["loss"], r.stdout[-3000:])
-        ref = res[("ref", init)]                                           # textbook DiLoCo, fp32, same start
-        assert ref["fragments"] == 4 and abs(d["loss"] / ref["loss"] - 1) < 0.03, (d["loss"], ref["loss"])
+        assert d["loss"] <= lone["loss"] * SLACK, (setting, d["loss"], lone["loss"], r.stdout[-3000:])
+    # the reference merges every island in every round: the fixed roster does too, the elastic defaults do not
+    # (at these 20 steps a CI run's timing put them 4.7% better than the reference), so the fixed roster is the
+    # one compared with it
+    d = res[("diloco", "a", "fixed roster")]
+    assert ref["fragments"] == 4 and abs(d["loss"] / ref["loss"] - 1) < 0.03, (d["loss"], ref["loss"])
     assert "worst yeto/lone" in r.stdout
     # the reference was given the islands' own Megatron argument lists (--island); built from the benchmark's
     # options instead (--data, --seeds, ...) it is the same run: the same figure
     ref_json = tmp_path / "ref-opts.json"
-    cmd = [sys.executable, "benchmarks/diloco_reference_mlm.py", "--init", res[("lone", "a")]["start"], "--data",
+    cmd = [sys.executable, "benchmarks/diloco_reference_mlm.py", "--init", lone["start"], "--data",
            str(tmp_path / "data"), "--seeds", "11:22", "--iters", "20", "-H", "5", "--eval-seqs", "16",
            "--fragments", "4", "--json", str(ref_json)]
     r = subprocess.run(cmd, cwd=P.ROOT, env=P.base_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert json.loads(ref_json.read_text())["diloco"] == res[("ref", "a")]["loss"]
+    assert json.loads(ref_json.read_text())["diloco"] == ref["loss"]
