@@ -83,7 +83,10 @@ def test_ctrl_c_stops_every_process(tmp_path):
     import psutil
     cmd = [sys.executable, "-m", "yeto_patch.demo", "--short", "--without-yeto", "--no-baseline",
            "--out", str(tmp_path / "out"), "--progress-every", "1"]
-    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # (SIGINT at its default in the demo, as in a user's shell: a Python that starts with SIGINT ignored, as a
+    # child of a process that ignores it may, never raises KeyboardInterrupt; CI saw the demo run to its end)
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # wait until the islands' workers are up (torchrun + 2 workers per island)
         deadline = time.time() + 120
