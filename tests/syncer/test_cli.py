@@ -9,7 +9,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from yeto_patch.syncer.cli import build_parser, main
+from yeto_patch.syncer.cli import LOG_HANDLERS, build_parser, main
 from yeto_patch.wire import codecs
 from yeto_patch.wire.client import SyncerClient
 
@@ -25,7 +25,7 @@ def _drop_cli_log_handlers():
     logger = logging.getLogger("yeto")
     level = logger.level
     yield
-    for h in [h for h in logger.handlers if getattr(h, "_yeto_syncer", False)]:
+    for h in [h for h in logger.handlers if isinstance(h, LOG_HANDLERS)]:
         logger.removeHandler(h)
     logger.setLevel(level)
 

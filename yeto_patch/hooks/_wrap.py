@@ -11,6 +11,14 @@ from __future__ import annotations
 import wrapt
 
 
+class _YetoWrapper(wrapt.FunctionWrapper):
+    """Our wrapper: a FunctionWrapper that carries its state dict (wrapt keeps ``_self_`` attributes on the proxy)."""
+
+    def __init__(self, wrapped, wrapper, state: dict):
+        super().__init__(wrapped, wrapper)
+        self._self_yeto_state = state
+
+
 def _own(owner, name):
     # the owner's own namespace only: an inherited attribute is wrapped where it is defined
     return vars(owner).get(name)
@@ -20,9 +28,8 @@ def _state(obj):
     """Our state dict if obj is our FunctionWrapper (or a bound view of it), else None."""
     if isinstance(obj, wrapt.ObjectProxy):
         for cand in (obj, getattr(obj, "_self_parent", None)):
-            st = getattr(cand, "_self_yeto_state", None) if cand is not None else None
-            if isinstance(st, dict):
-                return st
+            if isinstance(cand, _YetoWrapper):
+                return cand._self_yeto_state
     return None
 
 
@@ -62,9 +69,7 @@ def wrap(owner, name, wrapper, tag: str) -> bool:
             return wrapped(*args, **kwargs)
         return wrapper(wrapped, instance, args, kwargs)
 
-    fw = wrapt.FunctionWrapper(obj, gated)
-    fw._self_yeto_state = state
-    setattr(owner, name, fw)
+    setattr(owner, name, _YetoWrapper(obj, gated, state))
     return True
 
 

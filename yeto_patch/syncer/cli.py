@@ -324,21 +324,30 @@ def _checked_shard(a):
     return shard
 
 
+class _StreamHandler(logging.StreamHandler):
+    """The syncer's own stderr handler (its type tells a second main() which handlers to replace)."""
+
+
+class _FileHandler(logging.FileHandler):
+    """The syncer's own --log file handler."""
+
+
+LOG_HANDLERS = (_StreamHandler, _FileHandler)   # the types of the handlers the syncer adds to the root logger
+
+
 def _setup_logging(level: str, path: Optional[str]) -> None:
     fmt = logging.Formatter("%(asctime)s yeto-syncer %(levelname)s %(message)s")
     root = logging.getLogger("yeto")
     root.setLevel(level)
-    for h in [h for h in root.handlers if getattr(h, "_yeto_syncer", False)]:  # main() called again
+    for h in [h for h in root.handlers if isinstance(h, LOG_HANDLERS)]:  # main() called again
         root.removeHandler(h)
         h.close()
-    h = logging.StreamHandler(sys.stderr)
+    h = _StreamHandler(sys.stderr)
     h.setFormatter(fmt)
-    h._yeto_syncer = True
     root.addHandler(h)
     if path:
-        fh = logging.FileHandler(path)
+        fh = _FileHandler(path)
         fh.setFormatter(fmt)
-        fh._yeto_syncer = True
         root.addHandler(fh)
 
 
