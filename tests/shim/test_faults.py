@@ -112,7 +112,8 @@ def test_link_cut_mid_message_reconnects_and_ends_bit_identical(reference, tmp_p
     assert link.cuts == 1 and link.connections >= 2
     assert same(final_model(tmp_path), reference)
     rec = events(tmp_path, "a")
-    assert len(rec) == 1 and "connection" in rec[0]["cause"], rec
+    # the cut shows as the peer closing, a reset, or a broken pipe, depending on whether a send or a read meets it
+    assert len(rec) == 1 and re.search(r"connection|Broken pipe|reset", rec[0]["cause"]), rec
 
 
 @pytest.mark.timeout(900)
