@@ -121,7 +121,12 @@ def test_the_pace_window_waits_for_an_island_its_own_pace_brings_in_time():
     assert c.due() == [] and c.next_deadline() == pytest.approx(push_c_at)
     clock.t = push_c_at
     assert c.due() == [0]                 # c did not come in time: merge without it (and without d)
-    assert [r["island"] for r in c.merge(0).responders] == ["a", "b"]
+    rec = c.merge(0)
+    assert [r["island"] for r in rec.responders] == ["a", "b"]
+    # the merge line and the tape say whom it went without, and why (what their pace said)
+    assert set(rec.left_out) == {"c", "d"}, rec.left_out
+    assert rec.left_out["c"].startswith("overdue by 0.00s") and "after the window closed" in rec.left_out["d"]
+    assert "; without c: overdue" in rec.line() and rec.tape()["left_out"] == rec.left_out
     assert push(c, "c", 3, local_step=40)[0] == "carried"   # its late push goes into the next round
     # a newcomer (no pace yet) is waited for up to the deadline (a's patience, or half the fleet's period)
     c.disconnected("d", bye=True)

@@ -110,6 +110,7 @@ class Coordinator:
         self.frags: list[GlobalFragment] = []   # every fragment of the layout (state only in those this shard owns)
         self.rounds: list[Round] = []     # each fragment's open round
         self._next: dict[int, list] = {}  # fragment -> late pushes accepted while its round merges (the next round's)
+        self._left_out: dict[int, dict] = {}  # fragment -> {island: why} of the decision that made its round due
         self.owned: list[int] = []        # this shard's fragments (shards.assign), ascending
         self._owners: list[list[int]] = []   # every shard's fragments (for refusals naming the owner)
         self.seen: set = set()  # (island, fragment, base_version) accepted
@@ -416,6 +417,7 @@ class Coordinator:
             for f, r, d in self._decisions(now):
                 if d.due(now):
                     out.append(f.index)
+                    self._left_out[f.index] = d.left_out
                 else:
                     r.log_wait(self.rs, self.roster, d, f.version, now)
             return out
@@ -532,6 +534,8 @@ class Coordinator:
             fresh, carried = contents
             version = f.version
             expected = sorted(self.roster.expected(index, self.clock()))
+            on_time = {c.island for c in fresh}
+            left_out = {i: why for i, why in self._left_out.pop(index, {}).items() if i not in on_time}
             t_first = r.t_first if r.t_first is not None else self.clock()
         t0 = self.clock()
         t_wall = time.time()
@@ -555,7 +559,7 @@ class Coordinator:
         return MergeRecord(fragment=index, version=f.version, ok=ok, responders=responders, total_weight=total
                            if ok else 0.0, bytes=sum(x["bytes"] for x in responders), quorum_s=max(0.0, t0 - t_first),
                            merge_s=t1 - t0, grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall,
-                           outer_lr=outer_lr)
+                           outer_lr=outer_lr, left_out=left_out)
 
     def _close_round(self, f: GlobalFragment, r: Round, merged: list, ok: bool, reason: str, responders: list,
                      index: int) -> None:

@@ -1,10 +1,12 @@
 """One merge's record: the log line and the JSONL tape entry (``--tape``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+
+from ...wire.text import printable
 
 __all__ = ["MergeRecord"]
 
@@ -24,6 +26,7 @@ class MergeRecord:
     reason: str = ""
     t_wall: float = 0.0
     outer_lr: Optional[float] = None   # the learning rate the outer step used (None: refused)
+    left_out: dict = field(default_factory=dict)   # expected island without an on-time push -> why not waited for
 
     def tape(self) -> dict:
         return {"time": self.t_wall, "fragment": self.fragment, "version": self.version, "ok": self.ok,
@@ -31,6 +34,7 @@ class MergeRecord:
                 "quorum_s": round(self.quorum_s, 6), "merge_s": round(self.merge_s, 6),
                 "outer_grad_norm": self.grad_norm if np.isfinite(self.grad_norm) else None,
                 "expected": self.expected, "outer_lr": self.outer_lr,
+                **({"left_out": self.left_out} if self.left_out else {}),
                 **({"reason": self.reason} if self.reason else {})}
 
     def figures_for(self, island: str) -> dict:
@@ -57,4 +61,5 @@ class MergeRecord:
             return f"merge of fragment {self.fragment} at v{self.version} REFUSED: {self.reason}; from {who}"
         return (f"merged fragment {self.fragment} -> v{self.version}: {len(self.responders)} push(es) [{who}], "
                 f"{self.bytes / 1e6:.2f} MB in, waited {self.quorum_s:.2f}s, merged in {self.merge_s:.3f}s, "
-                f"|g| {self.grad_norm:.4g}" + (f", outer lr {self.outer_lr:g}" if self.outer_lr is not None else ""))
+                f"|g| {self.grad_norm:.4g}" + (f", outer lr {self.outer_lr:g}" if self.outer_lr is not None else "")
+                + "".join(f"; without {printable(i)}: {why}" for i, why in sorted(self.left_out.items())))

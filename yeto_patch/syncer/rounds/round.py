@@ -87,6 +87,7 @@ class Decision:
     waits_for: list = field(default_factory=list)  # missing islands it waits for
     floor: int = 1
     why: str = ""
+    left_out: dict = field(default_factory=dict)   # missing island -> why the round would go without it
 
     def due(self, now: float) -> bool:
         return self.at is not None and now >= self.at
@@ -194,20 +195,23 @@ class Round:
             if rs.fixed_roster:
                 return Decision(None, sorted(missing), need, "below its quorum")
             if missing and missing <= blocked:   # they wait for other rounds, which may wait for this one's
-                return Decision(now, [], need, "every island it waits for is blocked in another round")
-            return Decision(timeout_at, sorted(missing), need, "below its floor until --round-timeout")
+                return Decision(now, [], need, "every island it waits for is blocked in another round",
+                                {i: "blocked in another fragment's round" for i in missing})
+            return Decision(timeout_at, sorted(missing), need, "below its floor until --round-timeout",
+                            {i: "--round-timeout ran out" for i in missing})
         if self.phase is Phase.GATHERING:
             self._move(Phase.GRACE)
             self.t_quorum = now
         if not joined:   # (fewer than the minimum quorum of islands joined the run so far)
-            return Decision(timeout_at, sorted(missing), need, "islands of the run have not joined yet")
+            return Decision(timeout_at, sorted(missing), need, "islands of the run have not joined yet",
+                            {i: "--round-timeout ran out" for i in missing})
         if rs.adaptive:
             late = window_late_steps if roster.rhythm(now) is not None else 0.0
-            at, waits = window.deadline(self.fragment, self.patience(), exp - self.answered_islands(), now,
-                                        self.t_first, rs.timeout_s, late)
-            return Decision(min(at, timeout_at), waits, need, "the pace window")
+            w = window.deadline(self.fragment, self.patience(), exp - self.answered_islands(), now,
+                                self.t_first, rs.timeout_s, late)
+            return Decision(min(w.at, timeout_at), w.waits_for, need, "the pace window", w.why)
         return Decision(min(self.t_quorum + rs.grace_s, timeout_at), sorted(exp - self.answered_islands()), need,
-                        "--grace")
+                        "--grace", {i: "--grace ran out" for i in exp - self.answered_islands()})
 
     def log_wait(self, rs, roster, d: Decision, version: int, now: float) -> None:
         """Past --round-timeout below the floor of a fixed roster: say (then every WAIT_LOG_S) who it waits for."""

@@ -33,7 +33,7 @@ import math
 import statistics
 from typing import Iterable, Optional
 
-__all__ = ["PaceWindow", "HISTORY", "PERIOD_SHARE", "FIRST_BOUND_S", "SLACK_S", "LATE_STEPS", "STALL_PERIODS", "STALL_MIN_S"]
+__all__ = ["PaceWindow", "Window", "HISTORY", "PERIOD_SHARE", "FIRST_BOUND_S", "SLACK_S", "LATE_STEPS", "STALL_PERIODS", "STALL_MIN_S"]
 
 HISTORY = 8           # step intervals kept per island and fragment
 PERIOD_SHARE = 0.5    # the deadline: at most this share of the fleet's period of the fragment after the first answer
@@ -112,11 +112,11 @@ class PaceWindow:
         return statistics.median(ps) if ps else None
 
     def deadline(self, fragment: int, patience: Iterable[tuple], missing: Iterable[str], now: float,
-                 t_first: float, timeout_s: float, late_steps: float = 0.0) -> tuple[float, list]:
-        """(the clock time the round merges at the latest, the missing islands it waits for). ``patience``: the
-        answers' (arrival time, patience or None); ``late_steps``: each island's steps added to its arrival (while
-        the islands keep a rhythm, their aimed boundaries move by a step or so). With nobody worth waiting for the
-        deadline is now."""
+                 t_first: float, timeout_s: float, late_steps: float = 0.0) -> "Window":
+        """When the round merges at the latest, the missing islands it waits for, and why it does not wait for the
+        others. ``patience``: the answers' (arrival time, patience or None); ``late_steps``: each island's steps
+        added to its arrival (while the islands keep a rhythm, their aimed boundaries move by a step or so). With
+        nobody worth waiting for the deadline is now."""
         members = self.members
         ends = [t + p for t, p in patience if p is not None and p > 0 and t is not None]
         period = self.period(fragment, members)
@@ -128,7 +128,7 @@ class PaceWindow:
         elif not period:
             caps.append(t_first + FIRST_BOUND_S)
         bound = min(caps)
-        at, waited = now, []
+        w = Window(now, bound)
         for i in sorted(missing):
             m = members.get(i)
             due = self.arrival(i, fragment, m, now)
@@ -136,10 +136,29 @@ class PaceWindow:
                 due += SLACK_S + late_steps / m.rate
             if due is None:
                 arrive = bound                    # a newcomer: waited for until the deadline
-            elif due > bound:
-                continue                          # not within the others' patience (or stalled): carried
-            else:
-                arrive = due                      # (in the past when it is overdue: no longer waited for)
-            waited.append(i)
-            at = max(at, arrive)
-        return at, waited
+                w.why[i] = "its pace is not known yet: waited for until the window closed"
+            elif math.isinf(due):
+                w.why[i] = "stalled: its step has not moved for two of its push intervals"
+                continue
+            elif due > bound:                     # not within the others' patience: carried
+                w.why[i] = f"due {due - bound:.2f}s after the window closed"
+                continue
+            else:                                 # (in the past when it is overdue: no longer waited for)
+                arrive = due
+                w.why[i] = (f"overdue by {now - due:.2f}s by its pace" if due <= now else
+                            "due within the window")
+            w.waits_for.append(i)
+            w.at = max(w.at, arrive)
+        return w
+
+
+class Window:
+    """What ``PaceWindow.deadline`` decided for a round: ``at``, the clock time it merges at the latest;
+    ``waits_for``, the missing islands it waits for; ``why``, for each missing island, what its pace says (the merge
+    line names those it went without, and why)."""
+
+    def __init__(self, now: float, bound: float):
+        self.at = now
+        self.bound = bound
+        self.waits_for: list = []
+        self.why: dict = {}
