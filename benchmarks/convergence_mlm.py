@@ -337,6 +337,12 @@ def run_diloco(a, cell: Cell, data: dict, tmp: str) -> dict:
     losses = [final_loss(p) for p in islands]
     merges = MERGED.findall(syncer.text())
     both = sum(1 for m in merges if all(f"{ids[x]}(lag" in m for x in ISLANDS))
+    # while both train: up to the last merge holding an on-time push of each island (after the faster one reached
+    # its last step, the other's rounds cannot hold both)
+    last = [max((k for k, m in enumerate(merges) if re.search(re.escape(ids[x]) + r"\(lag \d+, w", m)), default=-1)
+            for x in ISLANDS]
+    live = merges[:min(last) + 1]
+    both_live = sum(1 for m in live if all(f"{ids[x]}(lag" in m for x in ISLANDS))
     ms = [[float(t) for t in ITER_MS.findall(p.text())] for p in islands]
     who = re.search(r"run initialized from island (\S+)'s INIT", syncer.text())
     got = who and who[1].strip("'")
@@ -344,6 +350,7 @@ def run_diloco(a, cell: Cell, data: dict, tmp: str) -> dict:
         raise RuntimeError(f"{cell.name}: the syncer took the INIT of {got}, not of {ids[cell.init]}")
     return {"loss": sum(losses) / 2, "islands": losses, "dir": str(d), "merges": len(merges),
             "both": both / len(merges) if merges else 0.0,   # merges holding a push of each island (on time or carried)
+            "both_live": both_live / len(live) if live else 0.0, "live": len(live),   # ... while both train
             "ms_per_iter": [sum(x[1:]) / len(x[1:]) if len(x) > 1 else None for x in ms]}   # (the first: start-up)
 
 
@@ -426,8 +433,8 @@ def tables(res: dict, common: str = "") -> str:
         ddp = res.get(Cell("ddp", seeds), {}).get("loss")
         out += [f"\nseeds {seeds[0]}:{seeds[1]}" + (f" (DDP {ddp:.4f})" if ddp else ""),
                 "| init | F | load | setting | yeto-patch | / DDP | lone (same start) | yeto / lone | reference | "
-                "yeto / ref | wall s | merges holding both | ms/iter a, b | command |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "yeto / ref | wall s | merges holding both | ... while both train | ms/iter a, b | command |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c, v in res.items():
             if c.seeds != seeds or c.kind != "diloco":
                 continue
@@ -439,6 +446,7 @@ def tables(res: dict, common: str = "") -> str:
                 f"{v['loss'] / lone:.4f}" if lone else "n/a", f"{ref:.4f}" if ref else "n/a",
                 f"{v['loss'] / ref:.4f}" if ref else "n/a", f"{v['wall_s']:.0f}",
                 f"{v['both']:.2f} of {v['merges']}" if "both" in v else "n/a",
+                f"{v['both_live']:.2f} of {v['live']}" if "both_live" in v else "n/a",
                 ", ".join("n/a" if x is None else f"{x:.0f}" for x in v.get("ms_per_iter", [])) or "n/a",
                 f"`{c.command(common)}`"]) + " |")
         for c, v in res.items():

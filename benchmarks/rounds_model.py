@@ -19,6 +19,7 @@ merges per minute, the longest interval without a merge, the mean lag of merged 
 from __future__ import annotations
 
 import argparse
+import collections
 import heapq
 import os
 import random
@@ -46,7 +47,7 @@ class Island:
         self.name, self.speed, self.dt, self.auto = f"i{k}", speed, a.step_s / speed, a.auto
         self.stretch = getattr(a, "stretch", True) and not a.auto
         self.h = max(a.tau + 1, round(a.h * speed / max(a.speeds))) if a.auto else a.h
-        self.step, self.inc, self.up, self.paused_until = 0, 0, True, 0.0
+        self.step, self.inc, self.up, self.paused_until, self.next_beat = 0, 0, True, 0.0, 0.0
         self.cadence = Cadence(self.h, P, 0)
         self.anchor, self.pending, self.count = [0] * P, [None] * P, [0] * P
         self.blocked, self.blocked_at, self.offline, self.queued = None, 0.0, False, []
@@ -54,6 +55,11 @@ class Island:
         self.up_since = 0.0
         self.seen = {}                       # fragment -> (newest merged version, when it arrived)
         self.checkpoint = (0, [0] * P, [0] * P)
+        self.took = collections.deque(maxlen=8)   # its last step times (what it says its rate is from)
+
+    def rate(self) -> float:
+        """Its compute rate as a real island says it: from the median of its last step times."""
+        return 1.0 / statistics.median(self.took) if self.took else 1.0 / self.dt
 
 
 class Model:
@@ -107,15 +113,17 @@ class Model:
                 if i.blocked is not None and self.answered(i, i.blocked):
                     i.wait += self.t - i.blocked_at
                     i.blocked = None
-                    self.at(self.t + i.dt, k, "step")
+                    self.at(self.t + self.dt(i), k, "step")
 
     def answered(self, i, f) -> bool:
         p = i.pending[f]
         return p is None or self.c.frags[f].version > p[0]
 
-    def send(self, i, f, base, steps):
-        p = ReceivedPush(i.name, f, base, "f32", 256, BODY, local_step=i.step, steps=steps, tokens=steps * TOKENS,
-                 incarnation=str(i.inc), patience=self.a.tau * i.dt)
+    def send(self, i, f, base, steps, step=None, patience=None):
+        p = ReceivedPush(i.name, f, base, "f32", 256, BODY, local_step=i.step if step is None else step, steps=steps,
+                         tokens=steps * TOKENS, incarnation=str(i.inc),
+                         patience=self.a.tau * i.dt if patience is None else patience,
+                         rate=i.rate(), pinned=i.stretch)
         try:
             self.c.accept(p)
         except PushRefused:
@@ -128,7 +136,9 @@ class Model:
         i.compute += i.dt
         self.computed += TOKENS
         i.count = [x + 1 for x in i.count]
-        c.touch(i.name, i.step, 1.0 / i.dt, i.stretch)
+        if self.t >= i.next_beat:   # its heartbeat (every --beat s; every step without)
+            c.touch(i.name, i.step, i.rate(), i.stretch)
+            i.next_beat = self.t + a.beat
         due = i.cadence.due(i.step)
         for f in range(P):   # a base merged since: installed unless this fragment pushes now
             if f not in due and self.answered(i, f):
@@ -142,29 +152,39 @@ class Model:
                 i.cadence.shift(f, catch_up(self.t - got[1], i.dt, i.cadence.h, a.tau))
             elif i.stretch:   # a pinned H: the fleet's rhythm, as the island's plan keeps it
                 rh = {x[0]: (x[1], x[2]) for x in c.rhythm(i.name)}
-                h, shift = keep_rhythm(a.h, a.tau, 1.0 / i.dt, rh, i.cadence.h, [f])
+                h, shift = keep_rhythm(a.h, a.tau, i.rate(), rh, i.cadence.h, [f])
                 i.cadence.retune(h)
                 for g, steps in shift.items():
                     i.cadence.shift(g, steps)
             i.anchor[f] = max(i.anchor[f], c.frags[f].version) if i.pending[f] is not None else i.anchor[f]
             if i.offline:
                 i.queued.append((f, i.anchor[f], i.count[f]))
+            elif a.lane:   # gathered, encoded and sent: it arrives --lane s (x 0.7-1.3) after the boundary
+                lane = a.lane * self.rng.uniform(0.7, 1.3)
+                self.at(self.t + lane, k, "arrive", (f, i.anchor[f], i.count[f], i.step, i.inc,
+                                                     max(0.0, a.tau * i.dt - lane)))
             else:
                 self.send(i, f, i.anchor[f], i.count[f])
             i.pending[f], i.count[f] = (i.anchor[f], i.step), 0
         late = [f for f in range(P) if i.pending[f] is not None and i.step - i.pending[f][1] >= a.tau
                 and not self.answered(i, f)]
         if i.auto:
-            i.cadence.retune(suggest(a.h, a.tau, 1.0 / i.dt, c.pace(), i.cadence.h))
+            i.cadence.retune(suggest(a.h, a.tau, i.rate(), c.pace(), i.cadence.h))
         elif i.stretch and not c.rhythm(i.name):
-            i.cadence.retune(keep_rhythm(a.h, a.tau, 1.0 / i.dt, {}, i.cadence.h, [])[0])
+            i.cadence.retune(keep_rhythm(a.h, a.tau, i.rate(), {}, i.cadence.h, [])[0])
         i.cadence.passed(i.step)
         if i.step % a.checkpoint_every == 0:
             i.checkpoint = (i.step, list(i.anchor), list(i.count))
         if late:
             i.blocked, i.blocked_at = late[0], self.t
         else:
-            self.at(self.t + i.dt, k, "step")
+            self.at(self.t + self.dt(i), k, "step")
+
+    def dt(self, i) -> float:
+        """The next step's duration: the island's step time, times a lognormal factor with --jitter."""
+        dt = i.dt * (self.rng.lognormvariate(0.0, self.a.jitter) if self.a.jitter else 1.0)
+        i.took.append(dt)
+        return dt
 
     def handle(self, k, what, d):
         i, c = self.isl[k], self.c
@@ -188,7 +208,7 @@ class Model:
             i.count = [counts[f] if anchors[f] == versions[f] else 0 for f in range(P)]
             i.anchor, i.pending = versions, [None] * P
             i.cadence = Cadence(i.cadence.h, P, step)
-            self.at(self.t + i.dt, k, "step")
+            self.at(self.t + self.dt(i), k, "step")
         elif what == "outage" and i.up and not i.offline:
             i.offline = True
             c.disconnected(i.name, bye=False)
@@ -199,6 +219,12 @@ class Model:
             for f, base, steps in i.queued:
                 self.send(i, f, base, steps)
             i.queued = []
+        elif what == "arrive" and i.up and d[4] == i.inc:
+            f, base, steps, step, _, patience = d
+            if i.offline:
+                i.queued.append((f, base, steps))
+            else:
+                self.send(i, f, base, steps, step, patience)
         elif what == "pause" and i.up:
             i.paused_until = max(i.paused_until, self.t + d)
 
@@ -251,9 +277,16 @@ def main(argv=None) -> int:
     ap.add_argument("--h", type=int, default=20, help="YETO_DILOCO_SYNC_EVERY (auto: of the fastest island)")
     ap.add_argument("--tau", type=int, default=5)
     ap.add_argument("--no-chaos", action="store_true", help="only the rows without chaos")
+    ap.add_argument("--jitter", type=float, default=0.0, help="sigma of a lognormal factor on each step's time "
+                    "(real islands: about 0.1-0.3 on this shared machine)")
+    ap.add_argument("--lane", type=float, default=0.0, help="seconds (x 0.7-1.3) from a boundary until its push "
+                    "arrives at the syncer (gather, encode, send); 0: at once")
+    ap.add_argument("--beat", type=float, default=0.0, help="seconds between an island's heartbeats (the syncer "
+                    "learns its step from them and its pushes; real islands: --lease / 4 = 15 s); 0: every step")
     a = ap.parse_args(argv)
     base = dict(speeds=a.speeds, step_s=0.1, h=a.h, tau=a.tau, checkpoint_every=20,
-                max_base_lag=4, seconds=a.seconds, quorum=None, grace=None, chaos=True, auto=True, min_quorum=None)
+                max_base_lag=4, seconds=a.seconds, quorum=None, grace=None, chaos=True, auto=True, min_quorum=None,
+                jitter=a.jitter, lane=a.lane, beat=a.beat)
     default = syncer_settings.default_min_quorum(len(base["speeds"]))
     quorums = [int(x) for x in a.quorums.split(",")]
     rows = [(f"elastic, minimum quorum {q}{' (default)' if q == default else ''}", dict(base, min_quorum=None if q == default else q))

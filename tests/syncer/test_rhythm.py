@@ -151,16 +151,25 @@ def load_model():
     return mod
 
 
+NOISE = {"quiet": dict(jitter=0.0, lane=0.0, beat=0.0),
+         # as real islands on a shared machine: step times 20% apart, pushes arriving 0.06-0.1 s (about a step of
+         # the fastest) after their boundary, heartbeats every 7 s (pushes carry the step in between)
+         "real": dict(jitter=0.2, lane=0.08, beat=7.0)}
+
+
+@pytest.mark.parametrize("noise", sorted(NOISE))
 @pytest.mark.parametrize("speeds", [(1.0, 0.52), (1.0, 0.45), (1.0, 0.8, 0.6)])
-def test_islands_of_different_speeds_share_their_rounds_at_a_pinned_h(speeds):
+def test_islands_of_different_speeds_share_their_rounds_at_a_pinned_h(speeds, noise):
     rm = load_model()
 
     def run(stretch):
         a = argparse.Namespace(speeds=speeds, step_s=0.1, h=10, tau=5, checkpoint_every=20, max_base_lag=4,
                                seconds=90.0, quorum=None, grace=None, chaos=False, auto=False, min_quorum=None,
-                               stretch=stretch)
+                               stretch=stretch, **NOISE[noise])
         return rm.Model(a, 0).run()
     kept, control = run(True), run(False)
-    assert kept["everyone"] >= 0.9 and kept["utilisation"] >= 0.99, kept       # nobody waits for the rhythm
-    assert kept["weighted"] >= 0.97, kept
+    quiet = noise == "quiet"
+    assert kept["everyone"] >= (0.9 if quiet else 0.8), kept
+    assert kept["utilisation"] >= (0.99 if quiet else 0.95), kept                # nobody waits for the rhythm
+    assert kept["weighted"] >= (0.97 if quiet else 0.94), kept
     assert control["everyone"] <= 0.6, control                                   # without it: split rounds

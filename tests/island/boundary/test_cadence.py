@@ -3,7 +3,7 @@
 import pytest
 
 from yeto_patch import config
-from yeto_patch.island.boundary.schedule import (MAX_STRETCH, Cadence, aim, catch_up, due_fragments, reply_aims,
+from yeto_patch.island.boundary.schedule import (MAX_STRETCH, STRETCH_DEADBAND, AIM_SOONER, aim_floor, Cadence, aim, catch_up, due_fragments, reply_aims,
                                                  stretch, suggest)
 
 
@@ -36,6 +36,10 @@ def test_stretch_takes_the_steps_of_the_rhythm_islands_period_within_bounds():
     assert stretch(10, 5, rate=10.0, period_s=None, current=19) == 10         # no rhythm: N again
     assert stretch(10, 5, rate=10.0, period_s=1.05, current=10) == 10         # a change below 10%: kept
     assert stretch(10, 12, rate=10.0, period_s=1.0, current=10) == 13         # tau + 1 at least
+    # within STRETCH_DEADBAND of the rhythm island's speed: N (its aims keep the phase; a noisy rate made H flip)
+    assert STRETCH_DEADBAND == 0.25
+    assert stretch(10, 5, rate=10.0, period_s=1.2, current=10) == 10
+    assert stretch(10, 5, rate=10.0, period_s=1.3, current=10) == 13
 
 
 def test_aim_lands_the_next_boundary_on_the_rhythm_islands_push():
@@ -52,6 +56,16 @@ def test_aim_lands_the_next_boundary_on_the_rhythm_islands_push():
         steps = aim(period - (t % period), period, rate, 6, 40)
         step, t = step + steps, t + steps / rate
         assert min(t % period, period - t % period) <= 0.5 / rate + 1e-9   # within half a step
+
+
+def test_an_island_as_fast_as_the_rhythm_one_aims_at_its_pushes_not_between_them():
+    # a little sooner than H is allowed (the rhythm island, the slowest by noisy rates, may be a little faster)
+    assert AIM_SOONER == 0.15 and aim_floor(10, 5) == 9 and aim_floor(10, 9) == 10
+    # the rhythm island (1 s per period) pushes in 0.3 s: 3 steps away, too soon: its push after that (13 steps),
+    # not the floor (which would land between its pushes)
+    assert aim(0.3, 1.0, rate=10.0, lo=9, hi=40) == 13
+    # 0.8 steps sooner than the floor allows: at the floor (a step late is waited for)
+    assert aim(0.82, 1.0, rate=10.0, lo=9, hi=40) == 9
 
 
 def test_a_push_reply_aims_the_next_boundary_once_per_push():

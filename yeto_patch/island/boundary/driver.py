@@ -28,7 +28,7 @@ from yeto_patch.island.boundary.fragment import PushPhase, PushWire
 from yeto_patch.island.boundary.installs import Installer
 from yeto_patch.island.boundary.parts import IslandParts
 from yeto_patch.island.boundary.plan import BaseSpec, Plan, base_spec, needs_plan, overdue, plan, stageable
-from yeto_patch.island.boundary.schedule import Cadence, catch_up, keep_rhythm, reply_aims, suggest
+from yeto_patch.island.boundary.schedule import Cadence, aim_floor, catch_up, keep_rhythm, reply_aims, suggest
 from yeto_patch.island.errors import EngineError
 
 log = logging.getLogger("yeto_patch")
@@ -166,7 +166,7 @@ class Boundaries:
         pushes = {fr.index: (fr.push.base_version, fr.push.step) for fr in p.frags
                   if fr.push is not None and fr.push.phase is PushPhase.AT_SYNCER and fr.index not in plan_.push}
         h = plan_.sync_every or self.cadence.h
-        plan_.aim = reply_aims(p.link.aims(), pushes, self.aimed, rate, max(p.rule.tau + 1, p.settings.sync_every),
+        plan_.aim = reply_aims(p.link.aims(), pushes, self.aimed, rate, aim_floor(p.settings.sync_every, p.rule.tau),
                                2 * h, p.step())
 
     def begin(self, plan_: Plan) -> None:

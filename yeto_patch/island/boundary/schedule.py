@@ -19,12 +19,19 @@ than being carried into the one after.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
-__all__ = ["offset", "due_fragments", "Cadence", "suggest", "stretch", "aim", "aim_after", "reply_aims", "keep_rhythm", "catch_up", "RETUNE_SHARE", "MAX_STRETCH"]
+__all__ = ["offset", "due_fragments", "Cadence", "suggest", "stretch", "aim", "aim_after", "reply_aims", "keep_rhythm", "aim_floor", "catch_up", "RETUNE_SHARE", "MAX_STRETCH"]
 
 RETUNE_SHARE = 0.1
 MAX_STRETCH = 3.0   # a pinned H is stretched at most this much on a fast island (its weight is capped at 2x)
+STRETCH_DEADBAND = 0.25   # an island at most this much faster than the rhythm one keeps N (noisy rates made H
+                          # flip between N and N + 2 with every step: its aims then missed the rhythm's pushes)
+AIM_SOONER = 0.15   # an aimed push may come this much sooner than N steps (aim_floor; the syncer's KEEPER_MARGIN)
+AIM_CLAMP_STEPS = 1.5   # an aimed push this many steps sooner than H allows comes at H instead (a little late);
+                        # sooner still, it aims at the rhythm island's push after that (see aim)
 
 
 def offset(fragment: int, sync_every: int, fragments: int) -> int:
@@ -110,8 +117,8 @@ def stretch(nominal: int, tau: int, rate: float, period_s: Optional[float], curr
     rounds; at most ``MAX_STRETCH x N``; N when the syncer says no rhythm (None: this island is the rhythm, a
     fleet more than 2x apart, or one island); `current` when the change would be below RETUNE_SHARE of it."""
     n = int(nominal)
-    if rate <= 0 or not period_s or period_s <= 0:
-        h = n
+    if rate <= 0 or not period_s or period_s <= 0 or rate * period_s < n * (1.0 + STRETCH_DEADBAND):
+        h = max(int(tau) + 1, n)   # (within STRETCH_DEADBAND of the rhythm island's speed: N, each push aimed)
     else:
         h = max(int(tau) + 1, n, min(int(MAX_STRETCH * n), int(round(rate * period_s))))
     return h if abs(h - current) >= max(1, RETUNE_SHARE * current) else current
@@ -120,13 +127,23 @@ def stretch(nominal: int, tau: int, rate: float, period_s: Optional[float], curr
 def aim(eta_s: float, period_s: float, rate: float, lo: int, hi: int) -> Optional[int]:
     """Steps from a stretched fragment's boundary now to its next one: the rhythm island's push of the fragment
     (due in ``eta_s``, every ``period_s``) nearest to one period from now, so that this island's pushes land on
-    its pushes (a push now shares the round of the rhythm's push within half a period); within [lo, hi]; None
-    when nothing is known."""
+    its pushes (a push now shares the round of the rhythm's push within half a period), or the first one after
+    that at least ``lo`` steps away (an island as fast as the rhythm one cannot come sooner than its H: clamped to
+    ``lo`` it would land between two of its pushes); within [lo, hi]; None when nothing is known."""
     if rate <= 0 or period_s <= 0:
         return None
     phase = eta_s % period_s           # (a push overdue or periods ahead: the same phase)
     target = phase if phase > period_s / 2 else phase + period_s
+    if target * rate < lo - AIM_CLAMP_STEPS:   # too soon for this island's H: the rhythm island's next push after
+        target += period_s * math.ceil((lo - target * rate) / (period_s * rate))   # that, not between two of them
     return max(int(lo), min(int(hi), int(round(target * rate))))
+
+
+def aim_floor(nominal: int, tau: int) -> int:
+    """The fewest steps an aimed boundary may come after the previous push of its fragment: N less AIM_SOONER of it
+    (the rhythm island, the slowest by noisy rates, may be a little faster than this one: at N exactly, this island
+    would fall behind its pushes a little every period and then miss one), and more than tau."""
+    return max(int(tau) + 1, math.ceil(int(nominal) * (1.0 - AIM_SOONER)))
 
 
 def keep_rhythm(nominal: int, tau: int, rate: float, rhythm: dict, current: int, pushing) -> tuple:
@@ -140,7 +157,7 @@ def keep_rhythm(nominal: int, tau: int, rate: float, rhythm: dict, current: int,
     shift = {}
     for f in pushing:
         if f in rhythm:
-            steps = aim(*rhythm[f], rate, max(int(tau) + 1, int(nominal)), 2 * h)
+            steps = aim(*rhythm[f], rate, aim_floor(nominal, tau), 2 * h)
             if steps is not None and steps != h:
                 shift[f] = h - steps
     return h, shift

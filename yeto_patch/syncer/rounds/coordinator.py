@@ -218,6 +218,7 @@ class Coordinator:
             old = self.members.get(island)
             if old is not None and old.incarnation != incarnation:
                 self.window.forget(island)   # a restarted island: its old pace says nothing of the new process
+                old.restarted()
             m = self.roster.join(island, incarnation)
             self.cond.notify_all()
             return m
@@ -370,7 +371,7 @@ class Coordinator:
                 m.final_fragments.add(f.index)
             m.last_step = max(m.last_step, int(p.local_step or 0))
             if p.local_step:
-                m.progress(int(p.local_step), p.rate, now, True if p.pinned else None)
+                m.pushed(int(p.local_step), p.rate, now, True if p.pinned else None)
 
     def _fold(self, p: ReceivedPush, f: GlobalFragment, r: Round, c: Contribution, w: float, key) -> tuple[str, int]:
         """Streaming fold of an accepted push into its round's accumulator, outside the central lock."""

@@ -40,6 +40,8 @@ class Member:
     step_at: Optional[float] = None     # when it said ``step``
     moved_at: Optional[float] = None    # when its step last grew (a connected island that stalls: not waited for)
     pinned: bool = False                # its heartbeats say it pinned H (YETO_DILOCO_SYNC_EVERY=N): it keeps a rhythm
+    pushed_step: Optional[int] = None   # the boundary step of its latest push (largest step) ...
+    pushed_at: Optional[float] = None   # ... and when that push arrived: its pushes' clock, lane delay included
 
     def alive(self, now: float, lease: float) -> bool:
         return now - self.last_seen <= lease
@@ -56,6 +58,22 @@ class Member:
             self.step_at = now
         if rate is not None:
             self.rate = float(rate)
+
+    def pushed(self, local_step: int, rate: Optional[float], now: float, pinned: Optional[bool] = None) -> None:
+        """A push made at its step ``local_step`` arrived now: the anchor its next pushes' arrivals are counted from
+        (a push arrives a lane delay after its boundary: gathered, encoded and sent); its step, when that is newer
+        than what it said (a push never moves its step back: its heartbeats may already have said a later one)."""
+        if self.pushed_step is None or local_step >= self.pushed_step:
+            self.pushed_step, self.pushed_at = int(local_step), now
+        if self.step_at is None or local_step > self.step:
+            self.progress(local_step, rate, now, pinned)
+        else:
+            self.progress(None, rate, now, pinned)
+
+    def restarted(self) -> None:
+        """A new process of this island (new incarnation): its old step and pace say nothing of it."""
+        self.step, self.rate, self.step_at, self.moved_at = 0, 0.0, None, None
+        self.pushed_step = self.pushed_at = None
 
     def credit(self, steps: int, tokens: int) -> None:
         """A merged push of this island: its counters (saturating)."""

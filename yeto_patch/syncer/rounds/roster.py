@@ -27,6 +27,7 @@ __all__ = ["Roster", "PACE_SPREAD"]
 
 PACE_SPREAD = 4.0   # the pace is at most this x the median rate of the islands that are up
 STRETCH_SPREAD = 3.0   # a pinned H's rhythm: islands at most this much slower than the fastest (schedule.MAX_STRETCH)
+KEEPER_MARGIN = 0.15   # the rhythm island stays the rhythm until another is this much slower (rates are noisy)
 
 
 class Roster:
@@ -36,6 +37,7 @@ class Roster:
         self.heartbeat_s = heartbeat_s   # (None: lease / 4, as the server's default)
         self.members: dict[str, Member] = {}
         self.first_join: Optional[float] = None   # when the first island joined (the roster's wait runs from it)
+        self.keeper: Optional[str] = None         # the island the fleet keeps its rhythm with (``rhythm``)
 
     # ------------------------------------------------------------------------------------------ changes
     def join(self, island: str, incarnation: str) -> Member:
@@ -158,7 +160,7 @@ class Roster:
 
     def rhythm(self, now: float) -> Optional[Member]:
         """The island whose rhythm the others keep (island/boundary/schedule.stretch and aim): the slowest of the
-        islands that are up and training, when there are at least two, every one of them pinned H
+        islands that are up and training (the previous one while it is at most KEEPER_MARGIN faster than it), when there are at least two, every one of them pinned H
         (``YETO_DILOCO_SYNC_EVERY=N``: ``auto`` islands follow the fleet's pace instead) and says its rate, and none
         is more than STRETCH_SPREAD slower than the fastest; else None (each island keeps its H; a fleet further
         apart shares rounds with ``auto``; 3x, not the weight cap's 2x: two Megatron-LM islands' speeds swung past 2x
@@ -173,6 +175,12 @@ class Roster:
         if len(up) < 2 or not all(m.pinned and m.rate > 0 for m in up):
             return None
         slow = min(up, key=lambda m: (m.rate, m.island))
+        kept = next((m for m in up if m.island == self.keeper), None)
+        if kept is not None and kept.rate <= slow.rate * (1.0 + KEEPER_MARGIN):
+            slow = kept   # two islands of about one speed would swap roles with every noisy rate: each would aim at
+            # the other's pushes in turn, and neither would keep a rhythm (Megatron-LM TP2 and PP2 at 9.0 and 8.9
+            # steps/s shared 0.55 of their merges while both trained)
+        self.keeper = slow.island
         return slow if slow.rate * STRETCH_SPREAD >= max(m.rate for m in up) else None
 
     def describe(self, islands, now: float) -> list[str]:

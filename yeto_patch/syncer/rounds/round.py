@@ -206,9 +206,12 @@ class Round:
             return Decision(timeout_at, sorted(missing), need, "islands of the run have not joined yet",
                             {i: "--round-timeout ran out" for i in missing})
         if rs.adaptive:
-            late = window_late_steps if roster.rhythm(now) is not None else 0.0
+            keeper = roster.rhythm(now)
+            late = window_late_steps if keeper is not None else 0.0
+            theirs = self.answers.get(keeper.island) if keeper is not None else None
+            aimed_at = theirs.push.arrived if theirs is not None and theirs.folded else None
             w = window.deadline(self.fragment, self.patience(), exp - self.answered_islands(), now,
-                                self.t_first, rs.timeout_s, late)
+                                self.t_first, rs.timeout_s, late, aimed_at)
             return Decision(min(w.at, timeout_at), w.waits_for, need, "the pace window", w.why)
         return Decision(min(self.t_quorum + rs.grace_s, timeout_at), sorted(exp - self.answered_islands()), need,
                         "--grace", {i: "--grace ran out" for i in exp - self.answered_islands()})

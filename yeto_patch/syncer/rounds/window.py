@@ -40,6 +40,8 @@ PERIOD_SHARE = 0.5    # the deadline: at most this share of the fleet's period o
 FIRST_BOUND_S = 30.0  # the deadline while no patience and no period is known (a run's first rounds)
 SLACK_S = 0.05        # added to the latest eta waited for
 LATE_STEPS = 1        # ... and, while the islands keep a rhythm, this many of the island's steps
+AIM_STEPS = 1         # an island aiming at the rhythm island's push is waited for this many of its steps after it,
+AIM_SHARE = 0.75       # ... or this share of the rest of the window, whichever is longer
 STALL_PERIODS = 2.0   # an island whose step has not moved for this many of its push intervals ...
 STALL_MIN_S = 2.0     # ... (and at least this long) is stalled: not waited for
 
@@ -89,8 +91,13 @@ class PaceWindow:
         stalled_after = max(STALL_MIN_S, STALL_PERIODS * h / member.rate)
         if member.moved_at is not None and now - member.moved_at > stalled_after:
             return math.inf
-        ahead = max(1, math.ceil((member.step - last) / h))   # its next boundary (after any it skipped)
-        return member.step_at + (last + ahead * h - member.step) / member.rate
+        step = max(member.step, member.pushed_step or 0)
+        ahead = max(1, math.ceil((step - last) / h))   # its next boundary (after any it skipped)
+        boundary = last + ahead * h
+        due = member.step_at + (boundary - member.step) / member.rate   # when it reaches that boundary ...
+        if member.pushed_at is not None:   # ... and its push arrives, counted from its last push's arrival
+            due = max(due, member.pushed_at + (boundary - member.pushed_step) / member.rate)
+        return due
 
     def rhythm(self, island: str, fragment: int, member, now: float) -> Optional[tuple[float, float]]:
         """(seconds until ``island``'s next push of ``fragment`` is due by its pace, its period of the fragment in
@@ -112,7 +119,8 @@ class PaceWindow:
         return statistics.median(ps) if ps else None
 
     def deadline(self, fragment: int, patience: Iterable[tuple], missing: Iterable[str], now: float,
-                 t_first: float, timeout_s: float, late_steps: float = 0.0) -> "Window":
+                 t_first: float, timeout_s: float, late_steps: float = 0.0,
+                 aimed_at: Optional[float] = None) -> "Window":
         """When the round merges at the latest, the missing islands it waits for, and why it does not wait for the
         others. ``patience``: the answers' (arrival time, patience or None); ``late_steps``: each island's steps
         added to its arrival (while the islands keep a rhythm, their aimed boundaries move by a step or so). With
@@ -132,20 +140,23 @@ class PaceWindow:
         for i in sorted(missing):
             m = members.get(i)
             due = self.arrival(i, fragment, m, now)
-            if due is not None and not math.isinf(due):
-                due += SLACK_S + late_steps / m.rate
             if due is None:
                 arrive = bound                    # a newcomer: waited for until the deadline
                 w.why[i] = "its pace is not known yet: waited for until the window closed"
             elif math.isinf(due):
                 w.why[i] = "stalled: its step has not moved for two of its push intervals"
                 continue
-            elif due > bound:                     # not within the others' patience: carried
-                w.why[i] = f"due {due - bound:.2f}s after the window closed"
-                continue
-            else:                                 # (in the past when it is overdue: no longer waited for)
-                arrive = due
-                w.why[i] = (f"overdue by {now - due:.2f}s by its pace" if due <= now else
+            else:
+                extra = SLACK_S + late_steps / m.rate
+                if aimed_at is not None:   # it aims its boundaries at the rhythm island's push, which is in
+                    due = aimed_at         # (its own steps between pushes vary by aim: not its pace)
+                    extra = max(SLACK_S + (late_steps + AIM_STEPS) / m.rate, AIM_SHARE * (bound - aimed_at))
+                if due > bound:                   # not within the others' patience: carried
+                    w.why[i] = f"due {due - bound:.2f}s after the window closed"
+                    continue
+                # due within the window: waited for until then, and a little more (never past the window)
+                arrive = min(bound, due + extra)
+                w.why[i] = (f"overdue by {now - arrive:.2f}s by its pace" if arrive <= now else
                             "due within the window")
             w.waits_for.append(i)
             w.at = max(w.at, arrive)
