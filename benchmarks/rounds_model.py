@@ -30,7 +30,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from yeto_patch.island.boundary.schedule import Cadence, catch_up, keep_rhythm, suggest  # noqa: E402
+from yeto_patch.island.boundary.schedule import (Cadence, aim_floor, catch_up, follow, keep_rhythm,  # noqa: E402
+                                                 suggest)
 from yeto_patch.syncer.rounds import settings as syncer_settings  # noqa: E402
 from yeto_patch.syncer.model.runner import ChunkRunner  # noqa: E402
 from yeto_patch.syncer.rounds.coordinator import Coordinator  # noqa: E402
@@ -172,6 +173,14 @@ class Model:
             i.cadence.retune(suggest(a.h, a.tau, i.rate(), c.pace(), i.cadence.h))
         elif i.stretch and not c.rhythm(i.name):
             i.cadence.retune(keep_rhythm(a.h, a.tau, i.rate(), {}, i.cadence.h, [])[0])
+        if i.stretch:   # a round the rhythm island's push opened: its boundary comes at once (schedule.follow)
+            rh = {x[0]: x[2] for x in c.rhythm(i.name)}
+            if rh:
+                st = c.round_status(i.name)
+                period = sorted(rh.values())[len(rh) // 2]
+                for f, at in follow({f: age for f, age in st.opened if f not in due}, i.cadence, i.step,
+                                    aim_floor(a.h, a.tau), period).items():
+                    i.cadence.aim(f, at)
         i.cadence.passed(i.step)
         if i.step % a.checkpoint_every == 0:
             i.checkpoint = (i.step, list(i.anchor), list(i.count))

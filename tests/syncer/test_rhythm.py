@@ -118,6 +118,41 @@ def test_heartbeats_carry_pinned_and_the_rhythm_bounded():
     assert read_syncer_beat(syncer_beat_meta(0.0, c.round_status("i0"))).rhythm == c.rhythm("i0")
 
 
+def test_a_round_the_rhythm_island_opened_is_told_to_the_others_bounded():
+    clock = Clock()
+    c = fleet([10.0, 5.2], clock)
+    assert c.keeps_rhythm("i1") and not c.keeps_rhythm("i0")
+    assert c.round_status("i0").opened == []
+    push = ReceivedPush(island="i1", fragment=0, base_version=0, codec="f32", block=256,
+                        body=codecs.encode("f32", np.ones(c.frags[0].numel, np.float32)), local_step=30, steps=10,
+                        tokens=10, patience=2.0, rate=5.2, pinned=True)
+    assert c.accept(push)[0] == "accepted"
+    clock.t += 0.25
+    assert c.round_status("i0").opened == [[0, 0.25]]    # i1's push opened fragment 0's round 0.25 s ago
+    assert c.round_status("i1").opened == []              # (not to the rhythm island itself)
+    st = read_syncer_beat(syncer_beat_meta(0.0, c.round_status("i0")))
+    assert st.opened == [[0, 0.25]]
+    bad = read_syncer_beat({"opened": [[0, 0.5], [1, -1.0], [2, float("nan")], [True, 1.0], [-1, 1.0], [3, 2e6],
+                                       [4], "x", [5, "1"]]})
+    assert bad.opened == [[0, 0.5]]
+    assert len(read_syncer_beat({"opened": [[0, 1.0]] * 100000}).opened) == 4096
+    # once i0 answered, or the round merged, it is no longer said
+    push0 = dataclasses.replace(push, island="i0", rate=10.0,
+                                body=codecs.encode("f32", np.ones(c.frags[0].numel, np.float32)))
+    assert c.accept(push0)[0] == "accepted"
+    assert c.round_status("i0").opened == []
+
+
+def test_the_rhythm_island_stays_until_another_is_clearly_slower():
+    clock = Clock()
+    c = fleet([10.0, 9.5], clock)
+    assert c.keeps_rhythm("i1")
+    c.touch("i0", 25, 9.2, True)       # i0 now says it is a little slower: noise, i1 stays the rhythm
+    assert c.keeps_rhythm("i1")
+    c.touch("i0", 26, 8.0, True)       # 16% slower: i0 is the rhythm now
+    assert c.keeps_rhythm("i0")
+
+
 def test_a_push_says_rate_and_pinned_and_its_reply_says_the_rhythm_from_its_arrival():
     """A pinned island's push carries its rate (heartbeats come every lease / 4, too seldom for short periods) and
     the PUSH_REPLY tells it when the rhythm island pushes that fragment next, counted from the push's arrival."""

@@ -272,6 +272,18 @@ def syncer_beat_meta(t: float, st: SyncerStatus) -> dict:
         out["pace"] = st.pace
     if st.rhythm:
         out["rhythm"] = st.rhythm
+    if st.opened:
+        out["opened"] = st.opened
+    return out
+
+
+def _opened(v) -> list:
+    """A HEARTBEAT's opened entries, bounded: [fragment, age_s] with an integer fragment and an age in
+    [0, MAX_RHYTHM_S]; anything else is left out."""
+    out = []
+    for e in v[:MAX_RHYTHM] if isinstance(v, list) else []:
+        if isinstance(e, list) and len(e) == 2 and bounded_int(e[0], MAX_RHYTHM) and bounded_number(e[1], MAX_RHYTHM_S):
+            out.append([int(e[0]), float(e[1])])
     return out
 
 
@@ -304,7 +316,7 @@ def read_syncer_beat(meta: dict) -> SyncerStatus:
     pace = float(pace) if isinstance(pace, (int, float)) and not isinstance(pace, bool) and 0 <= pace <= 1e6 else 0.0
     unfinished = meta.get("unfinished")
     return SyncerStatus(rounds, _ids(meta.get("missing")), _ids(unfinished) if unfinished is not None else None,
-                        pace, _rhythm(meta.get("rhythm")))
+                        pace, _rhythm(meta.get("rhythm")), opened=_opened(meta.get("opened")))
 
 
 # ---------------------------------------------------------------------------------------------- INIT, HELLO

@@ -78,13 +78,15 @@ class SyncerStatus:
     FINAL) the islands still training, ``pace`` the fleet's pace in steps/s (0: unknown), ``rhythm``
     [fragment, eta_s, period_s] of the fragments whose next push by the island the fleet keeps its rhythm with is
     due in ``eta_s`` seconds, every ``period_s`` (empty: no rhythm, or this island is it), ``at`` the island's
-    monotonic clock when it arrived (0: never)."""
+    monotonic clock when it arrived (0: never), ``opened`` [fragment, age_s] of the open rounds that the rhythm
+    island's push (arrived ``age_s`` before) is in and this island has not answered (it follows them)."""
     rounds: list
     missing: list
     unfinished: Optional[list] = None
     pace: float = 0.0
     rhythm: list = field(default_factory=list)
     at: float = 0.0
+    opened: list = field(default_factory=list)   # [fragment, age_s]: open rounds the rhythm island's push is in
 
     def describe(self) -> str:
         parts = []

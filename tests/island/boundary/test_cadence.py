@@ -3,7 +3,8 @@
 import pytest
 
 from yeto_patch import config
-from yeto_patch.island.boundary.schedule import (MAX_STRETCH, STRETCH_DEADBAND, AIM_SOONER, aim_floor, Cadence, aim, catch_up, due_fragments, reply_aims,
+from yeto_patch.island.boundary.schedule import (MAX_STRETCH, STRETCH_DEADBAND, AIM_BEHIND, AIM_SOONER, aim_floor,
+                                                 follow, Cadence, aim, catch_up, due_fragments, reply_aims,
                                                  stretch, suggest)
 
 
@@ -42,30 +43,53 @@ def test_stretch_takes_the_steps_of_the_rhythm_islands_period_within_bounds():
     assert stretch(10, 5, rate=10.0, period_s=1.3, current=10) == 13
 
 
-def test_aim_lands_the_next_boundary_on_the_rhythm_islands_push():
-    # the rhythm island pushes in 0.05 s, every 1.923 s: this push shares its round; the one after is aimed at
-    assert aim(0.05, 1.923, rate=10.0, lo=6, hi=40) == 20
-    assert aim(1.9, 1.923, rate=10.0, lo=6, hi=40) == 19    # it pushed just before: its next push
-    assert aim(-0.5, 1.923, rate=10.0, lo=6, hi=40) == 14   # overdue by 0.5 s: the same phase, 1.42 s on
-    assert aim(5.0, 1.923, rate=10.0, lo=6, hi=40) == 12    # periods ahead: the same phase (1.15 s)
-    assert aim(0.05, 1.923, rate=10.0, lo=6, hi=15) == 15 and aim(9.9, 10.0, rate=0.5, lo=6, hi=40) == 6
+def test_aim_lands_the_next_boundary_just_after_the_rhythm_islands_push():
+    # the rhythm island pushes in 0.05 s, every 1.923 s: this push shares its round; the one after is aimed at, and
+    # AIM_BEHIND steps more: the rhythm island's push, with its longer patience, opens the round and this island
+    # follows it at once (follow) or comes within the wait the round gives it
+    assert AIM_BEHIND == 2
+    assert aim(0.05, 1.923, rate=10.0, lo=6, hi=40) == 20 + 2
+    assert aim(1.9, 1.923, rate=10.0, lo=6, hi=40) == 19 + 2    # it pushed just before: its next push
+    assert aim(-0.5, 1.923, rate=10.0, lo=6, hi=40) == 14 + 2   # overdue by 0.5 s: the same phase, 1.42 s on
+    assert aim(5.0, 1.923, rate=10.0, lo=6, hi=40) == 12 + 2    # periods ahead: the same phase (1.15 s)
+    assert aim(0.05, 1.923, rate=10.0, lo=6, hi=15) == 15 and aim(9.9, 10.0, rate=0.5, lo=6, hi=40) == 5 + 2
     assert aim(1.0, 1.9, rate=0.0, lo=6, hi=40) is None
-    # aimed every time, its boundaries stay on the rhythm island's pushes at a rate that is not a whole multiple
-    t, step, rate, period = 0.0, 0, 10.0, 10 / 5.2
+    # aimed every time, its boundaries stay AIM_BEHIND steps after the rhythm island's pushes at a rate that is
+    # not a whole multiple
+    t, step, rate, period = AIM_BEHIND / 10.0, 0, 10.0, 10 / 5.2   # (its last push: that much after one of it)
     for _ in range(50):
-        steps = aim(period - (t % period), period, rate, 6, 40)
+        steps = aim(period - (t % period), period, rate, 6, 40)   # (its pushes at whole periods)
         step, t = step + steps, t + steps / rate
-        assert min(t % period, period - t % period) <= 0.5 / rate + 1e-9   # within half a step
+        x = t - AIM_BEHIND / rate
+        assert min(x % period, period - x % period) <= 0.5 / rate + 1e-9   # within half a step
 
 
 def test_an_island_as_fast_as_the_rhythm_one_aims_at_its_pushes_not_between_them():
     # a little sooner than H is allowed (the rhythm island, the slowest by noisy rates, may be a little faster)
     assert AIM_SOONER == 0.15 and aim_floor(10, 5) == 9 and aim_floor(10, 9) == 10
-    # the rhythm island (1 s per period) pushes in 0.3 s: 3 steps away, too soon: its push after that (13 steps),
-    # not the floor (which would land between its pushes)
-    assert aim(0.3, 1.0, rate=10.0, lo=9, hi=40) == 13
-    # 0.8 steps sooner than the floor allows: at the floor (a step late is waited for)
-    assert aim(0.82, 1.0, rate=10.0, lo=9, hi=40) == 9
+    # the rhythm island (1 s per period, this island's speed) pushes in 0.6 s: 6 steps, too soon for the floor (9):
+    # its push after that (16 steps), not the floor, which would land between its pushes
+    assert aim(0.6, 1.0, rate=10.0, lo=9, hi=40) == 16 + AIM_BEHIND
+    # 0.8 steps sooner than the floor: at it (a step late is waited for)
+    assert aim(0.82, 1.0, rate=10.0, lo=9, hi=40) == max(9, 8 + AIM_BEHIND)
+
+
+def test_a_round_the_rhythm_island_opened_pulls_a_near_boundary_in():
+    c = Cadence(10, 2, 0)
+    c.passed(5)
+    assert c.next == [15, 10] and c.last == [5, None]
+    c.passed(6)
+    assert c.next == [15, 10] and c.last == [5, None]
+    # fragment 1's round was opened 0.2 s ago by the rhythm island: its boundary (step 10, 4 steps away) comes now
+    assert follow({1: 0.2}, c, 6, lo=9, period_s=1.0) == {1: 7}
+    assert follow({1: 0.6}, c, 6, lo=9, period_s=1.0) == {}        # opened more than half a period ago: stale
+    assert follow({1: 0.2}, c, 4, lo=9, period_s=1.0) == {}        # 6 steps away: more than H / 2
+    assert follow({0: 0.2}, c, 12, lo=9, period_s=1.0) == {}       # fragment 0 pushed at 5: not before 14
+    assert follow({0: 0.2}, c, 13, lo=9, period_s=1.0) == {0: 14}
+    assert follow({7: 0.1, -1: 0.1}, c, 6, lo=9, period_s=1.0) == {}   # no such fragment
+    c.aim(1, 7)
+    c.passed(6)
+    assert c.next[1] == 7 and c.due(7) == [1]
 
 
 def test_a_push_reply_aims_the_next_boundary_once_per_push():
@@ -73,7 +97,7 @@ def test_a_push_reply_aims_the_next_boundary_once_per_push():
     aimed = {}
     aims = {0: (3, 0.05, 1.923), 1: (2, 1.0, 1.923), 2: (5, 1.0, 1.923)}
     pushes = {0: (3, 100), 1: (4, 100)}            # fragment 1's reply is of an older push; 2 has no push
-    assert reply_aims(aims, pushes, aimed, 10.0, 10, 38, 101) == {0: 120}  # 0.05 + 1.923 s after step 100
+    assert reply_aims(aims, pushes, aimed, 10.0, 10, 38, 101) == {0: 122}  # 0.05 + 1.923 s after step 100, + 2
     assert reply_aims(aims, pushes, aimed, 10.0, 10, 38, 102) == {}        # once per push
     c.aim(0, 120)
     c.passed(102)

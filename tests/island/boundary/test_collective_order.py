@@ -273,6 +273,12 @@ class Link:
             return {}
         return {f: (self.pacing.uniform(-3.0, 3.0), self.pacing.uniform(1.0, 4.0)) for f in range(len(self.frags))}
 
+    def opened(self):
+        """(a pinned H) Sometimes rounds the rhythm island opened: rank 0 pulls boundaries in, every rank follows."""
+        if self.pacing.random() < 0.5:
+            return {}
+        return {f: self.pacing.uniform(0.0, 2.0) for f in range(len(self.frags)) if self.pacing.random() < 0.5}
+
     def init_requested(self):
         return []
 

@@ -28,7 +28,8 @@ from yeto_patch.island.boundary.fragment import PushPhase, PushWire
 from yeto_patch.island.boundary.installs import Installer
 from yeto_patch.island.boundary.parts import IslandParts
 from yeto_patch.island.boundary.plan import BaseSpec, Plan, base_spec, needs_plan, overdue, plan, stageable
-from yeto_patch.island.boundary.schedule import Cadence, aim_floor, catch_up, keep_rhythm, reply_aims, suggest
+from yeto_patch.island.boundary.schedule import (Cadence, aim_floor, catch_up, follow, keep_rhythm, reply_aims,
+                                                 suggest)
 from yeto_patch.island.errors import EngineError
 
 log = logging.getLogger("yeto_patch")
@@ -166,8 +167,13 @@ class Boundaries:
         pushes = {fr.index: (fr.push.base_version, fr.push.step) for fr in p.frags
                   if fr.push is not None and fr.push.phase is PushPhase.AT_SYNCER and fr.index not in plan_.push}
         h = plan_.sync_every or self.cadence.h
-        plan_.aim = reply_aims(p.link.aims(), pushes, self.aimed, rate, aim_floor(p.settings.sync_every, p.rule.tau),
-                               2 * h, p.step())
+        lo = aim_floor(p.settings.sync_every, p.rule.tau)
+        plan_.aim = reply_aims(p.link.aims(), pushes, self.aimed, rate, lo, 2 * h, p.step())
+        rhythm = p.link.rhythm()
+        periods = sorted(period for _, period in rhythm.values())
+        if periods:   # a round the rhythm island's push opened: this fragment's boundary comes at once
+            plan_.aim.update(follow({f: a for f, a in p.link.opened().items() if f not in plan_.push}, self.cadence,
+                                    p.step(), lo, periods[len(periods) // 2]))
 
     def begin(self, plan_: Plan) -> None:
         """Every rank: the plan's new H and boundary shifts go to the cadence (from the next boundaries on), its

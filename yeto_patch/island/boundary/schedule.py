@@ -23,12 +23,13 @@ import math
 
 from typing import Optional
 
-__all__ = ["offset", "due_fragments", "Cadence", "suggest", "stretch", "aim", "aim_after", "reply_aims", "keep_rhythm", "aim_floor", "catch_up", "RETUNE_SHARE", "MAX_STRETCH"]
+__all__ = ["offset", "due_fragments", "Cadence", "suggest", "stretch", "aim", "aim_after", "reply_aims", "keep_rhythm", "aim_floor", "follow", "catch_up", "RETUNE_SHARE", "MAX_STRETCH"]
 
 RETUNE_SHARE = 0.1
 MAX_STRETCH = 3.0   # a pinned H is stretched at most this much on a fast island (its weight is capped at 2x)
 STRETCH_DEADBAND = 0.25   # an island at most this much faster than the rhythm one keeps N (noisy rates made H
                           # flip between N and N + 2 with every step: its aims then missed the rhythm's pushes)
+AIM_BEHIND = 2      # an aimed boundary comes this many steps after the rhythm island's push (follow pulls it in)
 AIM_SOONER = 0.15   # an aimed push may come this much sooner than N steps (aim_floor; the syncer's KEEPER_MARGIN)
 AIM_CLAMP_STEPS = 1.5   # an aimed push this many steps sooner than H allows comes at H instead (a little late);
                         # sooner still, it aims at the rhythm island's push after that (see aim)
@@ -61,6 +62,7 @@ class Cadence:
         self.h = int(sync_every)
         self.fragments = int(fragments)
         self.next = [_first_after(int(step), offset(f, self.h, self.fragments), self.h) for f in range(fragments)]
+        self.last: list = [None] * self.fragments   # each fragment's previous boundary (None: none yet)
         self._pending: Optional[int] = None
         self._shifts: dict = {}
         self._aims: dict = {}
@@ -87,6 +89,8 @@ class Cadence:
         """Step `step` is done: fragments due at it (or before: a step that was never shown) move on by H; a new
         H moves every other fragment's next boundary too (H_new after its previous one, at least one step on)."""
         for f, s in enumerate(self.next):
+            if s <= step:
+                self.last[f] = s
             while self.next[f] <= step:
                 self.next[f] += self.h
         if self._pending is not None:
@@ -136,7 +140,7 @@ def aim(eta_s: float, period_s: float, rate: float, lo: int, hi: int) -> Optiona
     target = phase if phase > period_s / 2 else phase + period_s
     if target * rate < lo - AIM_CLAMP_STEPS:   # too soon for this island's H: the rhythm island's next push after
         target += period_s * math.ceil((lo - target * rate) / (period_s * rate))   # that, not between two of them
-    return max(int(lo), min(int(hi), int(round(target * rate))))
+    return max(int(lo), min(int(hi), int(round(target * rate)) + AIM_BEHIND))
 
 
 def aim_floor(nominal: int, tau: int) -> int:
@@ -186,6 +190,22 @@ def reply_aims(aims: dict, pushes: dict, aimed: dict, rate: float, lo: int, hi: 
         at = aim_after(push[1], eta, period, rate, lo, hi)
         if at is not None and at > step + 1:
             out[f] = at
+    return out
+
+
+def follow(opened: dict, cadence: "Cadence", step: int, lo: int, period_s: float) -> dict:
+    """{fragment: step + 1} for the fragments whose round the rhythm island's push opened (``opened``: {fragment:
+    seconds ago}, island/link/syncer.SyncerLink.opened) within half its period, when this island's next boundary
+    of the fragment is at most H / 2 steps away and at least ``lo`` steps after its previous one: the boundary
+    comes at once, so the push lands in that round instead of on a prediction made a period ago (the rhythm
+    island's step times swing by a third on a loaded machine: an aim alone missed 1 round in 3)."""
+    out = {}
+    for f, age in opened.items():
+        if not 0 <= f < cadence.fragments or age > period_s / 2:
+            continue
+        nxt, last = cadence.next[f], cadence.last[f]
+        if step + 1 < nxt <= step + max(1, cadence.h // 2) and (last is None or step + 1 - last >= lo):
+            out[f] = step + 1
     return out
 
 

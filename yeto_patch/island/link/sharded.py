@@ -151,6 +151,13 @@ class ShardedLink:
             out.update(link.rhythm())
         return out
 
+    def opened(self) -> dict:
+        """Each shard's open rounds that the rhythm island's push is in (SyncerLink.opened), together."""
+        out = {}
+        for link in self.links:
+            out.update(link.opened())
+        return out
+
     @property
     def clock(self):
         return self.links[0].clock

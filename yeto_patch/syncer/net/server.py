@@ -361,6 +361,18 @@ class SyncerServer:
         s.post(MsgType.PUSH_REPLY, reply)
         with self.coord.cond:
             self.coord.cond.notify_all()
+        if reply.get("status") == "accepted" and self.coord.keeps_rhythm(s.island):
+            self._tell_followers(s.island)
+
+    def _tell_followers(self, keeper: str) -> None:
+        """The rhythm island's push opened (or joined) a round: every other island hears it now, not at its next
+        heartbeat, so that one whose boundary of that fragment is near pushes at once (island/boundary/schedule
+        .follow)."""
+        for island, other in self.registry.joined().items():
+            if island != keeper:
+                st = self.coord.round_status(island)
+                if st.opened:
+                    other.post(MsgType.HEARTBEAT, syncer_beat_meta(time.time(), st))
 
     def _session_closed(self, s: _Session) -> None:
         s.close()

@@ -446,7 +446,30 @@ class Coordinator:
             unfinished = self.roster.describe(sorted(self.roster.unfinished(now))[:MAX_STATUS_IDS], now) \
                 if m is not None and m.finished else None
             return SyncerStatus(rounds, self.roster.describe(sorted(missing)[:MAX_STATUS_IDS], now), unfinished,
-                                self.roster.pace(now), self._rhythm(island, now))
+                                self.roster.pace(now), self._rhythm(island, now), opened=self._opened(island, now))
+
+    def keeps_rhythm(self, island: str) -> bool:
+        """Whether ``island`` is the one the fleet keeps its rhythm with now (its pushes open rounds the others
+        follow: the server sends them a HEARTBEAT at once, ``round_status``'s ``opened``)."""
+        with self.lock:
+            keeper = self.roster.rhythm(self.clock())
+            return keeper is not None and keeper.island == island
+
+    def _opened(self, island: str, now: float) -> list:
+        """(lock held) ``[[fragment, seconds ago], ...]``: the open rounds the rhythm island's push opened or joined
+        and ``island`` has not answered (it follows them: island/boundary/schedule.follow)."""
+        keeper = self.roster.rhythm(now)
+        if keeper is None or keeper.island == island:
+            return []
+        out = []
+        for f in self.mine():
+            r = self.rounds[f.index]
+            c = r.answers.get(keeper.island)
+            if c is None or not c.folded or r.closed or c.push.arrived is None or island in r.answered_islands():
+                continue
+            if len(out) < MAX_RHYTHM:
+                out.append([f.index, round(max(0.0, now - c.push.arrived), 3)])
+        return out
 
     def pace(self) -> float:
         """The fleet's pace in steps/s (rounds/roster.py)."""
