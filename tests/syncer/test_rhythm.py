@@ -193,7 +193,7 @@ NOISE = {"quiet": dict(jitter=0.0, lane=0.0, beat=0.0),
 
 
 @pytest.mark.parametrize("noise", sorted(NOISE))
-@pytest.mark.parametrize("speeds", [(1.0, 0.52), (1.0, 0.45), (1.0, 0.8, 0.6)])
+@pytest.mark.parametrize("speeds", [(1.0, 0.52), (1.0, 0.45), (1.0, 0.8, 0.6), (1.0, 0.97)])
 def test_islands_of_different_speeds_share_their_rounds_at_a_pinned_h(speeds, noise):
     rm = load_model()
 
@@ -204,7 +204,11 @@ def test_islands_of_different_speeds_share_their_rounds_at_a_pinned_h(speeds, no
         return rm.Model(a, 0).run()
     kept, control = run(True), run(False)
     quiet = noise == "quiet"
-    assert kept["everyone"] >= (0.9 if quiet else 0.8), kept
+    # two islands of about one speed under noise share less (0.76 measured): neither is clearly the slower, and an
+    # island can follow the other's push only after its aim floor (0.85 N steps)
+    share = 0.9 if quiet else (0.7 if speeds == (1.0, 0.97) else 0.85)
+    assert kept["everyone"] >= share, kept
     assert kept["utilisation"] >= (0.99 if quiet else 0.95), kept                # nobody waits for the rhythm
-    assert kept["weighted"] >= (0.97 if quiet else 0.94), kept
-    assert control["everyone"] <= 0.6, control                                   # without it: split rounds
+    assert kept["weighted"] >= (0.97 if quiet else 0.95), kept
+    if speeds != (1.0, 0.97):
+        assert control["everyone"] <= 0.6, control                               # without it: split rounds

@@ -159,16 +159,17 @@ class Roster:
         return min(max(rates), PACE_SPREAD * statistics.median(rates))
 
     def rhythm(self, now: float) -> Optional[Member]:
-        """The island whose rhythm the others keep (island/boundary/schedule.stretch and aim): the slowest of the
-        islands that are up and training (the previous one while it is at most KEEPER_MARGIN faster than it), when there are at least two, every one of them pinned H
-        (``YETO_DILOCO_SYNC_EVERY=N``: ``auto`` islands follow the fleet's pace instead) and says its rate, and none
-        is more than STRETCH_SPREAD slower than the fastest; else None (each island keeps its H; a fleet further
-        apart shares rounds with ``auto``; 3x, not the weight cap's 2x: two Megatron-LM islands' speeds swung past 2x
-        under load, and benchmarks/rounds_model.py's six islands 1 to 0.35 share 0.72 of merges at 3x, 0.05 at
-        2x); never with ``--quorum`` (a round that waits for its quorum whatever the
-        timing needs no rhythm, and aimed boundaries can put two islands' fragments in different orders: each would
-        wait at its tau bound for a round that waits for the other's next push, for ever). A claim of a slow rate
-        thus stretches the others' H at most 3x."""
+        """The island whose rhythm the others keep (island/boundary/schedule.stretch, aim and follow): the slowest
+        of the islands that are up and training (the previous one while it is at most KEEPER_MARGIN faster than it),
+        when there are at least two, every one of them pinned H (``YETO_DILOCO_SYNC_EVERY=N``: ``auto`` islands
+        follow the fleet's pace instead) and says its rate, and none is more than STRETCH_SPREAD slower than the
+        fastest; else None (each island keeps its H; a fleet further apart shares rounds with ``auto``; 3x, not the
+        weight cap's 2x: two Megatron-LM islands' speeds swung past 2x under load, and
+        benchmarks/rounds_model.py's six islands 1 to 0.35 share 0.72 of merges at 3x, 0.05 at 2x); never with
+        ``--quorum`` (a round that waits for its quorum whatever the timing needs no rhythm, and aimed boundaries
+        can put two islands' fragments in different orders: each would wait at its tau bound for a round that
+        waits for the other's next push, for ever). A claim of a slow rate thus stretches the others' H at most
+        3x."""
         if not self.rs.elastic:
             return None
         up = [m for m in self.members.values() if not m.finished and self.is_up(m, now)]
