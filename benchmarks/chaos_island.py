@@ -33,7 +33,8 @@ from yeto_patch import config  # noqa: E402
 from yeto_patch.island.boundary import sync_state  # noqa: E402
 from yeto_patch.island.boundary.fragment import Fragments, PushPhase, PushWire  # noqa: E402
 from yeto_patch.island.boundary.plan import InstallRule, install_due, overdue, plan  # noqa: E402
-from yeto_patch.island.boundary.schedule import Cadence, catch_up, keep_rhythm, reply_aims, suggest  # noqa: E402
+from yeto_patch.island.boundary.schedule import (Cadence, aim_floor, catch_up, follow, keep_rhythm,  # noqa: E402
+                                                 reply_aims, suggest)
 from yeto_patch.island.link.patience import Patience  # noqa: E402
 from yeto_patch.island.link.sharded import ShardedLink  # noqa: E402
 from yeto_patch.wire import auth, codecs  # noqa: E402
@@ -207,6 +208,8 @@ class Island:
 
     def boundary(self, final=False):
         due = self.cadence.due(self.step)
+        if not self.s.sync_auto:
+            self.follow_rhythm(due)
         if not (due or final or self.frags.pushing()):
             return False
         self.frags.receive(self.link.poll())
@@ -230,7 +233,7 @@ class Island:
             pushes = {fr.index: (fr.push.base_version, fr.push.step) for fr in self.frags
                       if fr.push is not None and fr.push.phase is PushPhase.AT_SYNCER and fr.index not in p.push}
             for f, at in reply_aims(self.link.aims(), pushes, self.aimed, self.link.rate(),
-                                    max(self.s.overlap_steps + 1, self.s.sync_every), 2 * h, self.step).items():
+                                    aim_floor(self.s.sync_every, self.s.overlap_steps), 2 * h, self.step).items():
                 self.cadence.aim(f, at)
         for f in p.skip:
             self.frags[f].skipped()
@@ -247,6 +250,18 @@ class Island:
         if late:
             self.await_answers(late)
         return False
+
+    def follow_rhythm(self, due):
+        """(a pinned H, as the engine's plan does every step) A round the rhythm island's push opened: this
+        fragment's boundary comes at the next step (schedule.follow)."""
+        rhythm = self.link.rhythm()
+        if not rhythm:
+            return
+        periods = sorted(period for _, period in rhythm.values())
+        opened = {f: age for f, age in self.link.opened().items() if f not in due}
+        for f, at in follow(opened, self.cadence, self.step, aim_floor(self.s.sync_every, self.s.overlap_steps),
+                            periods[len(periods) // 2]).items():
+            self.cadence.aim(f, at)
 
     def run(self):
         self.start()
