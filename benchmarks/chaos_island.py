@@ -33,8 +33,8 @@ from yeto_patch import config  # noqa: E402
 from yeto_patch.island.boundary import sync_state  # noqa: E402
 from yeto_patch.island.boundary.fragment import Fragments, PushPhase, PushWire  # noqa: E402
 from yeto_patch.island.boundary.plan import InstallRule, install_due, overdue, plan  # noqa: E402
-from yeto_patch.island.boundary.schedule import (Cadence, aim_floor, catch_up, follow, keep_rhythm,  # noqa: E402
-                                                 reply_aims, suggest)
+from yeto_patch.island.boundary.schedule import (Cadence, aim_floor, catch_up, follow, hold,  # noqa: E402
+                                                 keep_rhythm, reply_aims, suggest)
 from yeto_patch.island.link.patience import Patience  # noqa: E402
 from yeto_patch.island.link.sharded import ShardedLink  # noqa: E402
 from yeto_patch.wire import auth, codecs  # noqa: E402
@@ -116,6 +116,7 @@ class Island:
         codecs.encode(self.s.push_dtype, np.zeros(codecs.DEFAULT_BLOCK, np.float32))
         self.cadence = Cadence(self.s.sync_every, len(self.frags), self.step)
         self.aimed = {}   # (a pinned H) fragment -> (base version, step) of the push whose reply aimed its boundary
+        self.held = {}    # (a pinned H) fragment -> steps its aimed boundary waited for the rhythm island (hold)
         self.t_start = time.time()   # (up from here: joined, with every base)
         self.record("start", restart=bool(self.a.restart), step0=self.step)
 
@@ -209,7 +210,7 @@ class Island:
     def boundary(self, final=False):
         due = self.cadence.due(self.step)
         if not self.s.sync_auto:
-            self.follow_rhythm(due)
+            due = self.follow_rhythm(due)
         if not (due or final or self.frags.pushing()):
             return False
         self.frags.receive(self.link.poll())
@@ -252,16 +253,21 @@ class Island:
         return False
 
     def follow_rhythm(self, due):
-        """(a pinned H, as the engine's plan does every step) A round the rhythm island's push opened: this
-        fragment's boundary comes at the next step (schedule.follow)."""
+        """(a pinned H, as the engine's plan does) The fragments due now that push: a round the rhythm island's push
+        opened pulls a near boundary to the next step (schedule.follow); one due that it has not opened yet waits a
+        step more (schedule.hold)."""
         rhythm = self.link.rhythm()
         if not rhythm:
-            return
+            return due
         periods = sorted(period for _, period in rhythm.values())
-        opened = {f: age for f, age in self.link.opened().items() if f not in due}
-        for f, at in follow(opened, self.cadence, self.step, aim_floor(self.s.sync_every, self.s.overlap_steps),
-                            periods[len(periods) // 2]).items():
+        opened = {f: age for f, age in self.link.opened().items() if age <= periods[len(periods) // 2] / 2}
+        held = hold(due, opened, self.held, self.s.sync_every)   # not opened yet: a step more (schedule.hold)
+        for f in held:
+            self.cadence.aim(f, self.step + 1)
+        for f, at in follow({f: a for f, a in opened.items() if f not in due}, self.cadence, self.step,
+                            aim_floor(self.s.sync_every, self.s.overlap_steps), periods[len(periods) // 2]).items():
             self.cadence.aim(f, at)
+        return [f for f in due if f not in held]
 
     def run(self):
         self.start()

@@ -30,8 +30,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from yeto_patch.island.boundary.schedule import (Cadence, aim_floor, catch_up, follow, keep_rhythm,  # noqa: E402
-                                                 suggest)
+from yeto_patch.island.boundary.schedule import (Cadence, aim_floor, catch_up, follow,  # noqa: E402
+                                                 hold, keep_rhythm, suggest)
 from yeto_patch.syncer.rounds import settings as syncer_settings  # noqa: E402
 from yeto_patch.syncer.model.runner import ChunkRunner  # noqa: E402
 from yeto_patch.syncer.rounds.coordinator import Coordinator  # noqa: E402
@@ -57,6 +57,7 @@ class Island:
         self.seen = {}                       # fragment -> (newest merged version, when it arrived)
         self.checkpoint = (0, [0] * P, [0] * P)
         self.took = collections.deque(maxlen=8)   # its last step times (what it says its rate is from)
+        self.held = {}                            # fragment -> steps its aimed boundary waited (schedule.hold)
 
     def rate(self) -> float:
         """Its compute rate as a real island says it: from the median of its last step times."""
@@ -141,6 +142,13 @@ class Model:
             c.touch(i.name, i.step, i.rate(), i.stretch)
             i.next_beat = self.t + a.beat
         due = i.cadence.due(i.step)
+        limit = getattr(self.a, "hold", None)
+        limit = a.h if limit is None else limit   # (the engine's: N, the user's H)
+        if i.stretch and limit and c.rhythm(i.name):   # not yet opened by the rhythm island: a step more
+            held = hold(due, {f: a for f, a in c.round_status(i.name).opened}, i.held, limit)
+            due = [f for f in due if f not in held]
+            for f in held:
+                i.cadence.aim(f, i.step + 1)
         for f in range(P):   # a base merged since: installed unless this fragment pushes now
             if f not in due and self.answered(i, f):
                 i.anchor[f], i.pending[f] = max(i.anchor[f], c.frags[f].version), None
@@ -290,12 +298,14 @@ def main(argv=None) -> int:
                     "(real islands: about 0.1-0.3 on this shared machine)")
     ap.add_argument("--lane", type=float, default=0.0, help="seconds (x 0.7-1.3) from a boundary until its push "
                     "arrives at the syncer (gather, encode, send); 0: at once")
+    ap.add_argument("--hold", type=int, default=None, help="steps an aimed boundary may wait for the rhythm "
+                    "island's push (island/boundary/schedule.hold; default: N, as the engine; 0: none)")
     ap.add_argument("--beat", type=float, default=0.0, help="seconds between an island's heartbeats (the syncer "
                     "learns its step from them and its pushes; real islands: --lease / 4 = 15 s); 0: every step")
     a = ap.parse_args(argv)
     base = dict(speeds=a.speeds, step_s=0.1, h=a.h, tau=a.tau, checkpoint_every=20,
                 max_base_lag=4, seconds=a.seconds, quorum=None, grace=None, chaos=True, auto=True, min_quorum=None,
-                jitter=a.jitter, lane=a.lane, beat=a.beat)
+                jitter=a.jitter, lane=a.lane, beat=a.beat, hold=a.hold)
     default = syncer_settings.default_min_quorum(len(base["speeds"]))
     quorums = [int(x) for x in a.quorums.split(",")]
     rows = [(f"elastic, minimum quorum {q}{' (default)' if q == default else ''}", dict(base, min_quorum=None if q == default else q))

@@ -33,8 +33,8 @@ Measured, each as a ratio within this one run:
    job would save; the mean over replicas is printed too), each over the same synchronous data-parallel baseline
    (the demo's, all shards, M x the batch, cached per setting);
 2. bytes per sync on the link: yeto-patch: the demo's metered relay between islands and syncer (both ways);
-   torchft: the kernel's per-socket counters (ss -ti: bytes_sent/bytes_received of every TCP socket of the
-   replicas and the lighthouse, sampled every 0.2 s), every byte that crossed between two different processes
+   torchft: the kernel's per-socket counters (ss -ti: bytes_sent less bytes_retrans, and bytes_received, of every
+   TCP socket of the replicas and the lighthouse, sampled every 0.2 s), every byte that crossed between two different processes
    counted once (gloo allreduce, TCPStore, Manager and lighthouse gRPC, heartbeats). A sync = one fragment's outer
    step (torchft: Manager.current_step(); yeto-patch: the syncer's merges);
 3. time the training thread is blocked at syncs, at two model sizes (--hidden and --hidden2): per step (per
@@ -112,12 +112,13 @@ def free_port():
 # --- bytes on the link: the kernel's per-socket counters ---------------------------------------------------------
 
 _SOCK = re.compile(r"^\S+\s+\d+\s+\d+\s+(\S+)\s+(\S+)\s+users:\(\(\"[^\"]*\",pid=(\d+)")
-_BYTES = re.compile(r"\bbytes_(sent|received):(\d+)")
+_BYTES = re.compile(r"\bbytes_(sent|retrans|received):(\d+)")   # (sent less retrans: each byte once)
 
 
 class SocketMeter:
     """Samples `ss -tinpH` every `every_s`: per TCP connection (local, peer) its owner pid and the largest
-    bytes_sent / bytes_received seen. Counts what the kernel sent, not what anybody computed."""
+    bytes_sent (less bytes_retrans: a loaded loopback retransmits, and a byte resent is not a new byte) /
+    bytes_received seen. Counts what the kernel sent, not what anybody computed."""
 
     def __init__(self, every_s=0.2):
         self.every_s = every_s
@@ -159,7 +160,7 @@ class SocketMeter:
             old = self.socks.get(key)
             if old is None or old["pid"] != cur[2]:
                 old = self.socks[key] = dict(pid=cur[2], sent=0, received=0)
-            old["sent"] = max(old["sent"], vals.get("sent", 0))
+            old["sent"] = max(old["sent"], vals.get("sent", 0) - vals.get("retrans", 0))
             old["received"] = max(old["received"], vals.get("received", 0))
             cur = None
 

@@ -4,7 +4,7 @@ import pytest
 
 from yeto_patch import config
 from yeto_patch.island.boundary.schedule import (MAX_STRETCH, STRETCH_DEADBAND, AIM_BEHIND, AIM_SOONER, aim_floor,
-                                                 follow, Cadence, aim, catch_up, due_fragments, reply_aims,
+                                                 follow, hold, Cadence, aim, catch_up, due_fragments, reply_aims,
                                                  stretch, suggest)
 
 
@@ -90,6 +90,15 @@ def test_a_round_the_rhythm_island_opened_pulls_a_near_boundary_in():
     c.aim(1, 7)
     c.passed(6)
     assert c.next[1] == 7 and c.due(7) == [1]
+
+
+def test_a_boundary_due_before_the_rhythm_islands_push_waits_for_it_at_most_the_limit():
+    held = {}
+    assert hold([0, 1], {1: 0.1}, held, limit=2) == [0]          # 1's round is open: it pushes; 0 waits a step
+    assert held == {0: 1}
+    assert hold([0], {}, held, limit=2) == [0] and held == {0: 2}
+    assert hold([0], {}, held, limit=2) == [] and held == {}      # waited its limit: it pushes (and is forgotten)
+    assert hold([0], {}, held, limit=0) == []                     # no waiting at all
 
 
 def test_a_push_reply_aims_the_next_boundary_once_per_push():

@@ -28,8 +28,8 @@ from yeto_patch.island.boundary.fragment import PushPhase, PushWire
 from yeto_patch.island.boundary.installs import Installer
 from yeto_patch.island.boundary.parts import IslandParts
 from yeto_patch.island.boundary.plan import BaseSpec, Plan, base_spec, needs_plan, overdue, plan, stageable
-from yeto_patch.island.boundary.schedule import (Cadence, aim_floor, catch_up, follow, keep_rhythm, reply_aims,
-                                                 suggest)
+from yeto_patch.island.boundary.schedule import (Cadence, aim_floor, catch_up, follow, hold, keep_rhythm,
+                                                 reply_aims, suggest)
 from yeto_patch.island.errors import EngineError
 
 log = logging.getLogger("yeto_patch")
@@ -76,6 +76,7 @@ class Boundaries:
         self.cadence = Cadence(parts.settings.sync_every, len(parts.frags), parts.step())
         # rank 0, a pinned H: fragment -> (base version, step) of the push whose PUSH_REPLY aimed its next boundary
         self.aimed: dict = {}
+        self.held: dict = {}   # rank 0: fragment -> steps its aimed boundary waited for the rhythm island (hold)
 
     # ------------------------------------------------------------------------------------- pushes
     def push(self, f: int, final: bool = False) -> None:
@@ -131,11 +132,13 @@ class Boundaries:
             p.bases.check()
             p.frags.receive(p.link.poll())
             ready = {frag.index for frag in p.frags if p.bases.finished(frag.index)}
-            out = plan(step, p.total, due, p.frags, p.link.final_cut, p.rule, ready)
+            held = [] if p.settings.sync_auto else self._hold(step, due)
+            out = plan(step, p.total, [f for f in due if f not in held], p.frags, p.link.final_cut, p.rule, ready)
             if p.settings.sync_auto:
                 self._pace(out)
             else:
                 self._keep_rhythm(out)
+                out.aim.update({f: step + 1 for f in held})
             return {"plan": out.as_json(), "handed": handed}
         decided = p.channel.rank0(decide, f"plan step {step}")
         self.mark_handed(decided["handed"])
@@ -154,6 +157,27 @@ class Boundaries:
             if k:
                 plan_.shift[f] = k
 
+    def _opened(self) -> dict:
+        """Rank 0: {fragment: seconds ago} of the open rounds the rhythm island's push is in (the syncer's word),
+        within half its period; empty without a rhythm."""
+        p = self.parts
+        periods = sorted(period for _, period in p.link.rhythm().values())
+        if not periods:
+            return {}
+        half = periods[len(periods) // 2] / 2
+        return {f: age for f, age in p.link.opened().items() if age <= half}
+
+    def _hold(self, step: int, due: list) -> list:
+        """Rank 0 (a pinned H keeping the rhythm): the fragments due now that wait a step more for the rhythm
+        island's push (schedule.hold, at most N steps past their aim; never at the run's last steps)."""
+        p = self.parts
+        if not due or step + 1 >= p.total:
+            return []
+        if not p.link.rhythm():   # (no rhythm, or this island is the rhythm island)
+            self.held.clear()
+            return []
+        return hold(due, self._opened(), self.held, p.settings.sync_every)
+
     def _keep_rhythm(self, plan_: Plan) -> None:
         """Rank 0 (a pinned YETO_DILOCO_SYNC_EVERY=N): while the syncer says the fleet keeps the slowest island's
         rhythm, H stretched to this island's steps in its period and each fragment pushing now aimed at its next
@@ -169,10 +193,9 @@ class Boundaries:
         h = plan_.sync_every or self.cadence.h
         lo = aim_floor(p.settings.sync_every, p.rule.tau)
         plan_.aim = reply_aims(p.link.aims(), pushes, self.aimed, rate, lo, 2 * h, p.step())
-        rhythm = p.link.rhythm()
-        periods = sorted(period for _, period in rhythm.values())
+        periods = sorted(period for _, period in p.link.rhythm().values())
         if periods:   # a round the rhythm island's push opened: this fragment's boundary comes at once
-            plan_.aim.update(follow({f: a for f, a in p.link.opened().items() if f not in plan_.push}, self.cadence,
+            plan_.aim.update(follow({f: a for f, a in self._opened().items() if f not in plan_.push}, self.cadence,
                                     p.step(), lo, periods[len(periods) // 2]))
 
     def begin(self, plan_: Plan) -> None:

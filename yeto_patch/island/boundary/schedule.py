@@ -23,7 +23,7 @@ import math
 
 from typing import Optional
 
-__all__ = ["offset", "due_fragments", "Cadence", "suggest", "stretch", "aim", "aim_after", "reply_aims", "keep_rhythm", "aim_floor", "follow", "catch_up", "RETUNE_SHARE", "MAX_STRETCH"]
+__all__ = ["offset", "due_fragments", "Cadence", "suggest", "stretch", "aim", "aim_after", "reply_aims", "keep_rhythm", "aim_floor", "follow", "hold", "catch_up", "RETUNE_SHARE", "MAX_STRETCH"]
 
 RETUNE_SHARE = 0.1
 MAX_STRETCH = 3.0   # a pinned H is stretched at most this much on a fast island (its weight is capped at 2x)
@@ -206,6 +206,22 @@ def follow(opened: dict, cadence: "Cadence", step: int, lo: int, period_s: float
         nxt, last = cadence.next[f], cadence.last[f]
         if step + 1 < nxt <= step + max(1, cadence.h // 2) and (last is None or step + 1 - last >= lo):
             out[f] = step + 1
+    return out
+
+
+def hold(due, opened: dict, held: dict, limit: int) -> list:
+    """The fragments of ``due`` (due now, aimed at the rhythm island's push) whose boundary waits a step more: that
+    push has not opened their round yet (not in ``opened``) and they have waited fewer than ``limit`` steps
+    (``held``: {fragment: steps waited}, updated; a fragment that pushes is forgotten). The island trains on
+    meanwhile; its push then follows the rhythm island's instead of opening a round that closes after its own
+    short patience."""
+    out = []
+    for f in due:
+        if f not in opened and held.get(f, 0) < limit:
+            held[f] = held.get(f, 0) + 1
+            out.append(f)
+        else:
+            held.pop(f, None)
     return out
 
 
