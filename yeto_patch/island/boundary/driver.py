@@ -64,7 +64,7 @@ class Answer:
 
 class Boundaries:
     """The fragments' boundaries on one rank (see the module docstring)."""
-    __slots__ = ("parts", "installer", "planned", "cadence", "syncer_ended", "aimed")
+    __slots__ = ("parts", "installer", "planned", "cadence", "syncer_ended", "aimed", "held")
 
     def __init__(self, parts: IslandParts, installer: Installer, syncer_ended: bool = False):
         self.parts = parts
