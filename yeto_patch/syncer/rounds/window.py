@@ -78,8 +78,14 @@ class PaceWindow:
 
     # --------------------------------------------------------------------------------------------- read
     def interval(self, island: str, fragment: int) -> Optional[float]:
+        """``island``'s usual steps between pushes of ``fragment``; before its second push of it, its usual steps
+        between pushes of its other fragments (one H for all: a run's first rounds need not wait for a second push
+        of every fragment); None while it has pushed no fragment twice."""
         xs = self.intervals.get((island, fragment))
-        return statistics.median(xs) if xs else None
+        if xs:
+            return statistics.median(xs)
+        every = [x for (i, _), ys in self.intervals.items() if i == island for x in ys]
+        return statistics.median(every) if every else None
 
     def arrival(self, island: str, fragment: int, member, now: float) -> Optional[float]:
         """The clock time ``island``'s next push of ``fragment`` is due by its own pace (None: unknown; inf:
