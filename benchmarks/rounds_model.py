@@ -13,8 +13,15 @@ from its last checkpoint, every 20 steps; 16 link outages of 1-5 s, pushes made 
 computed; weighted: each push at its merge weight relative to an on-time push), utilisation (computing / up),
 merges per minute, the longest interval without a merge, the mean lag of merged pushes and the pushes per merge.
 
+By default step times are exact, pushes arrive 20 ms after their boundary and the syncer hears every step: real
+islands are noisier, and the rhythm of a pinned H looked better here than on Megatron-LM islands until --jitter
+(lognormal step times, rates from the median of the last 8 steps), --lane (boundary to arrival) and --beat
+(heartbeat period) were added; `--jitter 0.2 --lane 0.08 --beat 7` is about this machine's islands.
+
     python benchmarks/rounds_model.py                        # the default rule against its neighbours
     python benchmarks/rounds_model.py --seeds 5 --quorums 1,2,3 --fixed-h
+    python benchmarks/rounds_model.py --speeds 1.0,0.52 --h 10 --quorums 1 --fixed-h --no-chaos --jitter 0.2 \
+        --lane 0.08 --beat 7
 """
 from __future__ import annotations
 
