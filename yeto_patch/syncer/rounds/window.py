@@ -6,21 +6,25 @@ pushes' ``local_step``) and, from its heartbeats and pushes, its step, when it l
 (rounds/members.py). For a missing island ``i`` the window estimates when its next push of the fragment arrives:
 
 * ``arrival(i)``: when it last said its step + (its next boundary: its last push's step + a whole number of its
-  usual steps between pushes, the first after that step - that step) / its rate; unknown (None) for a newcomer (no interval or rate yet), infinite for an island whose step has not
-  moved for ``STALL_PERIODS`` of its push intervals (and at least ``STALL_MIN_S``): an island that stalls while it
-  stays connected is not waited for, and is waited for again as soon as it moves;
+  usual steps between pushes, the first after that step - that step) / its rate, and no sooner than its last
+  push's arrival + the same steps / its rate (a push arrives a lane delay after its boundary); its usual steps from
+  its other fragments before its second push of this one; unknown (None) for a newcomer (no interval or rate yet),
+  infinite for an island whose step has not moved for ``STALL_PERIODS`` of its push intervals (and at least
+  ``STALL_MIN_S``): an island that stalls while it stays connected is not waited for, and is waited for again as
+  soon as it moves;
 * the **deadline**: the round merges at the latest when the answers' patience runs out (an answer's patience: the
   seconds after sending until that island blocks for its answer, tau steps of its step time). Taken as the
   **upper median** over the answers of ``arrival + patience``, so one push with a tiny patience (fewer than half of
   the answers) cannot close the window on the others; capped by ``PERIOD_SHARE`` of the fleet's period of this
   fragment (the median over islands of their steps between pushes / their rate) and by ``--round-timeout``;
   ``FIRST_BOUND_S`` after the first answer while nothing is known;
-* the round waits until the latest ``arrival`` within the deadline (plus ``SLACK_S``, and while the islands keep a
-  rhythm ``LATE_STEPS`` of that island's steps: a boundary aimed at the rhythm, island/boundary/schedule.aim,
-  moves by a step; measured in benchmarks/rounds_model.py: 0.96 of the merges of two islands held both with it,
-  0.75 without, while the same tolerance cut them from 0.75 to 0.45 with auto H); a newcomer is waited for
-  until the deadline; an island due beyond it, or overdue, is not waited for (its push is carried into the next
-  round).
+* the round waits for each island whose ``arrival`` is within the deadline until that arrival plus ``SLACK_S``
+  (and, while the islands keep a rhythm, ``LATE_STEPS`` of that island's steps: a boundary aimed at the rhythm,
+  island/boundary/schedule.aim, moves by a step), never past the deadline; in a round the rhythm island's push is
+  in, an island that aims at it is due at once and waited for ``AIM_SHARE`` of the rest of the window (its own
+  steps between pushes vary by aim); a newcomer is waited for until the deadline; an island due beyond it is not
+  waited for (its push is carried into the next round). ``Window.why`` says, per missing island, which of these
+  applied (the merge line names those a merge went without).
 
 An early push (even one with a zero delta the moment each base arrives) only opens a round: the honest islands' own
 pace decides whether they are waited for. Everything is a pure function of the recorded steps and times and of the
@@ -41,7 +45,7 @@ FIRST_BOUND_S = 30.0  # the deadline while no patience and no period is known (a
 SLACK_S = 0.05        # added to the latest eta waited for
 LATE_STEPS = 1        # ... and, while the islands keep a rhythm, this many of the island's steps
 AIM_STEPS = 1         # an island aiming at the rhythm island's push is waited for this many of its steps after it,
-AIM_SHARE = 0.75       # ... or this share of the rest of the window, whichever is longer
+AIM_SHARE = 0.75      # ... or this share of the rest of the window, whichever is longer
 STALL_PERIODS = 2.0   # an island whose step has not moved for this many of its push intervals ...
 STALL_MIN_S = 2.0     # ... (and at least this long) is stalled: not waited for
 
