@@ -34,7 +34,7 @@ from yeto_patch.island.boundary import sync_state  # noqa: E402
 from yeto_patch.island.boundary.fragment import Fragments, PushPhase, PushWire  # noqa: E402
 from yeto_patch.island.boundary.plan import InstallRule, install_due, overdue, plan  # noqa: E402
 from yeto_patch.island.boundary.schedule import (Cadence, aim_floor, catch_up, follow, hold,  # noqa: E402
-                                                 keep_rhythm, reply_aims, suggest)
+                                                 keep_rhythm, reply_aims, rhythm_period, suggest)
 from yeto_patch.island.link.patience import Patience  # noqa: E402
 from yeto_patch.island.link.sharded import ShardedLink  # noqa: E402
 from yeto_patch.wire import auth, codecs  # noqa: E402
@@ -256,16 +256,15 @@ class Island:
         """(a pinned H, as the engine's plan does) The fragments due now that push: a round the rhythm island's push
         opened pulls a near boundary to the next step (schedule.follow); one due that it has not opened yet waits a
         step more (schedule.hold)."""
-        rhythm = self.link.rhythm()
-        if not rhythm:
+        period = rhythm_period(self.link.rhythm())
+        if period is None:
             return due
-        periods = sorted(period for _, period in rhythm.values())
-        opened = {f: age for f, age in self.link.opened().items() if age <= periods[len(periods) // 2] / 2}
+        opened = {f: age for f, age in self.link.opened().items() if age <= period / 2}
         held = hold(due, opened, self.held, self.s.sync_every)   # not opened yet: a step more (schedule.hold)
         for f in held:
             self.cadence.aim(f, self.step + 1)
         for f, at in follow({f: a for f, a in opened.items() if f not in due}, self.cadence, self.step,
-                            aim_floor(self.s.sync_every, self.s.overlap_steps), periods[len(periods) // 2]).items():
+                            aim_floor(self.s.sync_every, self.s.overlap_steps), period).items():
             self.cadence.aim(f, at)
         return [f for f in due if f not in held]
 

@@ -38,7 +38,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from yeto_patch.island.boundary.schedule import (Cadence, aim_floor, catch_up, follow,  # noqa: E402
-                                                 hold, keep_rhythm, suggest)
+                                                 hold, keep_rhythm, rhythm_period, suggest)
 from yeto_patch.syncer.rounds import settings as syncer_settings  # noqa: E402
 from yeto_patch.syncer.model.runner import ChunkRunner  # noqa: E402
 from yeto_patch.syncer.rounds.coordinator import Coordinator  # noqa: E402
@@ -189,10 +189,9 @@ class Model:
         elif i.stretch and not c.rhythm(i.name):
             i.cadence.retune(keep_rhythm(a.h, a.tau, i.rate(), {}, i.cadence.h, [])[0])
         if i.stretch:   # a round the rhythm island's push opened: its boundary comes at once (schedule.follow)
-            rh = {x[0]: x[2] for x in c.rhythm(i.name)}
-            if rh:
+            period = rhythm_period({x[0]: (x[1], x[2]) for x in c.rhythm(i.name)})
+            if period is not None:
                 st = c.round_status(i.name)
-                period = sorted(rh.values())[len(rh) // 2]
                 for f, at in follow({f: age for f, age in st.opened if f not in due}, i.cadence, i.step,
                                     aim_floor(a.h, a.tau), period).items():
                     i.cadence.aim(f, at)

@@ -29,7 +29,7 @@ from yeto_patch.island.boundary.installs import Installer
 from yeto_patch.island.boundary.parts import IslandParts
 from yeto_patch.island.boundary.plan import BaseSpec, Plan, base_spec, needs_plan, overdue, plan, stageable
 from yeto_patch.island.boundary.schedule import (Cadence, aim_floor, catch_up, follow, hold, keep_rhythm,
-                                                 reply_aims, suggest)
+                                                 reply_aims, rhythm_period, suggest)
 from yeto_patch.island.errors import EngineError
 
 log = logging.getLogger("yeto_patch")
@@ -132,12 +132,13 @@ class Boundaries:
             p.bases.check()
             p.frags.receive(p.link.poll())
             ready = {frag.index for frag in p.frags if p.bases.finished(frag.index)}
-            held = [] if p.settings.sync_auto else self._hold(step, due)
+            rhythm = {} if p.settings.sync_auto else p.link.rhythm()   # (read once per plan)
+            held = [] if p.settings.sync_auto else self._hold(step, due, rhythm)
             out = plan(step, p.total, [f for f in due if f not in held], p.frags, p.link.final_cut, p.rule, ready)
             if p.settings.sync_auto:
                 self._pace(out)
             else:
-                self._keep_rhythm(out)
+                self._keep_rhythm(out, rhythm)
                 out.aim.update({f: step + 1 for f in held})
             return {"plan": out.as_json(), "handed": handed}
         decided = p.channel.rank0(decide, f"plan step {step}")
@@ -157,28 +158,24 @@ class Boundaries:
             if k:
                 plan_.shift[f] = k
 
-    def _opened(self) -> dict:
+    def _opened(self, period: float) -> dict:
         """Rank 0: {fragment: seconds ago} of the open rounds the rhythm island's push is in (the syncer's word),
-        within half its period; empty without a rhythm."""
-        p = self.parts
-        periods = sorted(period for _, period in p.link.rhythm().values())
-        if not periods:
-            return {}
-        half = periods[len(periods) // 2] / 2
-        return {f: age for f, age in p.link.opened().items() if age <= half}
+        within half its period."""
+        return {f: age for f, age in self.parts.link.opened().items() if age <= period / 2}
 
-    def _hold(self, step: int, due: list) -> list:
+    def _hold(self, step: int, due: list, rhythm: dict) -> list:
         """Rank 0 (a pinned H keeping the rhythm): the fragments due now that wait a step more for the rhythm
         island's push (schedule.hold, at most N steps past their aim; never at the run's last steps)."""
         p = self.parts
         if not due or step + 1 >= p.total:
             return []
-        if not p.link.rhythm():   # (no rhythm, or this island is the rhythm island)
+        period = rhythm_period(rhythm)
+        if period is None:   # (no rhythm, or this island is the rhythm island)
             self.held.clear()
             return []
-        return hold(due, self._opened(), self.held, p.settings.sync_every)
+        return hold(due, self._opened(period), self.held, p.settings.sync_every)
 
-    def _keep_rhythm(self, plan_: Plan) -> None:
+    def _keep_rhythm(self, plan_: Plan, rhythm: dict) -> None:
         """Rank 0 (a pinned YETO_DILOCO_SYNC_EVERY=N): while the syncer says the fleet keeps the slowest island's
         rhythm, H stretched to this island's steps in its period and each fragment pushing now aimed at its next
         push of that fragment (schedule.keep_rhythm, from the heartbeats); then, once a push's PUSH_REPLY says when
@@ -186,17 +183,17 @@ class Boundaries:
         (schedule.aim_after: fresher than a heartbeat); N again when the syncer says no rhythm."""
         p = self.parts
         rate = p.link.rate()
-        plan_.sync_every, plan_.shift = keep_rhythm(p.settings.sync_every, p.rule.tau, rate, p.link.rhythm(),
+        plan_.sync_every, plan_.shift = keep_rhythm(p.settings.sync_every, p.rule.tau, rate, rhythm,
                                                     self.cadence.h, plan_.push)
         pushes = {fr.index: (fr.push.base_version, fr.push.step) for fr in p.frags
                   if fr.push is not None and fr.push.phase is PushPhase.AT_SYNCER and fr.index not in plan_.push}
         h = plan_.sync_every or self.cadence.h
         lo = aim_floor(p.settings.sync_every, p.rule.tau)
         plan_.aim = reply_aims(p.link.aims(), pushes, self.aimed, rate, lo, 2 * h, p.step())
-        periods = sorted(period for _, period in p.link.rhythm().values())
-        if periods:   # a round the rhythm island's push opened: this fragment's boundary comes at once
-            plan_.aim.update(follow({f: a for f, a in self._opened().items() if f not in plan_.push}, self.cadence,
-                                    p.step(), lo, periods[len(periods) // 2]))
+        period = rhythm_period(rhythm)
+        if period is not None:   # a round the rhythm island's push opened: this fragment's boundary comes at once
+            plan_.aim.update(follow({f: a for f, a in self._opened(period).items() if f not in plan_.push},
+                                    self.cadence, p.step(), lo, period))
 
     def begin(self, plan_: Plan) -> None:
         """Every rank: the plan's new H and boundary shifts go to the cadence (from the next boundaries on), its

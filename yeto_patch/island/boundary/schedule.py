@@ -23,7 +23,7 @@ import math
 
 from typing import Optional
 
-__all__ = ["offset", "due_fragments", "Cadence", "suggest", "stretch", "aim", "aim_after", "reply_aims", "keep_rhythm", "aim_floor", "follow", "hold", "catch_up", "RETUNE_SHARE", "MAX_STRETCH"]
+__all__ = ["offset", "due_fragments", "Cadence", "suggest", "stretch", "aim", "aim_after", "reply_aims", "keep_rhythm", "rhythm_period", "aim_floor", "follow", "hold", "catch_up", "RETUNE_SHARE", "MAX_STRETCH"]
 
 RETUNE_SHARE = 0.1
 MAX_STRETCH = 3.0   # a pinned H is stretched at most this much on a fast island (its weight is capped at 2x)
@@ -150,14 +150,20 @@ def aim_floor(nominal: int, tau: int) -> int:
     return max(int(tau) + 1, math.ceil(int(nominal) * (1.0 - AIM_SOONER)))
 
 
+def rhythm_period(rhythm: dict) -> Optional[float]:
+    """The rhythm island's period (s): the upper median over the fragments the syncer said it of (``rhythm``:
+    {fragment: (eta_s, period_s)}); None when it said none."""
+    periods = sorted(period for _, period in rhythm.values())
+    return periods[len(periods) // 2] if periods else None
+
+
 def keep_rhythm(nominal: int, tau: int, rate: float, rhythm: dict, current: int, pushing) -> tuple:
     """(H, {fragment: steps its next boundary comes earlier}) of a pinned ``YETO_DILOCO_SYNC_EVERY=N`` at a plan in
     which the fragments ``pushing`` push: H stretched to this island's steps in the rhythm island's period
     (``stretch``, N when the syncer says no rhythm), and each fragment pushing now aimed at that island's next push
     of it (``aim``). ``rhythm``: {fragment: (seconds until its push, its period)} as the syncer's heartbeat said
     (island/link/syncer.SyncerLink.rhythm)."""
-    periods = sorted(period for _, period in rhythm.values())
-    h = stretch(nominal, tau, rate, periods[len(periods) // 2] if periods else None, current)
+    h = stretch(nominal, tau, rate, rhythm_period(rhythm), current)
     shift = {}
     for f in pushing:
         if f in rhythm:

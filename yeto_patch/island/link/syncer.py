@@ -258,27 +258,33 @@ class SyncerLink:
         """``{fragment: (seconds from now, period in seconds)}``: when the island the fleet keeps its rhythm with
         pushes each fragment next, as the syncer's last HEARTBEAT said (its age taken off); empty when it said
         none, or it is older than three heartbeat periods."""
-        c = self.client
-        if c is None or c.welcome is None:
+        fresh = self._fresh_status()
+        if fresh is None:
             return {}
-        st = c.status()[0]
-        age = time.monotonic() - st.at
-        if not st.at or age > 3 * c.welcome.heartbeat_s:
-            return {}
+        st, age = fresh
         return {int(f): (eta - age, period) for f, eta, period in st.rhythm}
 
     def opened(self) -> dict:
         """``{fragment: seconds ago}``: the open rounds that the push of the island the fleet keeps its rhythm with
         is in and this island has not answered, as the syncer's last HEARTBEAT said (it sends one at once when
         that island pushes; its age added); empty when none or older than three heartbeat periods."""
+        fresh = self._fresh_status()
+        if fresh is None:
+            return {}
+        st, age = fresh
+        return {int(f): a + age for f, a in st.opened}
+
+    def _fresh_status(self):
+        """(the syncer's last HEARTBEAT status, its age in seconds), or None when there is none or it is older than
+        three heartbeat periods."""
         c = self.client
         if c is None or c.welcome is None:
-            return {}
+            return None
         st = c.status()[0]
         age = time.monotonic() - st.at
         if not st.at or age > 3 * c.welcome.heartbeat_s:
-            return {}
-        return {int(f): a + age for f, a in st.opened}
+            return None
+        return st, age
 
     def patience(self, push_step: int) -> float:
         """Seconds from now until this island blocks for the answer of a push made at `push_step` (tau rule);
