@@ -52,9 +52,13 @@ def test_a_boundary_blocks_for_the_own_shard_snapshot_and_the_run_ends_with_the_
         assert len(staged) >= (STEPS // H) * 2 - 4, staged
         local = [r["install_ms"] - r["staged_wait_ms"] for r in staged]
         assert statistics.median(local) <= 4 * snapshot + 60, (name, local, snapshot)
-        # island a (the slower one: its answers arrive while it trains) had bases staged before their install step
-        # came; island b waits at the tau bound for a's pushes, so it stages the answer when it arrives
-        ahead = [r for r in staged if r["staged_wait_ms"] < 5]
+        # island a (the slower one: its answers arrive while it trains) had bases staged, wholly or in part, before
+        # their install step came: its wait at the install was shorter than the staging (on a loaded machine the
+        # answer often comes just before the install, so "wholly" alone is timing); a staging run on the training
+        # thread would show a wait of at least its own length. Island b waits at the tau bound for a's pushes, so
+        # it stages the answer when it arrives
+        ahead = [r for r in staged if r["staged_wait_ms"] < min(5.0, r["stage_ms"]) or
+                 r["staged_wait_ms"] < 0.8 * r["stage_ms"]]
         assert name == "b" or ahead, [(r["step"], r["staged_wait_ms"], r["stage_ms"]) for r in staged]
         assert all(r["staged_bytes"] >= r.get("own_bytes", 0) > 0 for r in staged), staged
 
