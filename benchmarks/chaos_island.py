@@ -275,6 +275,7 @@ class Island:
             if self.boundary():
                 break
             self.cadence.passed(self.step)
+            self.link.scheduled(self.cadence.h, self.cadence.next)   # (as the engine does: heartbeats say it)
             if self.step % self.a.checkpoint_every == 0:
                 self.checkpoint()
             self.tick()

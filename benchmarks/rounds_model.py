@@ -146,7 +146,9 @@ class Model:
         self.computed += TOKENS
         i.count = [x + 1 for x in i.count]
         if self.t >= i.next_beat:   # its heartbeat (every --beat s; every step without)
-            c.touch(i.name, i.step, i.rate(), i.stretch)
+            said = None if getattr(a, "no_schedule", False) else (   # its H and next boundaries after this step (as the engine's)
+                i.cadence.h, tuple(s if s > i.step else s + i.cadence.h for s in i.cadence.next))
+            c.touch(i.name, i.step, i.rate(), i.stretch, said)
             i.next_beat = self.t + a.beat
         due = i.cadence.due(i.step)
         limit = getattr(self.a, "hold", None)
@@ -308,10 +310,13 @@ def main(argv=None) -> int:
                     "island's push (island/boundary/schedule.hold; default: N, as the engine; 0: none)")
     ap.add_argument("--beat", type=float, default=0.0, help="seconds between an island's heartbeats (the syncer "
                     "learns its step from them and its pushes; real islands: --lease / 4 = 15 s); 0: every step")
+    ap.add_argument("--no-schedule", action="store_true", help="heartbeats without the island's H and next "
+                    "boundaries (the rule before: the syncer learns an island's schedule from its second push)")
     a = ap.parse_args(argv)
     base = dict(speeds=a.speeds, step_s=0.1, h=a.h, tau=a.tau, checkpoint_every=20,
                 max_base_lag=4, seconds=a.seconds, quorum=None, grace=None, chaos=True, auto=True, min_quorum=None,
-                jitter=a.jitter, lane=a.lane, beat=a.beat, hold=a.hold)
+                jitter=a.jitter, lane=a.lane, beat=a.beat, hold=a.hold,
+                no_schedule=a.no_schedule)
     default = syncer_settings.default_min_quorum(len(base["speeds"]))
     quorums = [int(x) for x in a.quorums.split(",")]
     rows = [(f"elastic, minimum quorum {q}{' (default)' if q == default else ''}", dict(base, min_quorum=None if q == default else q))

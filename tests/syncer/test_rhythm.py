@@ -20,7 +20,7 @@ from yeto_patch.syncer.rounds.pushes import ReceivedPush
 from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
 from yeto_patch.wire import codecs
 from yeto_patch.syncer.rounds.pushes import parse_push, reply_for
-from yeto_patch.wire.schema import (island_beat_meta, push_meta, read_island_beat, read_reply, read_syncer_beat,
+from yeto_patch.wire.schema import (IslandBeat, island_beat_meta, push_meta, read_island_beat, read_reply, read_syncer_beat,
                                     reply_meta, syncer_beat_meta)
 
 from .test_rounds import MAN, Clock
@@ -105,9 +105,9 @@ def test_rounds_below_their_floor_do_not_wait_for_islands_blocked_in_each_other(
 
 
 def test_heartbeats_carry_pinned_and_the_rhythm_bounded():
-    assert read_island_beat(island_beat_meta(7, 2.5, True)) == (7, 2.5, True)
-    assert read_island_beat(island_beat_meta(7, 2.5)) == (7, 2.5, False)
-    assert read_island_beat({"step": 7, "pinned": "yes"})[2] is False
+    assert read_island_beat(island_beat_meta(7, 2.5, True)) == IslandBeat(7, 2.5, True)
+    assert read_island_beat(island_beat_meta(7, 2.5)) == IslandBeat(7, 2.5, False)
+    assert read_island_beat({"step": 7, "pinned": "yes"}).pinned is False
     st = read_syncer_beat({"rounds": [], "missing": [], "rhythm": [
         [0, 1.5, 2.0], [1, -0.5, 2.0],                            # kept (a push overdue: a negative eta)
         [2, float("nan"), 2.0], [3, 1.0, 0.0], [4, 1.0, -1.0], [True, 1.0, 2.0], [-1, 1.0, 2.0],
@@ -116,6 +116,47 @@ def test_heartbeats_carry_pinned_and_the_rhythm_bounded():
     assert len(read_syncer_beat({"rhythm": [[0, 1.0, 1.0]] * 100000}).rhythm) == 4096
     c = fleet([10.0, 5.2], Clock())
     assert read_syncer_beat(syncer_beat_meta(0.0, c.round_status("i0"))).rhythm == c.rhythm("i0")
+
+
+def test_heartbeats_carry_the_schedule_bounded():
+    """An island's heartbeat says its H and each fragment's next boundary step; all of it in range, or none."""
+    beat = read_island_beat(island_beat_meta(7, 2.5, True, 10, [10, 12, 15]))
+    assert (beat.sync_every, beat.next_boundaries) == (10, (10, 12, 15))
+    for h, nxt in [(0, [1]), (True, [1]), (1 << 40, [1]), (10, []), (10, [1, -1]), (10, [1, 2.0]), (10, [True]),
+                   (10, "12"), (10, [1] * 4097), ("10", [1]), (10, None), (None, [1])]:
+        beat = read_island_beat({"step": 7, "h": h, "next": nxt})
+        assert beat.sync_every is None and beat.next_boundaries is None and beat.step == 7, (h, nxt)
+
+
+def test_before_its_first_pushes_an_island_is_due_by_the_schedule_its_heartbeats_say():
+    """A run's first rounds: before an island pushed a fragment (or any fragment twice) its heartbeats' H and next
+    boundaries say when its push is due, so the rhythm is known from its first heartbeat, not its second push."""
+    clock = Clock()
+    c = Coordinator(MergeSettings(weights="equal", outer="avg"),
+                    RoundSettings(islands=2, timeout_s=600.0, lease_s=30.0), ChunkRunner(1), clock=clock,
+                    heartbeat_s=1.0)
+    c.set_manifest(MAN, 2)
+    for f in range(2):
+        c.init_fragment(f, np.zeros(c.frags[f].numel, np.float32))
+    for k in range(2):
+        c.join(f"i{k}", "1")
+    c.touch("i0", 4, 10.0, True)
+    c.touch("i1", 3, 5.0, True)
+    assert c.rhythm("i0") == []                       # nobody pushed and nobody said a schedule: unknown
+    c.touch("i1", 3, 5.0, True, (10, (5, 10)))        # i1: fragment 0 at step 5, fragment 1 at step 10, H = 10
+    (f0, eta0, p0), (f1, eta1, p1) = c.rhythm("i0")
+    assert (f0, f1) == (0, 1) and p0 == p1 == pytest.approx(10 / 5.0)
+    assert eta0 == pytest.approx(2 / 5.0) and eta1 == pytest.approx(7 / 5.0)
+    clock.t += 1.0
+    c.touch("i1", 8, 5.0, True, (10, (15, 10)))       # fragment 0 passed: the next one is at 15
+    (_, eta0, _), (_, eta1, _) = c.rhythm("i0")
+    assert eta0 == pytest.approx(7 / 5.0) and eta1 == pytest.approx(2 / 5.0)
+    c.touch("i1", 12, 5.0, True)                      # a heartbeat without it keeps the last one said
+    (_, eta0, _), (_, eta1, _) = c.rhythm("i0")
+    assert eta0 == pytest.approx(3 / 5.0) and eta1 == pytest.approx(8 / 5.0)   # (10 passed: then every H)
+    c.join("i1", "2")                                 # a restart: what the old process said is forgotten
+    c.touch("i1", 1, 5.0, True)
+    assert c.rhythm("i0") == []
 
 
 def test_a_round_the_rhythm_island_opened_is_told_to_the_others_bounded():

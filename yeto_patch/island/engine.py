@@ -148,7 +148,10 @@ class Engine:
         if self.parts.link is not None:   # (rank 0, no collective) heartbeats carry the step and the compute rate
             self.parts.link.stepped(self.step)
         self._guarded(self._after_step)
-        self.boundaries.cadence.passed(self.step)   # (every rank: the fragments due at this step move on by H)
+        cadence = self.boundaries.cadence
+        cadence.passed(self.step)   # (every rank: the fragments due at this step move on by H)
+        if self.parts.link is not None:   # (rank 0) its heartbeats say when its next pushes are due
+            self.parts.link.scheduled(cadence.h, cadence.next)
 
     def close(self):
         """Stop talking to the syncer (BYE); idempotent. Called at exit and by tests."""

@@ -38,6 +38,7 @@ API::
         # FINAL_BASE of every fragment (float32, with versions), ACK them; returns the final model
     c.status() -> (SyncerStatus, seconds since the syncer last sent anything)   # what its rounds wait for
     c.local_step, c.rate, c.pinned           # the island's step, compute rate (steps/s), pinned H: in heartbeats
+    c.schedule                               # (H, each fragment's next boundary step): in heartbeats
     c.check()                                # re-raise a failure seen by the reader thread
     c.close()                                # BYE (best effort) and close; idempotent
     c.abort()                                # close without BYE (a reconnect replaces this link)
@@ -121,6 +122,7 @@ class SyncerClient:
         self.local_step = 0
         self.rate = 0.0                  # the island's compute rate (steps/s; 0: unknown), sent in heartbeats
         self.pinned = False              # the island pinned H (it keeps the fleet's rhythm), sent in heartbeats
+        self.schedule: Optional[tuple] = None   # (its H, (each fragment's next boundary step, ...)), in heartbeats
         self._aims: dict = {}            # fragment -> (base_version, eta_s, period_s): its last push's PUSH_REPLY rhythm
         self._status = SyncerStatus([], [])
         self._heard = time.monotonic()   # when the syncer last sent anything
@@ -296,7 +298,8 @@ class SyncerClient:
                 if self._closed or self._error is not None:
                     return
             try:
-                self.conn.send(MsgType.HEARTBEAT, island_beat_meta(self.local_step, self.rate, self.pinned))
+                h, nxt = self.schedule or (None, None)   # (one read: the training thread replaces it whole)
+                self.conn.send(MsgType.HEARTBEAT, island_beat_meta(self.local_step, self.rate, self.pinned, h, nxt))
             except (ProtocolError, OSError) as e:
                 if not self._closed:
                     self._fail(e)

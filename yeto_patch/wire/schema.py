@@ -10,7 +10,7 @@ code a syncer answers it with). A base's body is checked by ``read_base`` agains
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from .values import DELTA_CODECS, Base, PushReply, SyncerStatus, Welcome, merge_
 __all__ = ["SchemaError", "INT64_MAX", "MAX_PUSH_STEPS", "MAX_PUSH_TOKENS", "MAX_PATIENCE_S", "MAX_RATE",
            "MAX_RHYTHM", "MAX_RHYTHM_S", "MAX_CODEC_NAME", "MAX_REPLY_MESSAGE", "bounded_int", "bounded_number", "shown", "aligned",
            "PushHeader", "push_meta", "read_push", "reply_meta", "refusal_meta", "echo", "read_reply",
-           "island_beat_meta", "read_island_beat", "final_meta", "read_final", "ack_meta", "read_ack", "welcome_meta",
+           "island_beat_meta", "IslandBeat", "read_island_beat", "final_meta", "read_final", "ack_meta", "read_ack", "welcome_meta",
            "base_meta", "syncer_beat_meta", "read_syncer_beat", "read_welcome", "session_limits", "read_base",
            "manifest_entries", "init_pieces", "push_size", "init_meta", "SEND_PIECE"]
 
@@ -190,23 +190,41 @@ def read_reply(meta: dict) -> PushReply:
 
 
 # --------------------------------------------------------------------------------- HEARTBEAT (island's)
-def island_beat_meta(step: int, rate: float, pinned: bool = False) -> dict:
-    """An island's HEARTBEAT: its step, its compute rate (steps/s) when known, and whether it pinned H (it then
-    keeps the fleet's rhythm, rounds/roster.Roster.rhythm)."""
+def island_beat_meta(step: int, rate: float, pinned: bool = False, sync_every: Optional[int] = None,
+                     next_boundaries: Optional[Sequence[int]] = None) -> dict:
+    """An island's HEARTBEAT: its step, its compute rate (steps/s) when known, whether it pinned H (it then
+    keeps the fleet's rhythm, rounds/roster.Roster.rhythm), and its schedule when known: its H now and the step of
+    each fragment's next boundary (so that the syncer knows when its pushes are due before it has pushed twice)."""
     beat = {"step": int(step)}
     if rate > 0:
         beat["rate"] = round(float(rate), 6)
     if pinned:
         beat["pinned"] = True
+    if sync_every is not None and next_boundaries is not None:
+        beat["h"] = int(sync_every)
+        beat["next"] = [int(s) for s in next_boundaries]
     return beat
 
 
-def read_island_beat(meta: dict) -> tuple[Optional[int], Optional[float], bool]:
-    """(step, rate, pinned) of an island's HEARTBEAT, step and rate None when absent or out of range, pinned only
-    when it is ``true``."""
-    step, rate = meta.get("step"), meta.get("rate")
-    return (step if bounded_int(step) else None,
-            float(rate) if bounded_number(rate, MAX_RATE) else None, meta.get("pinned") is True)
+@dataclass(frozen=True)
+class IslandBeat:
+    """An island's HEARTBEAT as read, every field bounded (None: not said, or out of range)."""
+    step: Optional[int]
+    rate: Optional[float]
+    pinned: bool = False
+    sync_every: Optional[int] = None                  # its H now (1 .. MAX_PUSH_STEPS)
+    next_boundaries: Optional[tuple[int, ...]] = None   # the step of each fragment's next boundary, by fragment
+
+
+def read_island_beat(meta: dict) -> IslandBeat:
+    """An island's HEARTBEAT, bounded: step and rate None when absent or out of range, pinned only when it is
+    ``true``; the schedule (``h`` and ``next``, at most MAX_RHYTHM fragments) only when all of it is in range."""
+    step, rate, h, nxt = meta.get("step"), meta.get("rate"), meta.get("h"), meta.get("next")
+    schedule_ok = (bounded_int(h, MAX_PUSH_STEPS, 1) and isinstance(nxt, list) and 0 < len(nxt) <= MAX_RHYTHM
+                   and all(bounded_int(s) for s in nxt))
+    return IslandBeat(step if bounded_int(step) else None,
+                      float(rate) if bounded_number(rate, MAX_RATE) else None, meta.get("pinned") is True,
+                      h if schedule_ok else None, tuple(nxt) if schedule_ok else None)
 
 
 # -------------------------------------------------------------------------------------------- FINAL, ACK

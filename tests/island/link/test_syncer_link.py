@@ -22,8 +22,9 @@ from yeto_patch.wire.frames import AuthError, PeerError
 from yeto_patch.wire.transport import ConnectError
 
 
-def syncer(port, fragments=2, key=KEY):
+def syncer(port, fragments=2, key=KEY, heartbeat_s=None):
     cfg = ServerConfig(listen=f"127.0.0.1:{port}", islands=1, fragments=fragments, key=key, insecure=key is None,
+                       heartbeat_s=heartbeat_s,
                        merge=MergeSettings(outer="avg"), rounds=RoundSettings(islands=1, grace_s=0.2, timeout_s=30.0,
                                                                    lease_s=20.0), merge_threads=1)
     s = SyncerServer(cfg)
@@ -226,6 +227,40 @@ def test_a_cut_link_is_replaced_and_the_unanswered_push_sent_again(tmp_path):
         link.close()
     finally:
         s.stop()
+
+
+def test_heartbeats_say_the_islands_schedule_and_a_reconnect_keeps_saying_it(tmp_path):
+    """The island's H and next boundary steps reach the syncer's record of it by heartbeat (the syncer then knows
+    when its first pushes are due), on the first connection and on the one that replaces it."""
+    port = free_port()
+    s = syncer(port, heartbeat_s=0.2)   # (the island beats at the syncer's period)
+    try:
+        link, frags, values = _joined(tmp_path, port)
+        link.resilient = True
+        link.stepped(8)
+        link.scheduled(10, [10, 15])
+
+        def said():
+            m = s.coord.members.get("a")
+            return m is not None and (m.sync_every, m.next_boundaries, m.step) == (10, (10, 15), 8)
+        _until(said, "the schedule in a heartbeat")
+        first = link.client
+        link.scheduled(10, [20, 15])
+        first.conn.sock.shutdown(socket.SHUT_RDWR)
+        st = frags[0]
+        _push(link, st, 10, np.zeros(st.numel, np.float32))   # the cut shows; a new connection replaces it
+        _await(link, frags, st)
+        assert link.client is not first and link.client.schedule == (10, (20, 15))
+        link.close()
+    finally:
+        s.stop()
+
+
+def _until(cond, what, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
+        time.sleep(0.05)
 
 
 def test_a_lost_link_before_start_completes_fails_instead_of_reconnecting(tmp_path):

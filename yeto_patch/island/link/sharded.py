@@ -122,6 +122,10 @@ class ShardedLink:
         for link in self.links:
             link.stepped(step)
 
+    def scheduled(self, sync_every: int, next_boundaries) -> None:
+        for link in self.links:
+            link.scheduled(sync_every, next_boundaries)
+
     def reachable(self) -> bool:
         """Every shard is connected and heard from."""
         return all(link.reachable() for link in self.links)

@@ -145,6 +145,7 @@ class SyncerLink:
         self.refusals = collections.deque()   # refusals the sender thread met (raised by poll)
         self.outliers = 0                      # outlier refusals in a row (no merge of this island's pushes since)
         self.clock = StepClock()              # this island's step and compute rate
+        self.schedule: Optional[tuple] = None  # (H, each fragment's next boundary step): heartbeats say it
         self._final_wait: Optional[Patience] = None
         self._redial: Optional[tuple] = None  # (thread, result, cause, deadline) of a reconnect under way
         self._lock = threading.RLock()        # the connection and the unanswered pushes (training and redial threads)
@@ -190,6 +191,7 @@ class SyncerLink:
         self.client = c
         self._conn_no += 1
         c.local_step, c.rate = max(c.local_step, self.clock.step), self.clock.rate
+        c.schedule = self.schedule
         self.sender = BackgroundSender(self.settings.send_queue_bytes, name="yeto-push-sender")
 
     def open(self):
@@ -226,6 +228,14 @@ class SyncerLink:
             c.local_step = max(c.local_step, int(step))
             c.rate = self.clock.rate
             c.pinned = not getattr(self.settings, "sync_auto", True)
+
+    def scheduled(self, sync_every: int, next_boundaries) -> None:
+        """The island's H and each fragment's next boundary step after its last step (heartbeats carry them: the
+        syncer then knows when this island's pushes are due from its first heartbeat, not its second push)."""
+        self.schedule = (int(sync_every), tuple(int(s) for s in next_boundaries))
+        c = self.client
+        if c is not None:
+            c.schedule = self.schedule
 
     def reachable(self) -> bool:
         """The syncer is connected and was heard from within its silence bound (the client fails a link silent for

@@ -281,7 +281,9 @@ class SyncerServer:
                     raise
                 continue
             if t == MsgType.HEARTBEAT:
-                coord.touch(s.island, *read_island_beat(meta))
+                beat = read_island_beat(meta)
+                coord.touch(s.island, beat.step, beat.rate, beat.pinned,
+                            None if beat.sync_every is None else (beat.sync_every, beat.next_boundaries))
                 continue
             coord.touch(s.island)
             if t == MsgType.PUSH:

@@ -224,14 +224,15 @@ class Coordinator:
             return m
 
     def touch(self, island: str, step: Optional[int] = None, rate: Optional[float] = None,
-              pinned: Optional[bool] = None) -> None:
-        """A message from ``island`` renewed its lease; a heartbeat also says its step, compute rate and whether it
-        pinned H (as wire/schema.read_island_beat bounds them: None when not said)."""
+              pinned: Optional[bool] = None, schedule: Optional[tuple] = None) -> None:
+        """A message from ``island`` renewed its lease; a heartbeat also says its step, compute rate, whether it
+        pinned H and its schedule ((H, each fragment's next boundary step)), as wire/schema.read_island_beat bounds
+        them: None when not said."""
         with self.lock:
             self.roster.touch(island)
             m = self.members.get(island)
             if m is not None:
-                m.progress(step, rate, self.clock(), pinned)
+                m.progress(step, rate, self.clock(), pinned, schedule)
 
     def disconnected(self, island: str, bye: bool) -> None:
         with self.lock:

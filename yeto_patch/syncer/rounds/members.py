@@ -42,13 +42,19 @@ class Member:
     pinned: bool = False                # its heartbeats say it pinned H (YETO_DILOCO_SYNC_EVERY=N): it keeps a rhythm
     pushed_step: Optional[int] = None   # the boundary step of its latest push (largest step) ...
     pushed_at: Optional[float] = None   # ... and when that push arrived: its pushes' clock, lane delay included
+    sync_every: Optional[int] = None    # its H as its heartbeats last said (bounded; None: not said) ...
+    next_boundaries: Optional[tuple] = None   # ... and each fragment's next boundary step after ``step``
 
     def alive(self, now: float, lease: float) -> bool:
         return now - self.last_seen <= lease
 
-    def progress(self, step: Optional[int], rate: Optional[float], now: float, pinned: Optional[bool] = None) -> None:
+    def progress(self, step: Optional[int], rate: Optional[float], now: float, pinned: Optional[bool] = None,
+                 schedule: Optional[tuple] = None) -> None:
         """Its step (a bounded integer), compute rate (a bounded number) and whether it pinned H as a heartbeat or a
-        push says them; None: not said."""
+        push says them, and its schedule as a heartbeat says it with its step ((H, next boundary steps), bounded by
+        wire/schema.read_island_beat); None: not said."""
+        if schedule is not None and step is not None:
+            self.sync_every, self.next_boundaries = int(schedule[0]), tuple(schedule[1])
         if pinned is not None:
             self.pinned = bool(pinned)
         if step is not None:
@@ -74,6 +80,7 @@ class Member:
         """A new process of this island (new incarnation): its old step and pace say nothing of it."""
         self.step, self.rate, self.step_at, self.moved_at = 0, 0.0, None, None
         self.pushed_step = self.pushed_at = None
+        self.sync_every = self.next_boundaries = None
 
     def credit(self, steps: int, tokens: int) -> None:
         """A merged push of this island: its counters (saturating)."""

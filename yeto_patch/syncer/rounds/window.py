@@ -8,7 +8,9 @@ pushes' ``local_step``) and, from its heartbeats and pushes, its step, when it l
 * ``arrival(i)``: when it last said its step + (its next boundary: its last push's step + a whole number of its
   usual steps between pushes, the first after that step - that step) / its rate, and no sooner than its last
   push's arrival + the same steps / its rate (a push arrives a lane delay after its boundary); its usual steps from
-  its other fragments before its second push of this one; unknown (None) for a newcomer (no interval or rate yet),
+  its other fragments before its second push of this one; before its first push of the fragment, or its second of
+  any, the schedule its heartbeats say (its H and each fragment's next boundary step), so that a run's first rounds
+  know when each island comes; unknown (None) for a newcomer that said neither (or no rate yet),
   infinite for an island whose step has not moved for ``STALL_PERIODS`` of its push intervals (and at least
   ``STALL_MIN_S``): an island that stalls while it stays connected is not waited for, and is waited for again as
   soon as it moves;
@@ -37,7 +39,7 @@ import math
 import statistics
 from typing import Iterable, Optional
 
-__all__ = ["PaceWindow", "Window", "HISTORY", "PERIOD_SHARE", "FIRST_BOUND_S", "SLACK_S", "LATE_STEPS", "STALL_PERIODS", "STALL_MIN_S"]
+__all__ = ["PaceWindow", "Window", "said_boundary", "HISTORY", "PERIOD_SHARE", "FIRST_BOUND_S", "SLACK_S", "LATE_STEPS", "STALL_PERIODS", "STALL_MIN_S"]
 
 HISTORY = 8           # step intervals kept per island and fragment
 PERIOD_SHARE = 0.5    # the deadline: at most this share of the fleet's period of the fragment after the first answer
@@ -81,27 +83,33 @@ class PaceWindow:
             self.intervals.pop(key, None)
 
     # --------------------------------------------------------------------------------------------- read
-    def interval(self, island: str, fragment: int) -> Optional[float]:
+    def interval(self, island: str, fragment: int, member=None) -> Optional[float]:
         """``island``'s usual steps between pushes of ``fragment``; before its second push of it, its usual steps
         between pushes of its other fragments (one H for all: a run's first rounds need not wait for a second push
-        of every fragment); None while it has pushed no fragment twice."""
+        of every fragment); before its second push of any, the H its heartbeats say (``member``); else None."""
         xs = self.intervals.get((island, fragment))
         if xs:
             return statistics.median(xs)
         every = [x for (i, _), ys in self.intervals.items() if i == island for x in ys]
-        return statistics.median(every) if every else None
+        if every:
+            return statistics.median(every)
+        return None if member is None or member.sync_every is None else float(member.sync_every)
 
     def arrival(self, island: str, fragment: int, member, now: float) -> Optional[float]:
         """The clock time ``island``'s next push of ``fragment`` is due by its own pace (None: unknown; inf:
-        stalled). It can be in the past: the island is overdue."""
-        h = self.interval(island, fragment)
+        stalled). It can be in the past: the island is overdue. Before its first push of the fragment: the boundary
+        its heartbeats say, so that a run's first rounds know when it comes."""
+        h = self.interval(island, fragment, member)
         last = self.last_step.get((island, fragment))
-        if member is None or h is None or last is None or member.rate <= 0 or member.step_at is None:
+        if member is None or h is None or member.rate <= 0 or member.step_at is None:
             return None
         stalled_after = max(STALL_MIN_S, STALL_PERIODS * h / member.rate)
         if member.moved_at is not None and now - member.moved_at > stalled_after:
             return math.inf
         step = max(member.step, member.pushed_step or 0)
+        if last is None:
+            boundary = said_boundary(fragment, member, step)
+            return None if boundary is None else member.step_at + (boundary - member.step) / member.rate
         ahead = max(1, math.ceil((step - last) / h))   # its next boundary (after any it skipped)
         boundary = last + ahead * h
         due = member.step_at + (boundary - member.step) / member.rate   # when it reaches that boundary ...
@@ -114,7 +122,7 @@ class PaceWindow:
         seconds), or None when unknown or stalled: what a pinned H keeps its phase with (the syncer's HEARTBEAT
         sends it to the other islands; island/boundary/schedule.aim)."""
         at = self.arrival(island, fragment, member, now)
-        h = self.interval(island, fragment)
+        h = self.interval(island, fragment, member)
         if at is None or h is None or math.isinf(at) or member.rate <= 0:
             return None
         return at - now, h / member.rate
@@ -171,6 +179,18 @@ class PaceWindow:
             w.waits_for.append(i)
             w.at = max(w.at, arrive)
         return w
+
+
+def said_boundary(fragment: int, member, step: int) -> Optional[int]:
+    """The step of ``member``'s next boundary of ``fragment`` after ``step`` by the schedule its heartbeats said
+    (its next boundary, then every H); None when it said none of this fragment."""
+    nxt, h = member.next_boundaries, member.sync_every
+    if nxt is None or h is None or not 0 <= fragment < len(nxt):
+        return None
+    boundary = nxt[fragment]
+    if boundary <= step:
+        boundary += h * math.ceil((step - boundary + 1) / h)
+    return boundary
 
 
 class Window:
