@@ -11,52 +11,19 @@ is not installed, or after ``set_enabled(False)``, the numpy kernels run. A valu
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import threading
 from typing import Callable, Optional
 
 import numpy as np
 
 from .codec_kernels import TINY
 from .codec_kernels import BLOCK_ENCODERS as _NP_ENCODERS
+from .jit_gate import JitGate
 
 __all__ = ["available", "enabled", "set_enabled", "encoder", "decoder", "kernels"]
 
 _KIND = {"int8": (0, 127.0, 127.0), "int4": (1, 7.0, 7.0), "int4-log": (2, 4.0 / 3.0, 1.0)}
-_HAVE = importlib.util.find_spec("numba") is not None   # found, not imported (see codec_jit_kernels)
-_enabled = True
-_kernels = None
-_lock = threading.Lock()
-
-
-def available() -> bool:
-    """Whether numba is installed (the fused kernels can run)."""
-    return _HAVE
-
-
-def enabled() -> bool:
-    return _enabled and _HAVE
-
-
-def set_enabled(on: bool) -> None:
-    """Use the fused kernels (the default when numba is installed) or the numpy reference kernels."""
-    global _enabled
-    _enabled = bool(on)
-
-
-def kernels():
-    """The numba kernels' module (imported, and numba with it, on the first call)."""
-    return _k()
-
-
-def _k():
-    global _kernels
-    if _kernels is None:
-        with _lock:
-            if _kernels is None:
-                _kernels = importlib.import_module(f"{__package__}.codec_jit_kernels")
-    return _kernels
+_GATE = JitGate(f"{__package__}.codec_jit_kernels")
+available, enabled, set_enabled, kernels = _GATE.available, _GATE.enabled, _GATE.set_enabled, _GATE.kernels
 
 
 def encoder(codec: str) -> Optional[Callable]:
@@ -66,7 +33,7 @@ def encoder(codec: str) -> Optional[Callable]:
         return None
     kind, k, div = _KIND[codec]
     tiny = np.float32(TINY[k])
-    kern = _k()
+    kern = kernels()
 
     def enc(x, scales, codes, a, b, block, name):
         bad = kern.enc_block(x, scales, codes, a, b, block, kind, k, div, tiny)
@@ -82,7 +49,7 @@ def decoder(codec: str) -> Optional[Callable]:
     if codec not in _KIND or not enabled():
         return None
     kind = _KIND[codec][0]
-    kern = _k()
+    kern = kernels()
 
     def dec(codes, scales, out, a, b, block, acc, w):
         dst, add = (out, False) if acc is None else (acc, True)

@@ -11,33 +11,15 @@ numba is not installed, or after ``set_enabled(False)``, outer.py runs its numpy
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import threading
-
 import numpy as np
+
+from ...wire.jit_gate import JitGate
 
 __all__ = ["available", "enabled", "set_enabled", "warm", "scan", "commit"]
 
-_HAVE = importlib.util.find_spec("numba") is not None
-_enabled = True
-_kernels = None
-_lock = threading.Lock()
+_GATE = JitGate(f"{__package__}.outer_kernels")
+available, enabled, set_enabled = _GATE.available, _GATE.enabled, _GATE.set_enabled
 _EMPTY = np.empty(0, np.float32)
-
-
-def available() -> bool:
-    return _HAVE
-
-
-def enabled() -> bool:
-    return _enabled and _HAVE
-
-
-def set_enabled(on: bool) -> None:
-    """Use the numba kernels (the default when numba is installed) or outer.py's numpy kernels."""
-    global _enabled
-    _enabled = bool(on)
 
 
 def warm() -> None:
@@ -53,12 +35,7 @@ def warm() -> None:
 
 
 def _k():
-    global _kernels
-    if _kernels is None:
-        with _lock:
-            if _kernels is None:
-                _kernels = importlib.import_module(f"{__package__}.outer_kernels")
-    return _kernels
+    return _GATE.kernels()
 
 
 def scan(x: np.ndarray) -> tuple:
