@@ -227,7 +227,7 @@ class Island:
                                                                      self.cadence.h, self.s.overlap_steps))
         else:   # (a pinned H: the fleet's rhythm, as the engine's plan keeps it)
             h, shift = keep_rhythm(self.s.sync_every, self.s.overlap_steps, self.link.rate(), self.link.rhythm(),
-                                   self.cadence.h, p.push)
+                                   self.cadence.h, p.push, self.step, len(self.frags))
             self.cadence.retune(h)
             for f, k in shift.items():
                 self.cadence.shift(f, k)

@@ -170,7 +170,8 @@ class Model:
                 i.cadence.shift(f, catch_up(self.t - got[1], i.dt, i.cadence.h, a.tau))
             elif i.stretch:   # a pinned H: the fleet's rhythm, as the island's plan keeps it
                 rh = {x[0]: (x[1], x[2]) for x in c.rhythm(i.name)}
-                h, shift = keep_rhythm(a.h, a.tau, i.rate(), rh, i.cadence.h, [f])
+                h, shift = keep_rhythm(a.h, a.tau, i.rate(), rh, i.cadence.h, [f], i.step,
+                                       0 if getattr(a, "no_respread", False) else P)
                 i.cadence.retune(h)
                 for g, steps in shift.items():
                     i.cadence.shift(g, steps)

@@ -5,7 +5,7 @@ import pytest
 from yeto_patch import config
 from yeto_patch.island.boundary.schedule import (MAX_STRETCH, STRETCH_DEADBAND, AIM_BEHIND, AIM_SOONER, aim_floor,
                                                  follow, hold, Cadence, aim, catch_up, due_fragments, reply_aims,
-                                                 stretch, suggest)
+                                                 keep_rhythm, offset, respread, stretch, suggest)
 
 
 @pytest.mark.parametrize("h,p,start", [(4, 2, 0), (10, 3, 0), (3, 5, 0), (100, 8, 37), (1, 2, 5)])
@@ -99,6 +99,42 @@ def test_a_boundary_due_before_the_rhythm_islands_push_waits_for_it_at_most_the_
     assert hold([0], {}, held, limit=2) == [0] and held == {0: 2}
     assert hold([0], {}, held, limit=2) == [] and held == {}      # waited its limit: it pushes (and is forgotten)
     assert hold([0], {}, held, limit=0) == []                     # no waiting at all
+
+
+@pytest.mark.parametrize("h,p", [(10, 4), (20, 4), (12, 3), (100, 8)])
+def test_an_island_with_no_rhythm_to_keep_spreads_its_bunched_fragments_again(h, p):
+    """Aims, follows and holds can bunch an island's fragments on one step (two islands of one speed swapping the
+    rhythm role pushed all four at once); the rhythm island (no rhythm to keep) moves each pushing fragment's next
+    boundary back towards its own phase of H, at most a fifth of H per push, until the schedule is the plain one."""
+    c = Cadence(h, p, 0)
+    for f in range(p):
+        c.aim(f, 7)                      # every fragment bunched on step 7
+    c.passed(0)
+    assert c.next == [7] * p
+    most = max(1, h // 5)
+    for step in range(1, 12 * h):
+        due = c.due(step)
+        h2, shift = keep_rhythm(h, 2, 5.0, {}, c.h, due, step, p)
+        assert h2 == h and set(shift) <= set(due)
+        assert all(abs(k) <= most for k in shift.values())
+        for f, k in shift.items():
+            c.shift(f, k)
+        c.passed(step)
+    assert [c.next[f] % h for f in range(p)] == [offset(f, h, p) for f in range(p)]
+    for step in range(12 * h, 14 * h):   # spread again: the plain modulo schedule, no more shifts
+        assert c.due(step) == due_fragments(step, h, p)
+        assert keep_rhythm(h, 2, 5.0, {}, c.h, c.due(step), step, p)[1] == {}
+        c.passed(step)
+
+
+def test_respread_takes_the_nearer_way_and_is_left_alone_with_a_rhythm_or_no_fragment_count():
+    # (a positive shift brings the next boundary earlier) fragment 0 of 4 at H=10 has phase 2 (mod 10)
+    assert respread(0, 10, 10, 4) == -2      # next at 20 plain: 22 is 2 later
+    assert respread(0, 12, 10, 4) == 0       # 22 plain: on its phase
+    assert respread(0, 13, 10, 4) == 1       # 23 plain: 22 is one earlier
+    assert respread(0, 19, 10, 4) == -2      # 29 plain: 32 is 3 later (22: 7 earlier), at most a fifth of H per push
+    assert keep_rhythm(10, 2, 5.0, {}, 10, [0], 10, 0)[1] == {}           # fragments 0: left alone
+    assert 0 not in keep_rhythm(10, 2, 5.0, {1: (1.0, 2.0)}, 10, [0], 10, 4)[1]   # a rhythm to keep: not spread
 
 
 def test_a_push_reply_aims_the_next_boundary_once_per_push():

@@ -138,7 +138,7 @@ class Boundaries:
             if p.settings.sync_auto:
                 self._pace(out)
             else:
-                self._keep_rhythm(out, rhythm)
+                self._keep_rhythm(out, rhythm, step)
                 out.aim.update({f: step + 1 for f in held})
             return {"plan": out.as_json(), "handed": handed}
         decided = p.channel.rank0(decide, f"plan step {step}")
@@ -175,7 +175,7 @@ class Boundaries:
             return []
         return hold(due, self._opened(period), self.held, p.settings.sync_every)
 
-    def _keep_rhythm(self, plan_: Plan, rhythm: dict) -> None:
+    def _keep_rhythm(self, plan_: Plan, rhythm: dict, step: int) -> None:
         """Rank 0 (a pinned YETO_DILOCO_SYNC_EVERY=N): while the syncer says the fleet keeps the slowest island's
         rhythm, H stretched to this island's steps in its period and each fragment pushing now aimed at its next
         push of that fragment (schedule.keep_rhythm, from the heartbeats); then, once a push's PUSH_REPLY says when
@@ -184,7 +184,7 @@ class Boundaries:
         p = self.parts
         rate = p.link.rate()
         plan_.sync_every, plan_.shift = keep_rhythm(p.settings.sync_every, p.rule.tau, rate, rhythm,
-                                                    self.cadence.h, plan_.push)
+                                                    self.cadence.h, plan_.push, step, self.cadence.fragments)
         pushes = {fr.index: (fr.push.base_version, fr.push.step) for fr in p.frags
                   if fr.push is not None and fr.push.phase is PushPhase.AT_SYNCER and fr.index not in plan_.push}
         h = plan_.sync_every or self.cadence.h

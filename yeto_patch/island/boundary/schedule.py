@@ -23,7 +23,7 @@ import math
 
 from typing import Optional
 
-__all__ = ["offset", "due_fragments", "Cadence", "suggest", "stretch", "aim", "aim_after", "reply_aims", "keep_rhythm", "rhythm_period", "aim_floor", "follow", "hold", "catch_up", "RETUNE_SHARE", "MAX_STRETCH"]
+__all__ = ["offset", "due_fragments", "Cadence", "suggest", "stretch", "aim", "aim_after", "reply_aims", "keep_rhythm", "respread", "rhythm_period", "aim_floor", "follow", "hold", "catch_up", "RETUNE_SHARE", "MAX_STRETCH"]
 
 RETUNE_SHARE = 0.1
 MAX_STRETCH = 3.0   # a pinned H is stretched at most this much on a fast island (its weight is capped at 2x)
@@ -31,6 +31,8 @@ STRETCH_DEADBAND = 0.25   # an island at most this much faster than the rhythm o
                           # flip between N and N + 2 with every step: its aims then missed the rhythm's pushes)
 AIM_BEHIND = 2      # an aimed boundary comes this many steps after the rhythm island's push (follow pulls it in)
 AIM_SOONER = 0.15   # an aimed push may come this much sooner than N steps (aim_floor; the syncer's KEEPER_MARGIN)
+RESPREAD_SHARE = 0.2   # a fragment goes back to its phase by at most this share of H per push (>= 1 step): the
+                       # aims of the islands keeping the rhythm island's rhythm absorb that (one step fully)
 AIM_CLAMP_STEPS = 1.5   # an aimed push this many steps sooner than H allows comes at H instead (a little late);
                         # sooner still, it aims at the rhythm island's push after that (see aim)
 
@@ -157,12 +159,14 @@ def rhythm_period(rhythm: dict) -> Optional[float]:
     return periods[len(periods) // 2] if periods else None
 
 
-def keep_rhythm(nominal: int, tau: int, rate: float, rhythm: dict, current: int, pushing) -> tuple:
+def keep_rhythm(nominal: int, tau: int, rate: float, rhythm: dict, current: int, pushing, step: int = 0,
+                fragments: int = 0) -> tuple:
     """(H, {fragment: steps its next boundary comes earlier}) of a pinned ``YETO_DILOCO_SYNC_EVERY=N`` at a plan in
     which the fragments ``pushing`` push: H stretched to this island's steps in the rhythm island's period
     (``stretch``, N when the syncer says no rhythm), and each fragment pushing now aimed at that island's next push
     of it (``aim``). ``rhythm``: {fragment: (seconds until its push, its period)} as the syncer's heartbeat said
-    (island/link/syncer.SyncerLink.rhythm)."""
+    (island/link/syncer.SyncerLink.rhythm). With no rhythm to keep (``rhythm`` empty), each fragment pushing now at
+    ``step`` goes back to its own phase of H (``respread``; ``fragments``: how many; 0: left alone)."""
     h = stretch(nominal, tau, rate, rhythm_period(rhythm), current)
     shift = {}
     for f in pushing:
@@ -170,7 +174,25 @@ def keep_rhythm(nominal: int, tau: int, rate: float, rhythm: dict, current: int,
             steps = aim(*rhythm[f], rate, aim_floor(nominal, tau), 2 * h)
             if steps is not None and steps != h:
                 shift[f] = h - steps
+        elif not rhythm and fragments:
+            k = respread(f, step, h, fragments)
+            if k:
+                shift[f] = k
     return h, shift
+
+
+def respread(fragment: int, step: int, h: int, fragments: int) -> int:
+    """Steps to bring the next boundary of ``fragment``, pushing at ``step``, earlier (later when negative), so that
+    it lands on the fragment's own phase of H (``offset``) again: the nearest such step to ``step + h``. An island
+    with no rhythm to keep (the rhythm island itself, or no rhythm) spreads its fragments over H as the schedule
+    does: after it was the aiming island (an aim, a follow or a hold moves boundaries, and fragments held until the
+    rhythm island's push release together), its fragments could be bunched on one step, each island then pushing
+    every fragment at once, the others' aims too (two islands of one speed swapping roles bunched all four)."""
+    want = offset(fragment, h, fragments)
+    behind = (step + h - want) % h   # steps the plain next boundary (step + h) lies past the fragment's phase
+    k = behind if behind <= h // 2 else behind - h
+    most = max(1, int(RESPREAD_SHARE * h))
+    return max(-most, min(most, k))
 
 
 def aim_after(push_step: int, eta_s: float, period_s: float, rate: float, lo: int, hi: int) -> Optional[int]:
