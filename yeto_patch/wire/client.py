@@ -39,6 +39,7 @@ API::
     c.status() -> (SyncerStatus, seconds since the syncer last sent anything)   # what its rounds wait for
     c.local_step, c.rate, c.pinned           # the island's step, compute rate (steps/s), pinned H: in heartbeats
     c.schedule                               # (H, each fragment's next boundary step): in heartbeats
+    c.beat_soon()                            # a HEARTBEAT now, not at the next period
     c.check()                                # re-raise a failure seen by the reader thread
     c.close()                                # BYE (best effort) and close; idempotent
     c.abort()                                # close without BYE (a reconnect replaces this link)
@@ -138,6 +139,7 @@ class SyncerClient:
         self._error: Optional[BaseException] = None  # fatal: the session is over
         self._refusals: collections.deque = collections.deque()  # refused pushes not reported yet
         self._closed = False
+        self._beat_now = False           # beat_soon(): the heartbeat thread sends one now, not at its period
         self._bye_seen = False
         self._final_sent = False
         self._threads: list[threading.Thread] = []
@@ -294,9 +296,10 @@ class SyncerClient:
         period = self.welcome.heartbeat_s if self.welcome else 5.0
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._closed, timeout=period)
+                self._cv.wait_for(lambda: self._closed or self._beat_now, timeout=period)
                 if self._closed or self._error is not None:
                     return
+                self._beat_now = False
             try:
                 h, nxt = self.schedule or (None, None)   # (one read: the training thread replaces it whole)
                 self.conn.send(MsgType.HEARTBEAT, island_beat_meta(self.local_step, self.rate, self.pinned, h, nxt))
@@ -493,6 +496,13 @@ class SyncerClient:
     def abort(self) -> None:
         """Close without a goodbye (the link is being replaced: the syncer must not think the island left)."""
         self._close(bye=False)
+
+    def beat_soon(self) -> None:
+        """Send a HEARTBEAT now rather than at the next period (what it says changed in a way the syncer should
+        hear before then: the island's schedule, first known)."""
+        with self._cv:
+            self._beat_now = True
+            self._cv.notify_all()
 
     def close(self) -> None:
         self._close(bye=True)

@@ -231,26 +231,34 @@ def test_a_cut_link_is_replaced_and_the_unanswered_push_sent_again(tmp_path):
 
 def test_heartbeats_say_the_islands_schedule_and_a_reconnect_keeps_saying_it(tmp_path):
     """The island's H and next boundary steps reach the syncer's record of it by heartbeat (the syncer then knows
-    when its first pushes are due), on the first connection and on the one that replaces it."""
+    when its first pushes are due): at once once a rate is known, not a heartbeat period (here 5 s) into the run;
+    on the first connection and on the one that replaces it."""
     port = free_port()
-    s = syncer(port, heartbeat_s=0.2)   # (the island beats at the syncer's period)
+    s = syncer(port)   # (heartbeats every --lease / 4 = 5 s)
     try:
         link, frags, values = _joined(tmp_path, port)
         link.resilient = True
+        link.scheduled(10, [10, 15])          # no rate yet (one step): the periodic heartbeat would say it
+        link.stepped(7)
         link.stepped(8)
+        t0 = time.monotonic()
         link.scheduled(10, [10, 15])
 
-        def said():
+        def said(nxt):
             m = s.coord.members.get("a")
-            return m is not None and (m.sync_every, m.next_boundaries, m.step) == (10, (10, 15), 8)
-        _until(said, "the schedule in a heartbeat")
+            return m is not None and (m.sync_every, m.next_boundaries, m.step) == (10, nxt, 8)
+        _until(lambda: said((10, 15)), "the schedule in a heartbeat")
+        assert time.monotonic() - t0 < 2.0
         first = link.client
-        link.scheduled(10, [20, 15])
         first.conn.sock.shutdown(socket.SHUT_RDWR)
         st = frags[0]
         _push(link, st, 10, np.zeros(st.numel, np.float32))   # the cut shows; a new connection replaces it
         _await(link, frags, st)
-        assert link.client is not first and link.client.schedule == (10, (20, 15))
+        assert link.client is not first and link.client.schedule == (10, (10, 15))
+        link.scheduled(10, [20, 15])
+        t0 = time.monotonic()
+        _until(lambda: (s.coord.members["a"].next_boundaries == (20, 15)), "the schedule on the new connection")
+        assert time.monotonic() - t0 < 2.0
         link.close()
     finally:
         s.stop()

@@ -146,6 +146,7 @@ class SyncerLink:
         self.outliers = 0                      # outlier refusals in a row (no merge of this island's pushes since)
         self.clock = StepClock()              # this island's step and compute rate
         self.schedule: Optional[tuple] = None  # (H, each fragment's next boundary step): heartbeats say it
+        self._told = -1                        # the connection (_conn_no) whose heartbeat said it at once
         self._final_wait: Optional[Patience] = None
         self._redial: Optional[tuple] = None  # (thread, result, cause, deadline) of a reconnect under way
         self._lock = threading.RLock()        # the connection and the unanswered pushes (training and redial threads)
@@ -236,6 +237,9 @@ class SyncerLink:
         c = self.client
         if c is not None:
             c.schedule = self.schedule
+            if self._told != self._conn_no and c.rate > 0:   # once per connection, with a rate: heard at once, not
+                self._told = self._conn_no                   # a heartbeat period (--lease / 4) into a run
+                c.beat_soon()
 
     def reachable(self) -> bool:
         """The syncer is connected and was heard from within its silence bound (the client fails a link silent for
