@@ -341,10 +341,11 @@ def run_yeto(a, hidden, steps, out, baseline, lab=None, events=()):
     steps_by_island, per_sync, times, back = [], [], [], {}
     for k, iid in enumerate(ids):
         path = os.path.join(out, f"island-{iid}.jsonl")
-        recs, t_life, resumed = [], 0.0, []
+        recs, t_life, resumed, started = [], 0.0, [], []
         for r in read_jsonl(path):   # (a relaunched island appends to its log: one "start" per process)
             if r.get("event") == "start":
                 t_life = r["time"] - r["setup_s"]   # train_gpt's elapsed_s counts from its process's start
+                started.append(r["time"])           # (set up: model and optimizer built, before any load)
             elif r.get("event") == "resume" and r.get("checkpoint"):
                 resumed.append(r["step"])
             elif r.get("event") == "train":
@@ -356,6 +357,8 @@ def run_yeto(a, hidden, steps, out, baseline, lab=None, events=()):
             again = [r["t"] for r in recs if kr["restarted_t"] and r["life"] >= kr["restarted_t"]]
             back[k] = dict(killed_t=kr["killed_t"], restarted_t=kr["restarted_t"], killed_step=kr["killed_step"],
                            resumed_step=resumed[0] if resumed else None,
+                           startup_s=(started[-1] - kr["restarted_t"]) if len(started) > 1 and kr["restarted_t"]
+                           else None,
                            training_again_s=(again[0] - kr["restarted_t"]) if again else None)
             continue   # (its steps done twice would shift the step-time figures: survivors only, as torchft's)
         bpath = os.path.join(out, f"island-{iid}.boundaries.jsonl")
@@ -612,8 +615,8 @@ def fault_rows(a, tag, y, t):
     for kind, what in (("kill", "the kill until 30 s after the restart"), ("outage", "the outage until 30 s after")):
         yv, tv = (y.get("stop_during") or {}).get(kind), (t.get("stop_during") or {}).get(kind)
         if yv is not None or tv is not None:
-            out.append(f"| {tag}: longest stop of a survivor, from {what}, s | "
-                       f"{'not run' if yv is None else _f(yv, '.2f')} | {_f(tv, '.2f')} | {_r(tv, yv, '.2f')} |")
+            out.append(f"| {tag}: longest stop of a survivor, from {what}, s | {_during(y, kind, yv)} | "
+                       f"{_during(t, kind, tv)} | {_r(tv, yv, '.2f')} |")
     out.append(f"| {tag}: a survivor's last step beyond its median step, s (yeto-patch: the final cut, which waits "
                f"for every island's last push) | {_f(y.get('final_wait'), '.2f')} | {_f(t.get('final_wait'), '.2f')} | "
                f"{_r(t.get('final_wait'), y.get('final_wait'), '.2f')} |")
@@ -622,7 +625,8 @@ def fault_rows(a, tag, y, t):
         ry, rt = yr.get(k), tr.get(k)
         r = rt or ry
         yv = "not run" if ry is None else (
-            f"{_f(ry['training_again_s'], '.1f')} (from its checkpoint of step {ry['resumed_step']}, killed after "
+            f"{_f(ry['training_again_s'], '.1f')} (of which start-up, to its model built: "
+            f"{_f(ry.get('startup_s'), '.1f')}; from its checkpoint of step {ry['resumed_step']}, killed after "
             f"step {ry['killed_step']}: {_lost(ry)} steps trained again)")
         tv = "not run" if rt is None else (
             f"{_f(rt['training_again_s'], '.1f')} (healed from a live peer: {len(rt['healed'])})")
@@ -633,6 +637,14 @@ def fault_rows(a, tag, y, t):
                    f"with its sync state) and the syncer; no other island alive | a live peer replica (its "
                    f"state sent over the network); no checkpoint | |")
     return out
+
+
+def _during(side, kind, v):
+    """A survivor's longest stop in an event's window, or why there is none."""
+    if v is not None:
+        return _f(v, '.2f')
+    fired = [e for e in side.get("events") or () if e["kind"] == kind and e.get("fired_t")]
+    return "no survivor step in the window (done before it)" if fired else "not run"
 
 
 def _lost(r):
