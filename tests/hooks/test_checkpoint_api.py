@@ -13,9 +13,16 @@ from tests.shim.workers import Recorder, shim
 
 @pytest.fixture(autouse=True)
 def fresh_runtime():
+    """A fresh runtime; the yeto_patch logger as it was (an engine made here sets it up, and a later test file
+    reads its records through propagation)."""
+    logger = logging.getLogger("yeto_patch")
+    saved = logger.propagate, logger.level, list(logger.handlers), _runtime._logging_done
     _runtime.RUNTIME.reset()
     yield
     _runtime.RUNTIME.reset()
+    logger.propagate, level, handlers, _runtime._logging_done = saved
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
 
 
 def test_inert_without_configuration(tmp_path, monkeypatch):
