@@ -45,12 +45,15 @@ Measured, each as a ratio within this one run:
    the median's slope from the small to the large model against a memcpy of one fragment (as
    benchmarks/boundary_scaling.py);
 4. under failures (--faults-seed S or --event, needs root): the same seeded schedule on both sides, at the
-   participants' own steps: a participant killed and started again (torchft: the replica exits hard and is
-   started again; it heals from a live peer. yeto-patch: not run, see docs/benchmarks.md: a demo island writes no
-   Megatron checkpoint to come back from) and its access link cut (benchmarks/netlab.py: every participant in a
+   participants' own steps: a participant killed and started again (torchft: the replica exits hard after the
+   step and is started again; it heals from a live peer, no checkpoint. yeto-patch: the demo SIGKILLs every
+   process of the island once it logged the step and launches it again with --load: it comes back from its own
+   latest checkpoint, written every --yeto-save-interval steps with yeto-patch's sync state beside it, and the
+   syncer, with no other island needed) and its access link cut (benchmarks/netlab.py: every participant in a
    network namespace of its own). Goodput (fragment-steps that went into a committed / merged sync over those
-   computed), the longest stop of the participants no event hit, the restarted replica's time from its start to
-   training again after healing;
+   computed, steps computed twice included), the longest stop of the participants no event hit, the restarted
+   one's time from its start to training again (torchft: its first step after healing; yeto-patch: its first
+   step done after the relaunch) and what each restart needed;
 5. a slow link (--link-mbit R, needs root): every replica / island behind an access link shaped by tc tbf at R
    Mbit/s both ways (no added delay: this kernel has no sch_netem); the bytes on the access links (interface
    counters), training time, blocked time.
@@ -303,10 +306,15 @@ def run_yeto(a, hidden, steps, out, baseline, lab=None, events=()):
     from benchmarks import vs_torchft_faults as faults
     from yeto_patch.demo import cli as demo_cli
     from yeto_patch.demo.run import DemoError, run as demo_run
-    # a kill runs on the torchft side only: a demo island (examples/train_gpt.py) writes no Megatron checkpoint,
-    # and a yeto-patch island restarts from one (its sync state is saved beside it)
-    all_events, events = events, [e for e in events if e.kind != "kill"]
+    # a kill: the demo SIGKILLs every process of the island once it logged the step and launches it again the
+    # event's seconds later with --load: it comes back from its own latest checkpoint (written every
+    # --yeto-save-interval steps, yeto-patch's sync state beside it) and the syncer; no other island is needed
+    kills = [e for e in events if e.kind == "kill"]
     flags = demo_flags(a, hidden, steps, baseline)
+    if kills:
+        flags += ["--save-interval", str(a.yeto_save_interval)]
+        flags += [f"--kill={e.who}:{e.step}:{e.seconds:g}" for e in kills]
+    outages = [e for e in events if e.kind == "outage"]
     ids = island_ids(a.islands)
     if lab is not None:
         flags += ["--python", netlab.island_python(os.path.join(out + "-bin"), lab,
@@ -315,7 +323,7 @@ def run_yeto(a, hidden, steps, out, baseline, lab=None, events=()):
     buf = io.StringIO()
     t0 = time.time()
     before = [lab.counters(k) for k in range(lab.n)] if lab else None
-    watch = faults.Watcher(events, lambda k: last_step(os.path.join(out, f"island-{ids[k]}.jsonl")), lab)
+    watch = faults.Watcher(outages, lambda k: last_step(os.path.join(out, f"island-{ids[k]}.jsonl")), lab)
     try:
         with contextlib.redirect_stdout(buf), watch:
             res = demo_run(o)
@@ -326,14 +334,33 @@ def run_yeto(a, hidden, steps, out, baseline, lab=None, events=()):
         with open(os.path.join(out, "demo-output.txt"), "w") as f:
             f.write(buf.getvalue())
     access = lab_bytes(lab, before)
-    steps_by_island, per_sync, times = [], [], []
-    for iid in ids:
+    killed = {e["island"]: e for e in res.get("kills") or ()}
+    for ev in kills:   # (the demo's record of when it killed and relaunched the island)
+        k = killed.get(ev.who) or {}
+        ev.fired_t, ev.done_t = k.get("killed_t"), k.get("restarted_t")
+    steps_by_island, per_sync, times, back = [], [], [], {}
+    for k, iid in enumerate(ids):
         path = os.path.join(out, f"island-{iid}.jsonl")
-        recs = [r for r in read_jsonl(path) if r.get("event") == "train"]
+        recs, t_life, resumed, started = [], 0.0, [], []
+        for r in read_jsonl(path):   # (a relaunched island appends to its log: one "start" per process)
+            if r.get("event") == "start":
+                t_life = r["time"] - r["setup_s"]   # train_gpt's elapsed_s counts from its process's start
+                started.append(r["time"])           # (set up: model and optimizer built, before any load)
+            elif r.get("event") == "resume" and r.get("checkpoint"):
+                resumed.append(r["step"])
+            elif r.get("event") == "train":
+                recs.append(dict(r, t=t_life + r["elapsed_s"], life=t_life))
+        times.append([r["t"] for r in recs])
         steps_by_island.append([r["step_s"] for r in recs])
-        start = [r for r in read_jsonl(path) if r.get("event") == "start"]
-        t_proc = start[0]["time"] - start[0]["setup_s"] if start else 0.0   # train_gpt's elapsed_s counts from it
-        times.append([t_proc + r["elapsed_s"] for r in recs])
+        if k in killed:   # the restarted one: from its relaunch to its first step done after it
+            kr = killed[k]
+            again = [r["t"] for r in recs if kr["restarted_t"] and r["life"] >= kr["restarted_t"]]
+            back[k] = dict(killed_t=kr["killed_t"], restarted_t=kr["restarted_t"], killed_step=kr["killed_step"],
+                           resumed_step=resumed[0] if resumed else None,
+                           startup_s=(started[-1] - kr["restarted_t"]) if len(started) > 1 and kr["restarted_t"]
+                           else None,
+                           training_again_s=(again[0] - kr["restarted_t"]) if again else None)
+            continue   # (its steps done twice would shift the step-time figures: survivors only, as torchft's)
         bpath = os.path.join(out, f"island-{iid}.boundaries.jsonl")
         # each scheduled push: its step, the install point tau steps later, and the step its answer was
         # installed at (the island's boundary records; a push answered by a later base has no record)
@@ -349,21 +376,23 @@ def run_yeto(a, hidden, steps, out, baseline, lab=None, events=()):
     with contextlib.suppress(OSError):
         tape = read_jsonl(os.path.join(out, "syncer-tape.jsonl"))
     full = sum(1 for r in tape if r.get("ok") and len(r.get("responders", ())) == a.islands)
-    alive = faults.survivors(all_events, a.islands)
+    alive = faults.survivors(events, a.islands)
     stops = [faults.longest_stop(times[k]) for k in alive]
     during = [faults.stop_during(times[k], events) for k in alive]
     return dict(loss=res.get("global_heldout_loss"), ddp=res.get("baseline_heldout_loss"),
                 bytes=res.get("bytes_between"), bytes_up=link.get("up"), bytes_down=link.get("down"),
                 access_bytes=access, full_syncs=full, syncs=res.get("merges"), params=res.get("params"),
-                blocked=mean([blocked_per_step(s) for s in steps_by_island]), blocked_sync=mean([x[0] for x in per_sync]),
+                blocked=mean([blocked_per_step(s) for k, s in enumerate(steps_by_island) if k not in back]),
+                blocked_sync=mean([x[0] for x in per_sync]),
                 blocked_sync_median=mean([x[1] for x in per_sync]),
-                median_step=mean([statistics.median(s) for s in steps_by_island if s]),
+                median_step=mean([statistics.median(s) for k, s in enumerate(steps_by_island) if s and k not in back]),
                 train_s=max((t[-1] - t[0] for t in times if t), default=None),
                 longest_stop=max((x[0] for x in stops if x[0] is not None), default=None),
                 stop_during={k: max(d.get(k, 0.0) for d in during) for k in ("outage", "kill")
                              if any(k in d for d in during)},
                 final_wait=max((faults.final_wait(times[k]) or 0.0 for k in alive), default=None),
                 goodput=faults.goodput_yeto(tape, sum(len(s) for s in steps_by_island), a.fragments),
+                restarts=back, save_interval=a.yeto_save_interval if kills else None,
                 events=[e.as_dict() for e in events],
                 steps_done=[len(s) for s in steps_by_island], wall_s=time.time() - t0, flags=flags)
 
@@ -586,16 +615,41 @@ def fault_rows(a, tag, y, t):
     for kind, what in (("kill", "the kill until 30 s after the restart"), ("outage", "the outage until 30 s after")):
         yv, tv = (y.get("stop_during") or {}).get(kind), (t.get("stop_during") or {}).get(kind)
         if yv is not None or tv is not None:
-            out.append(f"| {tag}: longest stop of a survivor, from {what}, s | "
-                       f"{'not run' if yv is None else _f(yv, '.2f')} | {_f(tv, '.2f')} | {_r(tv, yv, '.2f')} |")
+            out.append(f"| {tag}: longest stop of a survivor, from {what}, s | {_during(y, kind, yv)} | "
+                       f"{_during(t, kind, tv)} | {_r(tv, yv, '.2f')} |")
     out.append(f"| {tag}: a survivor's last step beyond its median step, s (yeto-patch: the final cut, which waits "
                f"for every island's last push) | {_f(y.get('final_wait'), '.2f')} | {_f(t.get('final_wait'), '.2f')} | "
                f"{_r(t.get('final_wait'), y.get('final_wait'), '.2f')} |")
-    for k, r in (t.get("restarts") or {}).items():
-        out.append(f"| {tag}: replica {k} killed, started again {r['restarted_t'] - r['killed_t']:.0f} s later: "
-                   f"training again after, s | not run (needs a Megatron checkpoint) | "
-                   f"{_f(r['training_again_s'], '.1f')} (healed from a live peer: {len(r['healed'])}) | |")
+    yr, tr = y.get("restarts") or {}, t.get("restarts") or {}
+    for k in sorted(set(yr) | set(tr), key=int):
+        ry, rt = yr.get(k), tr.get(k)
+        r = rt or ry
+        yv = "not run" if ry is None else (
+            f"{_f(ry['training_again_s'], '.1f')} (of which start-up, to its model built: "
+            f"{_f(ry.get('startup_s'), '.1f')}; from its checkpoint of step {ry['resumed_step']}, killed after "
+            f"step {ry['killed_step']}: {_lost(ry)} steps trained again)")
+        tv = "not run" if rt is None else (
+            f"{_f(rt['training_again_s'], '.1f')} (healed from a live peer: {len(rt['healed'])})")
+        out.append(f"| {tag}: participant {k} killed, started again {r['restarted_t'] - r['killed_t']:.0f} s later: "
+                   f"training again after its start, s | {yv} | {tv} | "
+                   f"{_r(rt and rt['training_again_s'], ry and ry['training_again_s'], '.2f')} |")
+        out.append(f"| {tag}: what the restart needed | its own checkpoint (every {y.get('save_interval')} steps, "
+                   f"with its sync state) and the syncer; no other island alive | a live peer replica (its "
+                   f"state sent over the network); no checkpoint | |")
     return out
+
+
+def _during(side, kind, v):
+    """A survivor's longest stop in an event's window, or why there is none."""
+    if v is not None:
+        return _f(v, '.2f')
+    fired = [e for e in side.get("events") or () if e["kind"] == kind and e.get("fired_t")]
+    return "no survivor step in the window (done before it)" if fired else "not run"
+
+
+def _lost(r):
+    return "n/a" if r.get("resumed_step") is None or r.get("killed_step") is None else \
+        r["killed_step"] - r["resumed_step"]
 
 
 def report(a, rows, cmd):
@@ -607,7 +661,9 @@ def report(a, rows, cmd):
              f"{f', syncer --quorum {a.yeto_quorum}' if a.yeto_quorum else ''}; torchft: DiLoCo defaults (fp32 "
              f"allreduce, fragment_sync_delay 0, fragment_update_alpha 0); outer Nesterov lr {a.outer_lr} "
              f"momentum 0.9 both" + (f"; events {', '.join(a.events)}" if a.events else "")
-             + (f"; lighthouse --min_replicas {a.lighthouse_min_replicas}" if a.lighthouse_min_replicas else ""),
+             + (f"; lighthouse --min_replicas {a.lighthouse_min_replicas}" if a.lighthouse_min_replicas else "")
+             + (f"; yeto-patch islands checkpoint every {a.yeto_save_interval} steps" if any(
+                 e.startswith("kill:") for e in a.events) else ""),
              "", "| measure | yeto-patch | torchft | torchft / yeto-patch |", "|---|---|---|---|"]
     if y.get("ddp"):
         lines += [f"| held-out loss (DDP {y['ddp']:.4f}) | {_f(y['loss'])} | {_f(t['loss'])} "
@@ -686,7 +742,12 @@ def main(argv=None):
                    "0: loopback")
     g.add_argument("--event", action="append", default=[], metavar="KIND:K:STEP:SECONDS",
                    help="outage:K:STEP:S (participant K's link down S seconds at its step STEP; both sides) or "
-                   "kill:K:STEP:S (replica K exits after STEP, started again S seconds later; torchft only)")
+                   "kill:K:STEP:S (participant K killed after STEP, started again S seconds later: torchft's "
+                   "replica exits hard and heals from a live peer; yeto-patch's island is SIGKILLed and comes back "
+                   "from its own latest checkpoint)")
+    g.add_argument("--yeto-save-interval", type=int, default=25, help="with a kill: yeto-patch's islands write a "
+                   "checkpoint every N steps (examples/train_gpt.py --save-interval), which the killed one "
+                   "comes back from (torchft needs none)")
     g.add_argument("--faults-seed", type=int, default=None, help="a seeded schedule: one kill and one outage "
                    "in the middle half of the run (benchmarks/vs_torchft_faults.seeded_events)")
     g.add_argument("--lighthouse-min-replicas", type=int, default=0, help="the lighthouse's --min_replicas "

@@ -4,12 +4,13 @@ A schedule is a list of events, each at a participant's (replica group's / islan
 (`parse_events`, seeded by `seeded_events`):
 - ``outage:K:STEP:SECONDS``: participant K's access link (benchmarks/netlab.py) down for SECONDS once K has logged
   STEP;
-- ``kill:K:STEP:SECONDS``: participant K exits hard after STEP and is started again SECONDS later (torchft only:
-  the replica heals from a live peer; a yeto-patch island needs a Megatron checkpoint with its sync state to come
-  back, which the demo's train_gpt.py islands do not write: see docs/benchmarks.md).
+- ``kill:K:STEP:SECONDS``: participant K exits hard after STEP and is started again SECONDS later (torchft: the
+  replica exits after the step and heals from a live peer; yeto-patch: the demo's ``--kill`` SIGKILLs every
+  process of the island once it logged STEP and relaunches it with ``--load``: it resumes from its own latest
+  checkpoint, with its sync state saved beside it by ``yeto_patch.hooks.checkpoint_saved``, and the syncer).
 
-`Watcher` fires the outages from a thread while a side runs (it reads each participant's step from a function).
-`analyse` turns the per-step logs (step, wall time t) into the figures: the survivors' longest stop (the longest
+`Watcher` fires the outages from a thread while a side runs (it reads each participant's step from a function;
+each side runs its kills itself). `analyse` turns the per-step logs (step, wall time t) into the figures: the survivors' longest stop (the longest
 time between two of their consecutive steps), the restarted one's time from restart to its first step after
 healing, and goodput (fragment-steps that went into a committed/merged sync over fragment-steps computed).
 """

@@ -20,6 +20,17 @@ Outputs (written by global rank 0):
   "lr", "grad_norm", "skipped", "tokens", "elapsed_s", "step_s", "opt_s"}`` (opt_s: the optimizer step,
   with whatever hooks a tool attached to it), ``{"event": "eval", "step", "heldout_loss"}``,
   ``{"event": "end", ...}``.
+* ``--save DIR --save-interval N``: a checkpoint every N steps (and after the last one) that ``--load DIR`` resumes:
+  ``DIR/iter_<step:07d>/model.npz`` in the ``--snapshot`` format (FP32 masters, weights, Adam moments and step,
+  layout-independent names), each written to a temporary folder and renamed, then ``DIR/latest`` (the step,
+  replaced atomically) once the checkpoint is complete. ``--load DIR`` resumes from DIR's latest checkpoint
+  (weights, FP32 masters, Adam state, LR schedule position and data position: training continues at the next
+  step; the JSONL log is appended to); with no checkpoint there yet it is a fresh start.
+  With yeto-patch attached (PYTHONPATH + YETO_* variables), every rank tells it about each checkpoint through
+  ``yeto_patch.hooks.checkpoint_saved`` (before ``latest`` names it: the island's sync state goes beside it, in
+  ``DIR/yeto_sync/``) and ``checkpoint_loaded`` (before the first step: the island resumes its DiLoCo rounds where
+  the checkpoint left them). Without yeto-patch these calls are skipped or do nothing: a plain loop with
+  checkpoints.
 * ``--save-npz``: the final model, full (un-sharded) parameters as float32 keyed by a layout-independent name
   (``decoder.layers.<global index>...``): ``param/<name>`` are the model's weights, ``master/<name>`` the
   optimizer's FP32 master weights when the optimizer keeps them.
@@ -99,7 +110,17 @@ def parse_args(argv=None):
     g.add_argument("--init-from", default=None,
                    help="start from a --snapshot written after step K (by any layout): weights, FP32 masters, Adam "
                         "state and the LR schedule position are restored; training runs steps K+1..--train-iters")
+    g = p.add_argument_group("checkpoints (resume after a crash)")
+    g.add_argument("--save", default=None, metavar="DIR", help="write a checkpoint into DIR every --save-interval "
+                   "steps and after the last step")
+    g.add_argument("--save-interval", type=int, default=0, metavar="N")
+    g.add_argument("--load", default=None, metavar="DIR", help="resume from DIR's latest checkpoint (none there "
+                   "yet: a fresh start, with --init-from if given)")
     a = p.parse_args(argv)
+    if bool(a.save) != bool(a.save_interval):
+        p.error("--save and --save-interval go together")
+    if a.save_interval < 0:
+        p.error("--save-interval must be positive")
     if bool(a.snapshot_at) != bool(a.snapshot):
         p.error("--snapshot-at and --snapshot go together")
     if a.snapshot_at and not 0 < a.snapshot_at <= a.train_iters:
@@ -393,11 +414,7 @@ def _local_part(full, p, gname, vocab, current):
 def load_snapshot(path, model, optimizer, vocab):
     """Restore a --snapshot into this run (any layout): model weights, FP32 masters, Adam moments and step.
     Returns the step the snapshot was taken after."""
-    arrays = {}
-    with zipfile.ZipFile(path) as z:
-        for n in z.namelist():
-            with z.open(n) as f:
-                arrays[n[:-4]] = np.lib.format.read_array(f, allow_pickle=False)
+    arrays = read_npz(path)
     step, adam_step = int(arrays["meta/step"]), int(arrays["meta/adam_step"])
     gpt = model
     while hasattr(gpt, "module"):
@@ -443,12 +460,98 @@ def save_npz(path, arrays):
     os.replace(tmp, path)
 
 
+def read_npz(path, prefix=""):
+    """{name: array} of an npz written by save_npz (no pickle); only the names starting with `prefix`."""
+    out = {}
+    with zipfile.ZipFile(path) as z:
+        for n in z.namelist():
+            if n.startswith(prefix):
+                with z.open(n) as f:
+                    out[n[:-4]] = np.lib.format.read_array(f, allow_pickle=False)
+    return out
+
+
+def write_snapshot(path, model, optimizer, device, step, **meta):
+    """Every rank: gather the training state (weights, FP32 masters, Adam moments and step) and write it to
+    `path` on rank 0 (the --snapshot format; `meta`: more ``meta/<name>`` scalars)."""
+    arrays = gather_full_model(model, optimizer, VOCAB, optimizer_state=True)
+    adam_step = _adam_step(optimizer, device)
+    if dist.get_rank() == 0:
+        arrays["meta/step"] = np.array(step, dtype=np.int64)
+        arrays["meta/adam_step"] = np.array(adam_step, dtype=np.int64)
+        for k, v in meta.items():
+            arrays[f"meta/{k}"] = np.array(v)
+        save_npz(path, arrays)
+
+
+LATEST = "latest"
+
+
+def checkpoint_dir(root, step):
+    return os.path.join(root, f"iter_{int(step):07d}")
+
+
+def latest_checkpoint(root):
+    """(step, model.npz path) of the checkpoint `root`'s ``latest`` names, or None when there is none yet."""
+    if not root:
+        return None
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit():
+        raise SystemExit(f"--load {root}: {LATEST} holds {text[:40]!r}, not a step")
+    path = os.path.join(checkpoint_dir(root, int(text)), "model.npz")
+    if not os.path.isfile(path):
+        raise SystemExit(f"--load {root}: {LATEST} names step {text} but {path} does not exist")
+    return int(text), path
+
+
+def save_checkpoint(root, step, model, optimizer, device, yeto, yeto_iteration, **meta):
+    """Every rank: the checkpoint of `step` into root/iter_<step>/ (written beside and renamed), then yeto-patch's
+    sync state beside it (every rank; `yeto`: yeto_patch.hooks or None), then root/latest (replaced atomically):
+    `latest` names only complete checkpoints."""
+    final = checkpoint_dir(root, step)
+    tmp = f"{final}.tmp"
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        for d in (tmp, final):   # (a half-written one, or one written before a crash that `latest` never named)
+            if os.path.isdir(d):
+                import shutil
+                shutil.rmtree(d)
+        os.makedirs(tmp)
+    write_snapshot(os.path.join(tmp, "model.npz"), model, optimizer, device, step, **meta)
+    if dist.get_rank() == 0:
+        os.replace(tmp, final)
+    dist.barrier()
+    if yeto is not None:
+        yeto.checkpoint_saved(root, yeto_iteration)
+    if dist.get_rank() == 0:
+        marker = os.path.join(root, f"{LATEST}.tmp{os.getpid()}")
+        with open(marker, "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(marker, os.path.join(root, LATEST))
+    dist.barrier()
+
+
+def yeto_hooks():
+    """yeto_patch.hooks (its checkpoint API, inert where yeto-patch is not attached) when it can be imported."""
+    try:
+        from yeto_patch import hooks
+    except ImportError:
+        return None
+    return hooks if hasattr(hooks, "checkpoint_saved") else None   # (a release before the API: nothing to tell)
+
+
 class JsonlLog:
-    def __init__(self, path):
+    def __init__(self, path, append=False):
         self.f = None
         if path and dist.get_rank() == 0:
             os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-            self.f = open(path, "w", buffering=1)
+            self.f = open(path, "a" if append else "w", buffering=1)
 
     def __call__(self, **rec):
         if self.f is not None:
@@ -480,7 +583,9 @@ def main(argv=None):
     n_micro = per_dp // a.micro_batch_size
     fb = get_forward_backward_func()
     forward_step = make_forward_step(device, a.seq_length)
-    log = JsonlLog(a.log_jsonl)
+    resume = latest_checkpoint(a.load)   # (step, path) of --load's latest checkpoint, None: a fresh start
+    yeto = yeto_hooks()
+    log = JsonlLog(a.log_jsonl, append=resume is not None)
     tokens_per_step = a.global_batch_size * a.seq_length
 
     def say(msg):
@@ -510,15 +615,30 @@ def main(argv=None):
         say(f"step {step:5d} | held-out loss {loss:.4f}")
         return loss
 
-    start = 0
-    if a.init_from:
-        start = load_snapshot(a.init_from, model, optimizer, VOCAB)
+    start, first_step, initial = 0, 0, None   # first_step: where this run's training began (--init-from's step)
+    if resume is not None:
+        start, path = resume
+        if load_snapshot(path, model, optimizer, VOCAB) != start or not 0 < start <= a.train_iters:
+            raise SystemExit(f"--load {a.load}: its checkpoint {path} is not of step {start} within --train-iters")
+        meta = read_npz(path, "meta/")
+        first_step = int(meta.get("meta/first_step", 0))
+        if "meta/initial_heldout_loss" in meta:
+            initial = float(meta["meta/initial_heldout_loss"])
+        scheduler.step(increment=start)  # the same position of the same LR schedule
+        say(f"resumed from {path} after step {start} (weights, FP32 masters, Adam state, LR schedule)")
+        log(event="resume", step=start, path=os.path.abspath(path), lr=optimizer.param_groups[0]["lr"],
+            checkpoint=True, time=time.time())
+        if yeto is not None:   # before the first step: the island resumes its rounds from the sync state
+            yeto.checkpoint_loaded(a.load, start - first_step)
+    elif a.init_from:
+        start = first_step = load_snapshot(a.init_from, model, optimizer, VOCAB)
         if not 0 < start < a.train_iters:
             raise SystemExit(f"--init-from {a.init_from}: taken after step {start}, not within --train-iters")
         scheduler.step(increment=start)  # the same position of the same LR schedule
         say(f"resumed from {a.init_from} after step {start} (weights, FP32 masters, Adam state, LR schedule)")
         log(event="resume", step=start, path=os.path.abspath(a.init_from), lr=optimizer.param_groups[0]["lr"])
-    initial = run_eval(start)
+    if initial is None:
+        initial = run_eval(start)
     tokens = 0
     t_train = time.time()
     for it in range(start, a.train_iters):
@@ -546,13 +666,16 @@ def main(argv=None):
         if a.eval_interval and step % a.eval_interval == 0 and step != a.train_iters:
             run_eval(step)
         if step == a.snapshot_at:
-            arrays = gather_full_model(model, optimizer, VOCAB, optimizer_state=True)
-            adam_step = _adam_step(optimizer, device)
-            if rank == 0:
-                arrays["meta/step"] = np.array(step, dtype=np.int64)
-                arrays["meta/adam_step"] = np.array(adam_step, dtype=np.int64)
-                save_npz(a.snapshot, arrays)
-                say(f"snapshot after step {step} written to {a.snapshot}")
+            write_snapshot(a.snapshot, model, optimizer, device, step)
+            say(f"snapshot after step {step} written to {a.snapshot}")
+        if a.save and (step % a.save_interval == 0 or step == a.train_iters):
+            tc = time.time()
+            # (yeto-patch counts the steps since this run's training began: --init-from's step is its 0)
+            save_checkpoint(a.save, step, model, optimizer, device, yeto, step - first_step, first_step=first_step,
+                            initial_heldout_loss=initial)
+            log(event="checkpoint", step=step, path=os.path.abspath(checkpoint_dir(a.save, step)),
+                save_s=round(time.time() - tc, 3), elapsed_s=round(time.time() - t0, 3))
+            say(f"checkpoint after step {step} written to {checkpoint_dir(a.save, step)}")
     train_s = time.time() - t_train
     final = run_eval(a.train_iters)
     if a.save_npz:

@@ -8,8 +8,8 @@ from yeto_patch.wire import codec_names
 DESCRIPTION = """\
 Run DiLoCo through yeto-patch on this machine: a local syncer and islands of a small real megatron-core GPT
 (default: one TP2 and one PP2 island, bf16, DistributedOptimizer, 2 ranks each), each launched with torchrun
-exactly as a user launches Megatron (examples/train_gpt.py knows nothing of yeto-patch; PYTHONPATH and YETO_*
-variables attach it). Each island trains on its own shard of byte-level text (default: the Python standard
+exactly as a user launches Megatron (examples/train_gpt.py is an ordinary megatron-core script; PYTHONPATH and
+YETO_* variables attach yeto-patch). Each island trains on its own shard of byte-level text (default: the Python standard
 library's sources). At the end: held-out loss of the final global model against synchronous data parallel on
 the same tokens, bytes that crossed between islands against per-step gradient all-reduce, wall time, a plot and
 the raw JSONL in --out."""
@@ -80,6 +80,14 @@ def build_parser():
                         "step K (weights, FP32 masters, Adam state, LR schedule position) and train steps "
                         "K+1..--steps, so the tokens stay equal to the baseline's; the K synchronous steps' "
                         "all-reduce bytes count in the bytes ratio")
+    g = p.add_argument_group("checkpoints and island failures")
+    g.add_argument("--save-interval", type=int, default=0, metavar="N",
+                   help="every island writes a checkpoint every N steps into <out>/island-<id>.ckpt (with "
+                        "yeto-patch's sync state beside it) and is launched with --load of it (0: no checkpoints)")
+    g.add_argument("--kill", action="append", default=[], metavar="K:STEP:SECONDS",
+                   help="kill island K (0-based) hard (SIGKILL to every process of it) once it logged step STEP, "
+                        "and launch it again SECONDS later from its latest checkpoint (needs --save-interval; "
+                        "one per island)")
     g = p.add_argument_group("misc")
     g.add_argument("--python", default=None, help="interpreter for the child processes (default: this one)")
     g.add_argument("--progress-every", type=float, default=5.0, help="seconds between progress lines")
@@ -106,6 +114,15 @@ def parse(argv=None):
         p.error("--sync-warmup starts from the baseline's model: it cannot go with --no-baseline")
     if a.overlap_steps >= a.sync_every:
         p.error("--overlap-steps must be smaller than --sync-every")
+    if a.save_interval < 0:
+        p.error("--save-interval must be >= 0")
+    from .kills import parse_kills
+    try:
+        a.kill_events = parse_kills(a.kill, a.islands, a.steps, a.save_interval, a.sync_warmup)
+    except ValueError as err:
+        p.error(str(err))
+    if a.kill_events and a.without_yeto:
+        p.error("--kill shows an island coming back into DiLoCo: it cannot go with --without-yeto")
     if not 1 <= a.syncer_shards <= a.fragments:
         p.error(f"--syncer-shards must be in 1..--fragments ({a.fragments}): every shard owns a fragment")
     return a

@@ -85,6 +85,7 @@ class Child:
         self._log.write(("$ " + " ".join(argv) + "\n").encode())
         self._log.flush()
         self.started = time.time()
+        self.retired = False   # killed on purpose (the demo's --kill): its exit status is not a failure
         self.popen = subprocess.Popen(
             argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_parent_death_signal if sys.platform.startswith("linux") else None)
@@ -136,20 +137,29 @@ class Supervisor:
         self.children.append(c)
         return c
 
+    def retire(self, child):
+        """`child` is about to be killed on purpose: its exit no longer counts as a failure."""
+        child.retired = True
+
     def check(self):
-        """Raise ChildFailed for the first child that exited with a non-zero status."""
-        for c in self.children:
+        """Raise ChildFailed for the first child (not retired) that exited with a non-zero status."""
+        for c in list(self.children):
+            if c.retired:
+                continue
             rc = c.poll()
             if rc not in (None, 0):
                 raise ChildFailed(c.name, rc, c.log_path, c.excerpt())
 
     def wait(self, children, timeout_s, tick=None, tick_every_s=2.0):
-        """Wait until every child in `children` exited 0, calling tick() periodically; ChildFailed if any
-        supervised child fails meanwhile, TimeoutError after timeout_s."""
+        """Wait until every child in `children` (a list, or a function returning the current list: a relaunched
+        child replaces a killed one) exited 0, calling tick() periodically; ChildFailed if any supervised child
+        fails meanwhile, TimeoutError after timeout_s."""
         deadline = time.time() + timeout_s
         next_tick = 0.0
+        current = children if callable(children) else (lambda: children)
         while True:
             self.check()
+            children = current()
             if all(c.poll() == 0 for c in children):
                 if tick:
                     tick()

@@ -1,4 +1,5 @@
-"""The demo's orchestration: a syncer, N islands launched like any Megatron job, a baseline, a report."""
+"""The demo's orchestration: a syncer, N islands launched like any Megatron job, a baseline, a report; with
+``--kill``, an island killed hard and launched again from its checkpoints (kills.py)."""
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import types
 from . import baseline as bl
 from .layout import parse_layouts
 from .link import LinkGroup, MeteredLink
+from .kills import Killer
 from .procs import ChildFailed, Supervisor
 from .progress import Progress
 from .report import build_report
@@ -184,6 +186,10 @@ def _announce(say, o, ids, corpus, out) -> None:
             f"bases sent as {o.base_wire}")
     if getattr(o, "syncer_shards", 1) > 1:
         say(f"  syncer: {o.syncer_shards} shards (--shard I/N)")
+    if getattr(o, "save_interval", 0):
+        say(f"  checkpoints: every {o.save_interval} steps per island"
+            + "".join(f"; island {ids[e.island]} killed at its step {e.step}, launched again {e.seconds:g}s later"
+                      for e in getattr(o, "kill_events", [])))
     say(f"  output: {out}")
 
 
@@ -266,7 +272,7 @@ def run(o):
             if not o.without_yeto:
                 syncers, link = start_syncers(sup, o, python, key_file, out)
                 children += syncers
-            islands = []
+            islands, launches = [], []
             for iid, lay, shard in zip(ids, layouts, range(o.islands)):
                 argv = _launcher(python, lay.nproc) + [TRAIN_SCRIPT] + lay.flags() + mflags + [
                     "--global-batch-size", str(o.batch), "--shards", str(shard),
@@ -274,14 +280,37 @@ def run(o):
                     "--save-npz", os.path.join(out, f"island-{iid}.npz")]
                 if warm_npz:
                     argv += ["--init-from", warm_npz]
+                if getattr(o, "save_interval", 0):   # (a relaunch resumes from the latest of them)
+                    ckpt = os.path.join(out, f"island-{iid}.ckpt")
+                    argv += ["--save", ckpt, "--save-interval", str(o.save_interval), "--load", ckpt]
                 env = (island_env(o, iid, link.addresses, key_file, out) if not o.without_yeto
                        else _clean_env())
+                launches.append((f"island-{iid}", argv, env))
                 islands.append(sup.start(f"island-{iid}", argv, env=env, cwd=REPO))
-            children += islands
             prog = Progress(out, ids, o.steps, syncer_tape=None if o.without_yeto else
                             os.path.join(out, "syncer-tape.jsonl"), link=link)
-            sup.wait(children, o.timeout, tick=prog.tick, tick_every_s=o.progress_every)
+            kills = getattr(o, "kill_events", [])
+
+            def relaunch(k, n):
+                name, argv, env = launches[k]
+                say(f"island {ids[k]}: launched again from its latest checkpoint")
+                return sup.start(f"{name}-relaunch{n}", argv, env=env, cwd=REPO)
+
+            def tick():
+                killer.check()
+                prog.tick()
+            with Killer(kills, sup, islands, lambda k: os.path.join(out, f"island-{ids[k]}.jsonl"),
+                        relaunch) as killer:
+                sup.wait(lambda: children + islands, o.timeout, tick=tick, tick_every_s=o.progress_every)
+            killer.check()
+            children += islands
             prog.done()
+            if kills:
+                result["kills"] = [dict(e.as_dict(), id=ids[e.island]) for e in kills]
+                for e in kills:
+                    say(f"island {ids[e.island]}: killed after step {e.killed_step}, launched again "
+                        f"{(e.restarted_t or 0) - (e.killed_t or 0):.1f}s later" if e.killed_t else
+                        f"island {ids[e.island]}: ended before step {e.step}: not killed")
             result["islands_wall_s"] = time.time() - t_isl
             if link is not None:
                 result["link"] = link.counters()

@@ -43,6 +43,9 @@ for ``yeto-patch doctor``: every target as patched / not patched / missing / not
 module may declare ``WRITERS``: the TensorBoard / W&B writers it hands to the island's figures (``writers()``).
 tests/hooks/test_declarations.py checks, for every hook module, that ``patch()`` wraps exactly what it declares.
 
+A custom training loop tells yeto-patch about its own checkpoints with ``checkpoint_saved(directory, iteration)``
+and ``checkpoint_loaded(directory, iteration)`` (``checkpoints.py``; inert where yeto-patch is not attached).
+
 ``install()`` registers a wrapt post-import hook per target module: one already imported is patched at once, the
 others when they are imported. It imports neither torch nor Megatron. A failing patch never breaks the import
 of a Megatron module (the error is logged). ``uninstall()`` removes the pending registrations and unpatches
@@ -59,6 +62,7 @@ import threading
 import wrapt
 
 from . import _targets
+from .checkpoints import checkpoint_loaded, checkpoint_saved  # noqa: F401  (the custom loops' checkpoint API)
 
 log = logging.getLogger("yeto_patch")
 

@@ -99,8 +99,12 @@ class Engine:
 
     def set_resume(self, directory, iteration):
         """Megatron loaded the checkpoint of `iteration` from `directory` (before the first step): the island's
-        sync state saved beside it is restored at start."""
+        sync state saved beside it is restored at start, and (not started yet) the step count continues from
+        `iteration`: a loop with only the optimizer hooks (no train_step telling the iteration) keeps its boundaries
+        and its final cut where they were."""
         self._resume = (directory, int(iteration)) if directory and iteration else None
+        if self._resume is not None and not self.started:
+            self.step = self._resume[1]
 
     # ================================================================================ hook entry points
     def on_train_step_start(self, iteration=None, train_iters=None, tokens=None, vocab_size=None):
