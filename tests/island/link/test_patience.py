@@ -45,3 +45,17 @@ def test_the_step_clock_measures_the_compute_rate_without_the_waits():
         t[0] += 30.0 if step % 10 == 0 else 0.5   # a long wait every 10 steps
         c.stepped(step)
     assert c.step == 39 and c.step_s == pytest.approx(0.5) and c.rate == pytest.approx(2.0)
+
+
+def test_the_step_clock_says_no_rate_from_its_first_steps():
+    """The first steps compile and warm up: a rate from them would make an island look several times slower."""
+    t = [0.0]
+    c = StepClock(clock=lambda: t[0])
+    for step in range(1, 9):
+        t[0] += 3.0 if step <= 2 else 0.5
+        c.stepped(step)
+        assert c.rate == 0.0 and (step == 1 or c.step_s is not None)   # (patience still has a step time)
+    for step in range(9, 12):
+        t[0] += 0.5
+        c.stepped(step)
+    assert c.rate == pytest.approx(2.0)

@@ -238,9 +238,9 @@ def test_heartbeats_say_the_islands_schedule_and_a_reconnect_keeps_saying_it(tmp
     try:
         link, frags, values = _joined(tmp_path, port)
         link.resilient = True
-        link.scheduled(10, [10, 15])          # no rate yet (one step): the periodic heartbeat would say it
-        link.stepped(7)
-        link.stepped(8)
+        link.scheduled(10, [10, 15])          # no rate yet (no step): the periodic heartbeat would say it
+        for step in range(-2, 9):             # (a rate is said once 8 step times are known)
+            link.stepped(step)
         t0 = time.monotonic()
         link.scheduled(10, [10, 15])
 

@@ -29,6 +29,7 @@ __all__ = ["Patience", "StepClock", "LOG_EVERY_S"]
 log = logging.getLogger("yeto_patch")
 LOG_EVERY_S = 60.0
 STEP_SAMPLES = 32
+RATE_SAMPLES = 8   # the rate is said once this many step times are known (the first steps' warm-up is not a pace)
 
 
 class Patience:
@@ -94,5 +95,8 @@ class StepClock:
 
     @property
     def rate(self) -> float:
+        """Steps per second from the median step time, once RATE_SAMPLES step times are known (0 before: a rate
+        from the first steps, which compile and warm up, made a Megatron-LM island look 2-3x slower than it is,
+        and the fleet's rhythm stretched the others' H to match)."""
         s = self.step_s
-        return 1.0 / s if s else 0.0
+        return 1.0 / s if s and len(self._times) >= RATE_SAMPLES else 0.0
