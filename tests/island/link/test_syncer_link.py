@@ -264,6 +264,24 @@ def test_heartbeats_say_the_islands_schedule_and_a_reconnect_keeps_saying_it(tmp
         s.stop()
 
 
+def test_a_final_push_says_the_patience_of_one_h_of_its_steps(tmp_path):
+    """A push says the seconds until its island blocks for the answer (tau steps); a final push's island trains no
+    more, so its push says at least one H of its steps: its round may wait for the others' next pushes."""
+    from yeto_patch.island.link.patience import StepClock
+    link = SyncerLink(types.SimpleNamespace(**{**vars(settings(tmp_path, free_port())), "overlap_steps": 3}),
+                      MANIFEST, step=lambda: 0)
+    t = [0.0]
+    link.clock = StepClock(clock=lambda: t[0])
+    for step in range(1, 12):
+        t[0] += 0.1
+        link.clock.stepped(step)
+    assert link.patience(10) == pytest.approx(0.2)                 # blocks at step 13, 2 steps from step 11
+    assert link.patience(10, final=True) == pytest.approx(0.2)     # no schedule said: the same
+    link.scheduled(20, [20, 30])
+    assert link.patience(10) == pytest.approx(0.2)
+    assert link.patience(11, final=True) == pytest.approx(2.0)     # 20 steps of 0.1 s
+
+
 def _until(cond, what, timeout=20.0):
     deadline = time.monotonic() + timeout
     while not cond():

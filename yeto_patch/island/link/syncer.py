@@ -300,13 +300,18 @@ class SyncerLink:
             return None
         return st, age
 
-    def patience(self, push_step: int) -> float:
+    def patience(self, push_step: int, final: bool = False) -> float:
         """Seconds from now until this island blocks for the answer of a push made at `push_step` (tau rule);
-        0 with tau = 0 or before the step time is known."""
+        0 with tau = 0 or before the step time is known. A final push's: at least one H of this island's steps (it
+        trains no more and waits for the final model, which needs every island's last push: its round may wait
+        for the others' next pushes by their pace, as the rhythm's rounds do, instead of merging it alone)."""
         tau, step_s = self.settings.overlap_steps, self.clock.step_s
-        if tau <= 0 or not step_s:
+        if not step_s:
             return 0.0
-        return max(0.0, (int(push_step) + tau - self.clock.step) * step_s)
+        blocks = max(0.0, (int(push_step) + tau - self.clock.step) * step_s) if tau > 0 else 0.0
+        if final and self.schedule is not None:
+            return max(blocks, self.schedule[0] * step_s)
+        return blocks
 
     # ---------------------------------------------------------------------------------------------- reconnecting
     def reconnect(self, cause) -> None:
@@ -461,7 +466,7 @@ class SyncerLink:
                     client.push(push.fragment, base_version=push.base_version, local_step=push.step,
                                 steps=push.steps, tokens=push.tokens, codec=push.codec, block=push.block,
                                 body=push.body, final=push.final, blend=push.blend,
-                                patience=self.patience(push.step))
+                                patience=self.patience(push.step, push.final))
                     break
                 except SyncerRefusal as e:   # an earlier push's refusal, raised before this one went out:
                     self.refusals.append(e)   # the training thread handles it (poll); send this push still
