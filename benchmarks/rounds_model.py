@@ -45,6 +45,7 @@ from yeto_patch.syncer.rounds.coordinator import Coordinator  # noqa: E402
 from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings  # noqa: E402
 from yeto_patch.syncer.rounds.pushes import ReceivedPush, PushRefused
 from yeto_patch.wire import codecs  # noqa: E402
+from yeto_patch.wire.values import Schedule  # noqa: E402
 
 P, TOKENS, LATENCY, LEASE = 4, 4096, 0.02, 2.0
 BODY = codecs.encode("f32", np.zeros(8, np.float32))
@@ -146,8 +147,8 @@ class Model:
         self.computed += TOKENS
         i.count = [x + 1 for x in i.count]
         if self.t >= i.next_beat:   # its heartbeat (every --beat s; every step without)
-            said = None if getattr(a, "no_schedule", False) else (   # its H and next boundaries after this step (as the engine's)
-                i.cadence.h, tuple(s if s > i.step else s + i.cadence.h for s in i.cadence.next))
+            said = None if getattr(a, "no_schedule", False) else Schedule(   # its H and next boundaries after this
+                i.cadence.h, tuple(s if s > i.step else s + i.cadence.h for s in i.cadence.next))   # step (as the engine's)
             c.touch(i.name, i.step, i.rate(), i.stretch, said)
             i.next_beat = self.t + a.beat
         due = i.cadence.due(i.step)

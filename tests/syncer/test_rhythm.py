@@ -19,6 +19,7 @@ from yeto_patch.syncer.rounds.coordinator import Coordinator
 from yeto_patch.syncer.rounds.pushes import ReceivedPush
 from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
 from yeto_patch.wire import codecs
+from yeto_patch.wire.values import Schedule
 from yeto_patch.syncer.rounds.pushes import parse_push, reply_for
 from yeto_patch.wire.schema import (IslandBeat, island_beat_meta, push_meta, read_island_beat, read_reply, read_syncer_beat,
                                     reply_meta, syncer_beat_meta)
@@ -120,12 +121,12 @@ def test_heartbeats_carry_pinned_and_the_rhythm_bounded():
 
 def test_heartbeats_carry_the_schedule_bounded():
     """An island's heartbeat says its H and each fragment's next boundary step; all of it in range, or none."""
-    beat = read_island_beat(island_beat_meta(7, 2.5, True, 10, [10, 12, 15]))
-    assert (beat.sync_every, beat.next_boundaries) == (10, (10, 12, 15))
+    beat = read_island_beat(island_beat_meta(7, 2.5, True, Schedule(10, (10, 12, 15))))
+    assert beat.schedule == Schedule(10, (10, 12, 15))
     for h, nxt in [(0, [1]), (True, [1]), (1 << 40, [1]), (10, []), (10, [1, -1]), (10, [1, 2.0]), (10, [True]),
                    (10, "12"), (10, [1] * 4097), ("10", [1]), (10, None), (None, [1])]:
         beat = read_island_beat({"step": 7, "h": h, "next": nxt})
-        assert beat.sync_every is None and beat.next_boundaries is None and beat.step == 7, (h, nxt)
+        assert beat.schedule is None and beat.step == 7, (h, nxt)
 
 
 def test_before_its_first_pushes_an_island_is_due_by_the_schedule_its_heartbeats_say():
@@ -143,12 +144,12 @@ def test_before_its_first_pushes_an_island_is_due_by_the_schedule_its_heartbeats
     c.touch("i0", 4, 10.0, True)
     c.touch("i1", 3, 5.0, True)
     assert c.rhythm("i0") == []                       # nobody pushed and nobody said a schedule: unknown
-    c.touch("i1", 3, 5.0, True, (10, (5, 10)))        # i1: fragment 0 at step 5, fragment 1 at step 10, H = 10
+    c.touch("i1", 3, 5.0, True, Schedule(10, (5, 10)))        # i1: fragment 0 at step 5, fragment 1 at step 10, H = 10
     (f0, eta0, p0), (f1, eta1, p1) = c.rhythm("i0")
     assert (f0, f1) == (0, 1) and p0 == p1 == pytest.approx(10 / 5.0)
     assert eta0 == pytest.approx(2 / 5.0) and eta1 == pytest.approx(7 / 5.0)
     clock.t += 1.0
-    c.touch("i1", 8, 5.0, True, (10, (15, 10)))       # fragment 0 passed: the next one is at 15
+    c.touch("i1", 8, 5.0, True, Schedule(10, (15, 10)))       # fragment 0 passed: the next one is at 15
     (_, eta0, _), (_, eta1, _) = c.rhythm("i0")
     assert eta0 == pytest.approx(7 / 5.0) and eta1 == pytest.approx(2 / 5.0)
     c.touch("i1", 12, 5.0, True)                      # a heartbeat without it keeps the last one said

@@ -38,7 +38,7 @@ API::
         # FINAL_BASE of every fragment (float32, with versions), ACK them; returns the final model
     c.status() -> (SyncerStatus, seconds since the syncer last sent anything)   # what its rounds wait for
     c.local_step, c.rate, c.pinned           # the island's step, compute rate (steps/s), pinned H: in heartbeats
-    c.schedule                               # (H, each fragment's next boundary step): in heartbeats
+    c.schedule                               # a Schedule (H, each fragment's next boundary step): in heartbeats
     c.beat_soon()                            # a HEARTBEAT now, not at the next period
     c.check()                                # re-raise a failure seen by the reader thread
     c.close()                                # BYE (best effort) and close; idempotent
@@ -81,7 +81,7 @@ from .schema import (ack_meta, final_meta, init_meta, init_pieces, island_beat_m
                      push_size, read_base, read_reply, read_syncer_beat, read_welcome, session_limits)
 from .text import check_island_id
 from .transport import Connection, connect
-from .values import (Base, PushReply, SyncerRefusal, SyncerStatus, Welcome,  # noqa: F401 - re-exported
+from .values import (Base, PushReply, Schedule, SyncerRefusal, SyncerStatus, Welcome,  # noqa: F401 - re-exported
                      recoverable)
 
 __all__ = ["SyncerClient", "SyncerRefusal", "Welcome", "Base", "PushReply", "probe", "recoverable"]
@@ -123,7 +123,7 @@ class SyncerClient:
         self.local_step = 0
         self.rate = 0.0                  # the island's compute rate (steps/s; 0: unknown), sent in heartbeats
         self.pinned = False              # the island pinned H (it keeps the fleet's rhythm), sent in heartbeats
-        self.schedule: Optional[tuple] = None   # (its H, (each fragment's next boundary step, ...)), in heartbeats
+        self.schedule: Optional[Schedule] = None   # its H and each fragment's next boundary step, in heartbeats
         self._aims: dict = {}            # fragment -> (base_version, eta_s, period_s): its last push's PUSH_REPLY rhythm
         self._status = SyncerStatus([], [])
         self._heard = time.monotonic()   # when the syncer last sent anything
@@ -301,8 +301,8 @@ class SyncerClient:
                     return
                 self._beat_now = False
             try:
-                h, nxt = self.schedule or (None, None)   # (one read: the training thread replaces it whole)
-                self.conn.send(MsgType.HEARTBEAT, island_beat_meta(self.local_step, self.rate, self.pinned, h, nxt))
+                self.conn.send(MsgType.HEARTBEAT, island_beat_meta(self.local_step, self.rate, self.pinned,
+                                                                    self.schedule))
             except (ProtocolError, OSError) as e:
                 if not self._closed:
                     self._fail(e)

@@ -10,14 +10,14 @@ code a syncer answers it with). A base's body is checked by ``read_base`` agains
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional
 
 import numpy as np
 
 from . import codecs
 from .frames import CodecError, MsgType, ProtocolError
 from .message import encode_meta
-from .values import DELTA_CODECS, Base, PushReply, SyncerStatus, Welcome, merge_info, shard_fields
+from .values import DELTA_CODECS, Base, PushReply, Schedule, SyncerStatus, Welcome, merge_info, shard_fields
 
 __all__ = ["SchemaError", "INT64_MAX", "MAX_PUSH_STEPS", "MAX_PUSH_TOKENS", "MAX_PATIENCE_S", "MAX_RATE",
            "MAX_RHYTHM", "MAX_RHYTHM_S", "MAX_CODEC_NAME", "MAX_REPLY_MESSAGE", "bounded_int", "bounded_number", "shown", "aligned",
@@ -190,8 +190,7 @@ def read_reply(meta: dict) -> PushReply:
 
 
 # --------------------------------------------------------------------------------- HEARTBEAT (island's)
-def island_beat_meta(step: int, rate: float, pinned: bool = False, sync_every: Optional[int] = None,
-                     next_boundaries: Optional[Sequence[int]] = None) -> dict:
+def island_beat_meta(step: int, rate: float, pinned: bool = False, schedule: Optional[Schedule] = None) -> dict:
     """An island's HEARTBEAT: its step, its compute rate (steps/s) when known, whether it pinned H (it then
     keeps the fleet's rhythm, rounds/roster.Roster.rhythm), and its schedule when known: its H now and the step of
     each fragment's next boundary (so that the syncer knows when its pushes are due before it has pushed twice)."""
@@ -200,9 +199,9 @@ def island_beat_meta(step: int, rate: float, pinned: bool = False, sync_every: O
         beat["rate"] = round(float(rate), 6)
     if pinned:
         beat["pinned"] = True
-    if sync_every is not None and next_boundaries is not None:
-        beat["h"] = int(sync_every)
-        beat["next"] = [int(s) for s in next_boundaries]
+    if schedule is not None:
+        beat["h"] = int(schedule.sync_every)
+        beat["next"] = [int(s) for s in schedule.next_boundaries]
     return beat
 
 
@@ -212,8 +211,7 @@ class IslandBeat:
     step: Optional[int]
     rate: Optional[float]
     pinned: bool = False
-    sync_every: Optional[int] = None                  # its H now (1 .. MAX_PUSH_STEPS)
-    next_boundaries: Optional[tuple[int, ...]] = None   # the step of each fragment's next boundary, by fragment
+    schedule: Optional[Schedule] = None   # its H (1 .. MAX_PUSH_STEPS) and each fragment's next boundary step
 
 
 def read_island_beat(meta: dict) -> IslandBeat:
@@ -224,7 +222,7 @@ def read_island_beat(meta: dict) -> IslandBeat:
                    and all(bounded_int(s) for s in nxt))
     return IslandBeat(step if bounded_int(step) else None,
                       float(rate) if bounded_number(rate, MAX_RATE) else None, meta.get("pinned") is True,
-                      h if schedule_ok else None, tuple(nxt) if schedule_ok else None)
+                      Schedule(h, tuple(nxt)) if schedule_ok else None)
 
 
 # -------------------------------------------------------------------------------------------- FINAL, ACK

@@ -14,7 +14,7 @@ import numpy as np
 from . import codec_names, codecs
 from .frames import AuthError, CodecError, PeerError, ProtocolError
 
-__all__ = ["SyncerRefusal", "Welcome", "Base", "PushReply", "SyncerStatus", "recoverable", "DELTA_CODECS",
+__all__ = ["SyncerRefusal", "Welcome", "Base", "PushReply", "SyncerStatus", "Schedule", "recoverable", "DELTA_CODECS",
            "shard_fields", "merge_info"]
 
 
@@ -68,6 +68,14 @@ def shard_fields(meta: dict) -> dict:
         raise ProtocolError(f"malformed WELCOME shard fields: shard={shard!r:.80} owned={owned!r:.80}")
     return {"shard": tuple(shard), "owned": list(range(n)) if owned is None else owned,
             "shard_addresses": tuple(addrs)}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """An island's schedule as its heartbeats say it: its H now and the step of each fragment's next boundary (by
+    fragment) after the step the heartbeat says."""
+    sync_every: int
+    next_boundaries: tuple
 
 
 @dataclass

@@ -20,6 +20,7 @@ from yeto_patch.syncer.net.server import ServerConfig, SyncerServer
 from yeto_patch.wire import codecs
 from yeto_patch.wire.frames import AuthError, PeerError
 from yeto_patch.wire.transport import ConnectError
+from yeto_patch.wire.values import Schedule
 
 
 def syncer(port, fragments=2, key=KEY, heartbeat_s=None):
@@ -254,7 +255,7 @@ def test_heartbeats_say_the_islands_schedule_and_a_reconnect_keeps_saying_it(tmp
         st = frags[0]
         _push(link, st, 10, np.zeros(st.numel, np.float32))   # the cut shows; a new connection replaces it
         _await(link, frags, st)
-        assert link.client is not first and link.client.schedule == (10, (10, 15))
+        assert link.client is not first and link.client.schedule == Schedule(10, (10, 15))
         link.scheduled(10, [20, 15])
         t0 = time.monotonic()
         _until(lambda: (s.coord.members["a"].next_boundaries == (20, 15)), "the schedule on the new connection")

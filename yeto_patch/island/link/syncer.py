@@ -145,7 +145,7 @@ class SyncerLink:
         self.refusals = collections.deque()   # refusals the sender thread met (raised by poll)
         self.outliers = 0                      # outlier refusals in a row (no merge of this island's pushes since)
         self.clock = StepClock()              # this island's step and compute rate
-        self.schedule: Optional[tuple] = None  # (H, each fragment's next boundary step): heartbeats say it
+        self.schedule = None   # wire.values.Schedule: H and each fragment's next boundary step (heartbeats say it)
         self._told = -1                        # the connection (_conn_no) whose heartbeat said it at once
         self._final_wait: Optional[Patience] = None
         self._redial: Optional[tuple] = None  # (thread, result, cause, deadline) of a reconnect under way
@@ -233,7 +233,8 @@ class SyncerLink:
     def scheduled(self, sync_every: int, next_boundaries) -> None:
         """The island's H and each fragment's next boundary step after its last step (heartbeats carry them: the
         syncer then knows when this island's pushes are due from its first heartbeat, not its second push)."""
-        self.schedule = (int(sync_every), tuple(int(s) for s in next_boundaries))
+        from yeto_patch.wire.values import Schedule
+        self.schedule = Schedule(int(sync_every), tuple(int(s) for s in next_boundaries))
         c = self.client
         if c is not None:
             c.schedule = self.schedule
@@ -310,7 +311,7 @@ class SyncerLink:
             return 0.0
         blocks = max(0.0, (int(push_step) + tau - self.clock.step) * step_s) if tau > 0 else 0.0
         if final and self.schedule is not None:
-            return max(blocks, self.schedule[0] * step_s)
+            return max(blocks, self.schedule.sync_every * step_s)
         return blocks
 
     # ---------------------------------------------------------------------------------------------- reconnecting

@@ -282,8 +282,7 @@ class SyncerServer:
                 continue
             if t == MsgType.HEARTBEAT:
                 beat = read_island_beat(meta)
-                coord.touch(s.island, beat.step, beat.rate, beat.pinned,
-                            None if beat.sync_every is None else (beat.sync_every, beat.next_boundaries))
+                coord.touch(s.island, beat.step, beat.rate, beat.pinned, beat.schedule)
                 continue
             coord.touch(s.island)
             if t == MsgType.PUSH:

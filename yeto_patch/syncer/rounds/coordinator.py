@@ -224,10 +224,10 @@ class Coordinator:
             return m
 
     def touch(self, island: str, step: Optional[int] = None, rate: Optional[float] = None,
-              pinned: Optional[bool] = None, schedule: Optional[tuple] = None) -> None:
+              pinned: Optional[bool] = None, schedule=None) -> None:
         """A message from ``island`` renewed its lease; a heartbeat also says its step, compute rate, whether it
-        pinned H and its schedule ((H, each fragment's next boundary step)), as wire/schema.read_island_beat bounds
-        them: None when not said."""
+        pinned H and its schedule (a wire.values.Schedule), as wire/schema.read_island_beat bounds them: None when not
+        said."""
         with self.lock:
             self.roster.touch(island)
             m = self.members.get(island)

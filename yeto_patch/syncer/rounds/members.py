@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ...wire.schema import INT64_MAX, bounded_int
+from ...wire.values import Schedule
 
 __all__ = ["Member", "ledger_entry", "member_from_ledger", "saturating_add"]
 
@@ -49,12 +50,12 @@ class Member:
         return now - self.last_seen <= lease
 
     def progress(self, step: Optional[int], rate: Optional[float], now: float, pinned: Optional[bool] = None,
-                 schedule: Optional[tuple] = None) -> None:
+                 schedule: Optional[Schedule] = None) -> None:
         """Its step (a bounded integer), compute rate (a bounded number) and whether it pinned H as a heartbeat or a
-        push says them, and its schedule as a heartbeat says it with its step ((H, next boundary steps), bounded by
-        wire/schema.read_island_beat); None: not said."""
+        push says them, and its schedule as a heartbeat says it with its step (bounded by wire/schema.read_island_beat);
+        None: not said."""
         if schedule is not None and step is not None:
-            self.sync_every, self.next_boundaries = int(schedule[0]), tuple(schedule[1])
+            self.sync_every, self.next_boundaries = int(schedule.sync_every), tuple(schedule.next_boundaries)
         if pinned is not None:
             self.pinned = bool(pinned)
         if step is not None:
