@@ -78,6 +78,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 from benchmarks import convergence  # noqa: E402
+from yeto_patch.demo.kills import last_step  # noqa: E402  (the step a per-step JSONL log reached)
 
 REPLICA = os.path.join(ROOT, "benchmarks", "torchft_replica.py")
 #: the lighthouse as torchft's README starts it, but for --min_replicas: the README's 1 lets the first replica up
@@ -273,23 +274,6 @@ def demo_flags(a, hidden, steps, baseline=True):
 def island_ids(n):
     """The demo's island ids (yeto_patch.demo.run: letter + layout name; every island here is 'single')."""
     return [f"{chr(ord('A') + i)}-single" for i in range(n)]
-
-
-def last_step(path):
-    """The last step a per-step JSONL log reached (0 before its first step)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return 0
-    for line in reversed(lines):
-        with contextlib.suppress(ValueError):
-            r = json.loads(line)
-            if "step" in r and r.get("event", "train") == "train":
-                return int(r["step"])
-    return 0
 
 
 def lab_bytes(lab, before):

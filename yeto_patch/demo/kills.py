@@ -64,7 +64,8 @@ def parse_kills(texts, islands: int, steps: int, save_interval: int, first: int 
 
 
 def last_step(path: str) -> int:
-    """The last training step a train_gpt.py JSONL log reached (0 before its first)."""
+    """The last training step a per-step JSONL log reached (0 before its first): train_gpt.py's ``train`` records,
+    or records that name no event (benchmarks/torchft_replica.py's)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -77,7 +78,7 @@ def last_step(path: str) -> int:
             r = json.loads(line)
         except ValueError:
             continue
-        if isinstance(r, dict) and r.get("event") == "train" and isinstance(r.get("step"), int):
+        if isinstance(r, dict) and r.get("event", "train") == "train" and isinstance(r.get("step"), int):
             return r["step"]
     return 0
 

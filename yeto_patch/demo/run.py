@@ -243,14 +243,7 @@ def run(o):
     except (OSError, ValueError) as err:
         raise DemoError(f"cannot use the text: {err}") from None
     mflags = model_flags(o)
-    base_flags = mflags + ["--global-batch-size", str(o.batch * o.islands),
-                           "--shards", ",".join(str(i) for i in range(o.islands))]
-    base_layout = parse_layouts(o.baseline_layout, 1)[0]
-    if (o.batch * o.islands) % (base_layout.dp * o.micro_batch):
-        raise DemoError(f"baseline layout {base_layout.name} does not divide the global batch")
-    key, ident = bl.baseline_key(base_flags + base_layout.flags(), base_layout.nproc,
-                                 [TRAIN_SCRIPT, os.path.join(EXAMPLES, "byte_corpus.py")], corpus,
-                                 _python_version(python))
+    base_flags, base_layout, key, ident = _baseline_setting(o, mflags, corpus, python)
     cache_dir = o.cache_dir or bl.default_cache_dir()
     say = print
     _announce(say, o, ids, corpus, out)
@@ -272,45 +265,10 @@ def run(o):
             if not o.without_yeto:
                 syncers, link = start_syncers(sup, o, python, key_file, out)
                 children += syncers
-            islands, launches = [], []
-            for iid, lay, shard in zip(ids, layouts, range(o.islands)):
-                argv = _launcher(python, lay.nproc) + [TRAIN_SCRIPT] + lay.flags() + mflags + [
-                    "--global-batch-size", str(o.batch), "--shards", str(shard),
-                    "--log-jsonl", os.path.join(out, f"island-{iid}.jsonl"),
-                    "--save-npz", os.path.join(out, f"island-{iid}.npz")]
-                if warm_npz:
-                    argv += ["--init-from", warm_npz]
-                if getattr(o, "save_interval", 0):   # (a relaunch resumes from the latest of them)
-                    ckpt = os.path.join(out, f"island-{iid}.ckpt")
-                    argv += ["--save", ckpt, "--save-interval", str(o.save_interval), "--load", ckpt]
-                env = (island_env(o, iid, link.addresses, key_file, out) if not o.without_yeto
-                       else _clean_env())
-                launches.append((f"island-{iid}", argv, env))
-                islands.append(sup.start(f"island-{iid}", argv, env=env, cwd=REPO))
-            prog = Progress(out, ids, o.steps, syncer_tape=None if o.without_yeto else
-                            os.path.join(out, "syncer-tape.jsonl"), link=link)
-            kills = getattr(o, "kill_events", [])
-
-            def relaunch(k, n):
-                name, argv, env = launches[k]
-                say(f"island {ids[k]}: launched again from its latest checkpoint")
-                return sup.start(f"{name}-relaunch{n}", argv, env=env, cwd=REPO)
-
-            def tick():
-                killer.check()
-                prog.tick()
-            with Killer(kills, sup, islands, lambda k: os.path.join(out, f"island-{ids[k]}.jsonl"),
-                        relaunch) as killer:
-                sup.wait(lambda: children + islands, o.timeout, tick=tick, tick_every_s=o.progress_every)
-            killer.check()
+            launches = _island_launches(o, ctx, ids, layouts, mflags, warm_npz, link, key_file)
+            islands = [sup.start(name, argv, env=env, cwd=REPO) for name, argv, env in launches]
+            _wait_islands(sup, o, ctx, ids, children, islands, launches, link)
             children += islands
-            prog.done()
-            if kills:
-                result["kills"] = [dict(e.as_dict(), id=ids[e.island]) for e in kills]
-                for e in kills:
-                    say(f"island {ids[e.island]}: killed after step {e.killed_step}, launched again "
-                        f"{(e.restarted_t or 0) - (e.killed_t or 0):.1f}s later" if e.killed_t else
-                        f"island {ids[e.island]}: ended before step {e.step}: not killed")
             result["islands_wall_s"] = time.time() - t_isl
             if link is not None:
                 result["link"] = link.counters()
@@ -333,6 +291,65 @@ def run(o):
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     return result
+
+
+def _baseline_setting(o, mflags, corpus, python) -> tuple:
+    """(flags, layout, cache key, identity) of the synchronous data-parallel baseline: every shard, M x the batch."""
+    base_flags = mflags + ["--global-batch-size", str(o.batch * o.islands),
+                           "--shards", ",".join(str(i) for i in range(o.islands))]
+    base_layout = parse_layouts(o.baseline_layout, 1)[0]
+    if (o.batch * o.islands) % (base_layout.dp * o.micro_batch):
+        raise DemoError(f"baseline layout {base_layout.name} does not divide the global batch")
+    key, ident = bl.baseline_key(base_flags + base_layout.flags(), base_layout.nproc,
+                                 [TRAIN_SCRIPT, os.path.join(EXAMPLES, "byte_corpus.py")], corpus,
+                                 _python_version(python))
+    return base_flags, base_layout, key, ident
+
+
+def _island_launches(o, ctx, ids, layouts, mflags, warm_npz, link, key_file) -> list:
+    """(name, argv, env) of each island's launch, as a user launches Megatron (a relaunch repeats it)."""
+    out, launches = ctx.out, []
+    for iid, lay, shard in zip(ids, layouts, range(o.islands)):
+        argv = _launcher(ctx.python, lay.nproc) + [TRAIN_SCRIPT] + lay.flags() + mflags + [
+            "--global-batch-size", str(o.batch), "--shards", str(shard),
+            "--log-jsonl", os.path.join(out, f"island-{iid}.jsonl"),
+            "--save-npz", os.path.join(out, f"island-{iid}.npz")]
+        if warm_npz:
+            argv += ["--init-from", warm_npz]
+        if getattr(o, "save_interval", 0):   # (a relaunch resumes from the latest of them)
+            ckpt = os.path.join(out, f"island-{iid}.ckpt")
+            argv += ["--save", ckpt, "--save-interval", str(o.save_interval), "--load", ckpt]
+        env = island_env(o, iid, link.addresses, key_file, out) if not o.without_yeto else _clean_env()
+        launches.append((f"island-{iid}", argv, env))
+    return launches
+
+
+def _wait_islands(sup, o, ctx, ids, children, islands, launches, link) -> None:
+    """Wait for the syncers and islands (`islands` is updated in place when --kill relaunches one), with progress
+    lines; the kills' record goes into the result."""
+    out, say = ctx.out, ctx.say
+    prog = Progress(out, ids, o.steps, syncer_tape=None if o.without_yeto else
+                    os.path.join(out, "syncer-tape.jsonl"), link=link)
+    kills = getattr(o, "kill_events", [])
+
+    def relaunch(k, n):
+        name, argv, env = launches[k]
+        say(f"island {ids[k]}: launched again from its latest checkpoint")
+        return sup.start(f"{name}-relaunch{n}", argv, env=env, cwd=REPO)
+
+    def tick():
+        killer.check()
+        prog.tick()
+    with Killer(kills, sup, islands, lambda k: os.path.join(out, f"island-{ids[k]}.jsonl"), relaunch) as killer:
+        sup.wait(lambda: children + islands, o.timeout, tick=tick, tick_every_s=o.progress_every)
+    killer.check()
+    prog.done()
+    if kills:
+        ctx.result["kills"] = [dict(e.as_dict(), id=ids[e.island]) for e in kills]
+        for e in kills:
+            say(f"island {ids[e.island]}: killed after step {e.killed_step}, launched again "
+                f"{(e.restarted_t or 0) - (e.killed_t or 0):.1f}s later" if e.killed_t else
+                f"island {ids[e.island]}: ended before step {e.step}: not killed")
 
 
 def _python_version(python):
