@@ -95,3 +95,30 @@ def test_a_resumed_engine_counts_on_from_the_loaded_iteration(monkeypatch):
         assert e.step == 40
     finally:
         config.reset()
+
+
+@pytest.mark.parametrize("loaded,state,expected", [
+    ((None, None, False), None, False),                  # fresh weights
+    (("/pre", 0, True), None, True),                     # a fine-tune's pretrained weights
+    (("/ckpt", 40, False), None, True),                  # a Megatron checkpoint saved without yeto-patch
+    (("/ckpt", 40, False), {"pretrained": False}, False),   # a restart of a run from fresh weights
+    (("/ckpt", 40, False), {"pretrained": True}, True),     # a restart of a fine-tune
+    (("/ckpt", 40, False), {}, False),                   # a sync state saved before the field existed
+], ids=["fresh", "finetune", "foreign-checkpoint", "restart", "restart-of-finetune", "old-state"])
+def test_the_engine_knows_whether_its_run_started_from_pretrained_weights(monkeypatch, loaded, state, expected):
+    """What every push says (the syncer's outer lr auto goes by it): a restart keeps what its sync state saved;
+    otherwise weights loaded before training are a pretrained start."""
+    import types
+    monkeypatch.setenv("YETO_DILOCO_SYNCER", "127.0.0.1:9")
+    monkeypatch.setenv("YETO_DILOCO_INSECURE", "1")
+    config.reset()
+    from yeto_patch.island import engine as E
+    told = []
+    try:
+        e = E.Engine(config.get())
+        e.set_resume(loaded[0], loaded[1], weights=loaded[2])
+        e.parts = types.SimpleNamespace(link=types.SimpleNamespace(started_from=told.append))
+        e._started_from(state)
+        assert e.pretrained is expected and told == [expected]
+    finally:
+        config.reset()

@@ -233,6 +233,33 @@ def test_mlm_final_cut_reports_checkpoint_and_exit(fn, n, monkeypatch):
         assert rec.model == ["model"] and rec.optimizer == "opt" and rec.facts["train_iters"] == 10
 
 
+def _mlm_load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True):
+    return 0, 0   # a --finetune load and "no checkpoint found" both return iteration 0
+
+
+@pytest.mark.parametrize("where,expected", [
+    (None, None),                          # --load names an empty directory: the model keeps its fresh weights
+    ("load", True),                        # --load DIR --finetune: pretrained weights at iteration 0
+    ("pretrained_checkpoint", True),       # --pretrained-checkpoint, which Megatron-LM falls back to
+], ids=["empty", "finetune", "pretrained-checkpoint"])
+def test_mlm_load_tells_a_pretrained_start_from_a_fresh_one(tmp_path, monkeypatch, where, expected):
+    """Megatron-LM's load_checkpoint returns iteration 0 both when it loaded a checkpoint for a fine-tune and when
+    it found none; whether a checkpoint (its tracker file, as Megatron-LM checks) was there tells them apart."""
+    dirs = {name: tmp_path / name for name in ("load", "pretrained_checkpoint")}
+    for d in dirs.values():
+        d.mkdir()
+    if where is not None:
+        (dirs[where] / "latest_checkpointed_iteration.txt").write_text("release")
+    args = types.SimpleNamespace(load=str(dirs["load"]), pretrained_checkpoint=str(dirs["pretrained_checkpoint"]),
+                                 finetune=True)
+    monkeypatch.setattr(mlm_training, "_args", lambda: args)
+    with shim(factory=FinishingRecorder):
+        assert _call(_mlm_load_checkpoint, mlm_training.load_checkpoint_wrapper, ["m"], None, None) == (0, 0)
+        got = _runtime.RUNTIME.loaded
+        assert (got.weights if got is not None else None) == expected
+        assert got is None or (got.directory, got.iteration) == (str(dirs["load"]), 0)
+
+
 def test_final_cut_at_megatrons_last_iteration_leaves_the_loop_alone(monkeypatch):
     monkeypatch.setattr(mlm_training, "_facts", lambda bound: dict(
         model=None, optimizer=None, tokens=None, vocab_size=None, iteration=bound["iteration"], train_iters=10))

@@ -5,6 +5,7 @@ uses Bridge's exit interval) and checkpointing functions."""
 import sys
 import types
 
+import pytest
 import wrapt
 
 from yeto_patch.hooks import _runtime, bridge_checkpointing, bridge_train, swift_megatron
@@ -79,7 +80,7 @@ def test_swift_checkpoint_save_and_resume_reach_the_engine(monkeypatch):
     with shim(factory=FinishingRecorder):
         swift_megatron.patch()
         t = T(train_iters=5, load="/out/checkpoint-3")          # --mcore_model ... --finetune false
-        assert _runtime.RUNTIME.loaded == ("/out/checkpoint-3", 3)
+        assert _runtime.RUNTIME.loaded == _runtime.Loaded("/out/checkpoint-3", 3, True)
         t.train()
         rec = Recorder.instances[0]
         assert rec.resume == ("/out/checkpoint-3", 3)
@@ -87,6 +88,51 @@ def test_swift_checkpoint_save_and_resume_reach_the_engine(monkeypatch):
         assert [c for c in rec.calls if c[0] == "train_step_start"] == [("train_step_start", 3),
                                                                         ("train_step_start", 4)]
         swift_megatron.unpatch()
+
+
+def test_swift_weights_make_a_pretrained_start_unless_its_sync_state_says_otherwise(monkeypatch):
+    """ms-swift trains loaded weights: the Hugging Face model's (loaded before _load_checkpoint) or --mcore_model's
+    with --finetune (the default): a pretrained start, at iteration 0."""
+    T = _fake_swift(monkeypatch)
+    FinishingRecorder.finish_at = None
+    with shim(factory=FinishingRecorder):
+        swift_megatron.patch()
+        t = T(train_iters=2)
+        t.args.model_dir = "/models/qwen"
+        t._load_checkpoint()
+        assert _runtime.RUNTIME.loaded == _runtime.Loaded("/models/qwen", 0, True)
+        t.train()
+        rec = Recorder.instances[-1]
+        assert rec.resume == ("/models/qwen", 0) and rec.weights is True
+        swift_megatron.unpatch()
+
+
+def _fake_bridge_checkpointing(monkeypatch, present):
+    """megatron.bridge.training.checkpointing's two checks, over a set of directories that hold a checkpoint."""
+    mod = types.ModuleType("megatron.bridge.training.checkpointing")
+    mod.checkpoint_exists = lambda d: d in present
+    mod.is_hf_checkpoint_dir = lambda d: False
+    for name in ("megatron.bridge", "megatron.bridge.training"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+
+
+@pytest.mark.parametrize("present,expected", [
+    ((), None),                                                       # nothing to load: fresh weights
+    (("/pre",), _runtime.Loaded("/pre", 0, True)),                    # checkpoint.pretrained_checkpoint: a fine-tune
+], ids=["fresh", "pretrained"])
+def test_bridge_load_of_a_pretrained_checkpoint_is_a_pretrained_start(monkeypatch, present, expected):
+    _fake_bridge_checkpointing(monkeypatch, set(present))
+
+    def load_checkpoint(state, model, optimizer, opt_param_scheduler, strict=True, **kw):
+        return 0, 0.0
+    gs = _gs(0)
+    gs.cfg.checkpoint.load, gs.cfg.checkpoint.pretrained_checkpoint = None, "/pre"
+    FinishingRecorder.finish_at = None
+    with shim(factory=FinishingRecorder):
+        load = wrapt.FunctionWrapper(load_checkpoint, bridge_checkpointing.load_checkpoint_wrapper)
+        load(state=gs, model=[], optimizer=None, opt_param_scheduler=None)
+        assert _runtime.RUNTIME.loaded == expected
 
 
 def _bridge_train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state, pg_collection,
@@ -137,7 +183,7 @@ def test_bridge_checkpoints_carry_the_sync_state():
         load = wrapt.FunctionWrapper(load_checkpoint, bridge_checkpointing.load_checkpoint_wrapper)
         save = wrapt.FunctionWrapper(save_checkpoint, bridge_checkpointing.save_checkpoint_wrapper)
         assert load(state=_gs(6), model=[], optimizer=None, opt_param_scheduler=None) == (6, 0.0)
-        assert _runtime.RUNTIME.loaded == ("/ck", 6)
+        assert _runtime.RUNTIME.loaded == _runtime.Loaded("/ck", 6, True)
         wrapt.FunctionWrapper(_bridge_train_step, bridge_train.train_step_wrapper)(
             "f", "d", ["m"], "opt", "sched", _gs(6), "pg", "fb", "p2p")
         rec = Recorder.instances[0]

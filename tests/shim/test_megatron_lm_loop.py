@@ -4,6 +4,7 @@ the final cut, Megatron saves its checkpoint there, and that checkpoint loads ba
 --load) equal to the syncer's final base."""
 import importlib.util
 import os
+import re
 
 import numpy as np
 import pytest
@@ -101,3 +102,28 @@ def test_pretrain_loop_ends_at_the_final_cut_and_its_checkpoint_is_the_global_mo
         for k, v in final.items():
             assert np.array_equal(masters[k], v), (prefix, k, float(np.abs(masters[k] - v).max()))
             assert np.array_equal(params[k], P.as_bf16(v)), (prefix, k)   # bf16 weights = the base, cast
+    if total is None:
+        finetune_from_the_checkpoint(tmp_path, key, ckpt, final)
+
+
+def finetune_from_the_checkpoint(tmp_path, key, ckpt, final):
+    """A fine-tune of that checkpoint under yeto-patch (Megatron-LM's --load --finetune, a new syncer at its
+    defaults): the island starts from the loaded weights and says so in its pushes, and the syncer's outer lr auto
+    takes its fine-tune value, 1.0, for every merge (0.7 in the run from fresh weights above)."""
+    port = P.free_port()
+    syncer = P.start_syncer(tmp_path, port, islands=1, fragments=2, key=key, name="ft-syncer", files="ft-syncer")
+    env = dict(YETO_DILOCO_SYNCER=f"127.0.0.1:{port}", YETO_DILOCO_KEY_FILE=key, YETO_DILOCO_ISLAND_ID="ft",
+               YETO_DILOCO_SYNC_EVERY=2, YETO_DILOCO_PUSH_DTYPE="int8", YETO_DILOCO_TIMEOUT=120,
+               YETO_DILOCO_METRICS=str(tmp_path / "ft" / "metrics.jsonl"))
+    (tmp_path / "ft").mkdir()
+    ft = torchrun(tmp_path, "finetune", mlm_args(ckpt, ["--load", ckpt, "--finetune", "--train-iters", "4",
+                                                        "--export-npz-at-start", str(tmp_path / "ft-start")]), env)
+    rcs = P.wait_all([ft, syncer], timeout=300)
+    assert rcs == [0, 0], P.logs([ft, syncer])
+    assert "from pretrained weights" in ft.text()
+    merged = [x for x in syncer.text().splitlines() if "merged fragment" in x]
+    assert merged and all(re.search(r"outer lr 1(?![.\d])", x) for x in merged), merged
+    assert "outer lr auto: 1 (the merged islands say their run started from pretrained weights" in syncer.text()
+    start = P.npz_parts(str(tmp_path / "ft-start") + ".rank*.npz", "param")   # (--finetune loads no optimizer:
+    assert sorted(start) == sorted(final)                                     # its masters come from the params)
+    assert all(np.array_equal(start[k], P.as_bf16(v)) for k, v in final.items())

@@ -17,11 +17,11 @@ class Recorder:
         self.calls = []
         self.started = self.finished = False
         self.boundary_log = None
-        self.saved, self.resume = [], None
+        self.saved, self.resume, self.weights = [], None, False
         Recorder.instances.append(self)
 
-    def set_resume(self, directory, iteration):
-        self.resume = (directory, iteration)
+    def set_resume(self, directory, iteration, weights=False):
+        self.resume, self.weights = (directory, iteration), weights
 
     def save_sync_state(self, directory, iteration):
         self.saved.append((directory, iteration))

@@ -135,6 +135,40 @@ def test_auto_lr_for_islands_that_blend():
     assert OuterOptimizer("nesterov", 0.3).lr_at(10, blended=True) == 0.3   # an explicit lr is kept
 
 
+def test_auto_lr_for_islands_that_started_from_pretrained_weights():
+    """A fine-tune (its pushes say the run started from pretrained weights) takes 1.0 when its islands blend; the
+    islands of the merge decide by majority (a tie counts as pretrained); islands that do not blend go by H."""
+    from types import SimpleNamespace as P
+    from yeto_patch.syncer.model.outer import LrInputs, lr_for_steps, outer_lr_inputs
+    assert [lr_for_steps(s, blended=True, pretrained=True) for s in (1, 10, 500)] == [1.0] * 3
+    assert lr_for_steps(10, blended=False, pretrained=True) == 0.4
+    auto = OuterOptimizer("nesterov", "auto")
+    assert auto.lr_at(10, True, True) == 1.0 and OuterOptimizer("nesterov", 0.5).lr_at(10, True, True) == 0.5
+
+    def push(steps, blend=True, pretrained=True):
+        return P(steps=steps, blend=blend, pretrained=pretrained)
+    assert outer_lr_inputs([]) == LrInputs(None, False, False)
+    assert outer_lr_inputs([push(10), push(12, pretrained=False)]) == LrInputs(11.0, True, True)
+    assert outer_lr_inputs([push(10), push(10, pretrained=False), push(10, pretrained=False)]).pretrained is False
+    assert outer_lr_inputs([P(steps=10, blend=True)]).pretrained is False   # a push that does not say: fresh
+    # on the wire: a PUSH says it only when true, and only a JSON true counts
+    from yeto_patch.syncer.rounds.pushes import parse_push
+    from yeto_patch.wire.schema import push_meta
+    meta = push_meta(0, 4, base_version=0, local_step=10, steps=10, tokens=10, codec="f32", block=256,
+                     final=False, blend=True, patience=1.0, pretrained=True)
+    assert meta["pretrained"] is True and parse_push("a", "1", meta, b"").pretrained is True
+    assert "pretrained" not in push_meta(0, 4, base_version=0, local_step=10, steps=10, tokens=10, codec="f32",
+                                         block=256, final=False, blend=True, patience=1.0)
+    for bad in (1, "true", [True], None):
+        assert parse_push("a", "1", {**meta, "pretrained": bad}, b"").pretrained is False
+    b = np.random.default_rng(5).standard_normal(300).astype(np.float32)
+    g = np.random.default_rng(6).standard_normal(300).astype(np.float32)
+    t1, t2, r = FragmentTensors(b.copy()), FragmentTensors(b.copy()), ChunkRunner(1)
+    auto.step(t1, g.copy(), 1.0, 1, r, steps=10, blended=True, pretrained=True)
+    OuterOptimizer("nesterov", 1.0).step(t2, g.copy(), 1.0, 1, r)
+    assert np.array_equal(t1.base, t2.base)
+
+
 def test_momentum_warm_up_ramps_from_zero_to_the_momentum():
     """Outer momentum warm-up over K merges of a fragment: merge v uses mu * min(1, (v - 1) / K), i.e. the first
     merge is a plain lr * g step, the momentum then grows linearly and is full from merge K + 1 on; each merge is

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 log = logging.getLogger("yeto_patch")
@@ -33,6 +34,15 @@ def set_engine_factory(factory: Optional[Callable[..., Any]]) -> None:
     global _factory
     _factory = factory
     RUNTIME.reset()
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What the launcher loaded before training: the checkpoint's directory and iteration (0: a fine-tune's or
+    release checkpoint), and whether the model's weights came from it."""
+    directory: Optional[str]
+    iteration: Optional[int]
+    weights: bool
 
 
 class _Depth(threading.local):
@@ -57,7 +67,7 @@ class Runtime:
             self.pending_tokens: Optional[int] = None
             self.in_train_step = False
             self._warned_foreign = False
-            self.loaded: Optional[tuple] = None   # (directory, iteration) of the checkpoint Megatron loaded
+            self.loaded: Optional[Loaded] = None   # the checkpoint Megatron loaded before training
             self.timeout_s = 30.0                 # YETO_DILOCO_TIMEOUT once read (bounds the last figures' drain)
         if engine is not None:
             try:
@@ -95,7 +105,7 @@ class Runtime:
                                                                            model=model))
                     self.optimizer = optimizer
                     if self.loaded is not None:
-                        self.engine.set_resume(*self.loaded)
+                        self._tell_engine()
                 except BaseException as err:
                     self.error = err
                     raise
@@ -130,12 +140,21 @@ class Runtime:
         return finished
 
     # ---------------------------------------------------------------------------------------- checkpoints
-    def checkpoint_loaded(self, directory, iteration) -> None:
-        """Megatron loaded `iteration` from `directory` (before training): the engine restores its sync state."""
+    def checkpoint_loaded(self, directory, iteration, weights: Optional[bool] = None) -> None:
+        """Megatron loaded `iteration` from `directory` (before training): the engine restores its sync state.
+        `weights`: the model's weights came from it (default: when `iteration` > 0); with iteration 0 that is a
+        fine-tune's pretrained start."""
+        weights = bool(iteration) or bool(weights)   # a resume always loads its weights
         with self._lock:
-            self.loaded = (directory, int(iteration)) if directory and iteration else None
+            self.loaded = (Loaded(str(directory), int(iteration or 0), weights) if directory and (iteration or weights)
+                           else None)
             if self.engine is not None and not self.engine.started:
-                self.engine.set_resume(*(self.loaded or (None, None)))
+                self._tell_engine()
+
+    def _tell_engine(self) -> None:
+        """(under the lock) The engine learns what the launcher loaded before training."""
+        got = self.loaded or Loaded(None, None, False)
+        self.engine.set_resume(got.directory, got.iteration, weights=got.weights)
 
     def checkpoint_saved(self, directory, iteration) -> None:
         """Megatron saved `iteration` into `directory`: the engine writes its sync state beside it."""

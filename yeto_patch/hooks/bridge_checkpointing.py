@@ -1,7 +1,10 @@
 """Hook for ``megatron.bridge.training.checkpointing`` (Megatron-Bridge's checkpoints): ``save_checkpoint`` and
 ``load_checkpoint``, called as globals of that module by its ``DefaultCheckpointManager``. The island's sync state
 is saved beside every persistent checkpoint (in ``cfg.checkpoint.save``) and restored after a resume from
-``cfg.checkpoint.load``, as for Megatron-LM's checkpoints (``mlm_training``)."""
+``cfg.checkpoint.load``, as for Megatron-LM's checkpoints (``mlm_training``); weights loaded with no sync state
+beside them (``checkpoint.pretrained_checkpoint``: a fine-tune) are the run's pretrained start. A model whose
+provider loaded Hugging Face weights itself (``to_megatron_provider(load_weights=True)``) is not seen here: such a
+run's syncer takes ``--outer-lr 1.0``, or its loop calls ``checkpoint_loaded(path, 0, weights=True)``."""
 
 from . import _train_step, _wrap
 from ._runtime import RUNTIME
@@ -34,13 +37,26 @@ def save_checkpoint_wrapper(wrapped, instance, args, kwargs):
     return result
 
 
+def _has_checkpoint(ckpt) -> bool:
+    """Whether load_checkpoint will find weights: a checkpoint (Megatron's or a Hugging Face directory) in
+    ``checkpoint.load``, or in ``checkpoint.pretrained_checkpoint``, which Bridge falls back to (a fine-tune)."""
+    try:
+        from megatron.bridge.training.checkpointing import checkpoint_exists, is_hf_checkpoint_dir
+        return any(bool(d) and (checkpoint_exists(d) or is_hf_checkpoint_dir(d))
+                   for d in (getattr(ckpt, "load", None), getattr(ckpt, "pretrained_checkpoint", None)))
+    except Exception:  # noqa: BLE001 - another release, or a storage the check cannot read: said not loaded
+        return False
+
+
 def load_checkpoint_wrapper(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
     bound = _train_step.bind(wrapped, args, kwargs)
     state = bound.get("state")
-    directory = getattr(getattr(getattr(state, "cfg", None), "checkpoint", None), "load", None)
+    ckpt = getattr(getattr(state, "cfg", None), "checkpoint", None)
+    weights = _has_checkpoint(ckpt)
+    result = wrapped(*args, **kwargs)
+    directory = getattr(ckpt, "load", None) or getattr(ckpt, "pretrained_checkpoint", None)
     if directory and isinstance(result, tuple) and result and isinstance(result[0], int):
-        RUNTIME.checkpoint_loaded(directory, result[0])
+        RUNTIME.checkpoint_loaded(directory, result[0], weights=weights)
     return result
 
 

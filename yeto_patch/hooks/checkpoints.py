@@ -8,6 +8,8 @@ only) calls these two functions instead, on every rank of the island::
 
     if resumed_iteration:                          # before the first optimizer step
         yeto.checkpoint_loaded(save_dir, resumed_iteration)
+    elif loaded_pretrained_weights:                # a fine-tune: the syncer's outer lr auto goes by it
+        yeto.checkpoint_loaded(pretrained_dir, 0, weights=True)
     ...
     save_my_checkpoint(save_dir, iteration)
     yeto.checkpoint_saved(save_dir, iteration)     # every rank: the island's sync state goes beside it
@@ -59,14 +61,18 @@ def checkpoint_saved(directory, iteration) -> None:
     RUNTIME.checkpoint_saved(directory, iteration)
 
 
-def checkpoint_loaded(directory, iteration) -> None:
+def checkpoint_loaded(directory, iteration, weights=None) -> None:
     """The loop resumed from the checkpoint of `iteration` in `directory`; call it on every rank before the first
     optimizer step (the island joins the syncer there). ``iteration`` 0 or None: nothing was loaded (a fresh
-    start). Too late once the island started: then it is logged and ignored."""
+    start), unless ``weights=True``: the loop loaded pretrained weights from `directory` (a fine-tune), and the
+    syncer's outer lr ``auto`` takes its fine-tune value. ``weights`` defaults to whether ``iteration`` > 0 (a
+    resume loads its weights). Too late once the island started: then it is logged and ignored."""
+    if weights is not None and not isinstance(weights, bool):
+        raise TypeError(f"yeto-patch: weights must be True or False, not {type(weights).__name__}")
     directory, iteration = _checked(directory, iteration, loaded=True)
     engine = RUNTIME.engine
     if engine is not None and engine.started:
         log.warning("yeto-patch: checkpoint_loaded(%r, %d) after the island started: ignored (call it before the "
                     "first optimizer step)", directory, iteration)
         return
-    RUNTIME.checkpoint_loaded(directory, iteration)
+    RUNTIME.checkpoint_loaded(directory, iteration, weights=weights)

@@ -3,6 +3,8 @@
 checkpoint and restored on load). ``pretrain`` -> ``train`` -> ``train_step`` looks ``train_step`` up as a global of this module,
 so the module attribute is what gets wrapped."""
 
+import os
+
 from . import _train_step, _wrap
 from ._runtime import RUNTIME
 from ._targets import Target
@@ -91,14 +93,33 @@ def save_checkpoint_wrapper(wrapped, instance, args, kwargs):
     return result
 
 
+def _has_checkpoint(a, load_arg: str) -> bool:
+    """Whether load_checkpoint will find weights: a checkpoint in --load (or the directory `load_arg` names), or in
+    --pretrained-checkpoint, which Megatron-LM falls back to (a fine-tune). With none it returns iteration 0 and the
+    model keeps its fresh weights, as with a checkpoint loaded by --finetune: only this tells the two apart."""
+    try:
+        from megatron.training.checkpointing import checkpoint_exists
+    except ImportError:   # releases before it: the tracker file is what it checks
+        def checkpoint_exists(d):
+            return os.path.isfile(os.path.join(d, "latest_checkpointed_iteration.txt"))
+    try:
+        return any(bool(d) and checkpoint_exists(d) for d in (getattr(a, load_arg, None),
+                                                              getattr(a, "pretrained_checkpoint", None)))
+    except Exception:  # noqa: BLE001 - a storage the check cannot read: said not loaded (the old behaviour)
+        return False
+
+
 def load_checkpoint_wrapper(wrapped, instance, args, kwargs):
-    """Megatron loaded a checkpoint (before training): the island restores the sync state saved with it."""
-    result = wrapped(*args, **kwargs)
+    """Megatron loaded a checkpoint (before training): the island restores the sync state saved with it, or (none
+    beside it) knows its run starts from loaded weights (a fine-tune's --load --finetune)."""
     bound = _train_step.bind(wrapped, args, kwargs)
     a = _args()
+    load_arg = bound.get("load_arg", "load") or "load"
+    weights = a is not None and _has_checkpoint(a, load_arg)
+    result = wrapped(*args, **kwargs)
     if a is not None and isinstance(result, tuple) and result:
-        directory = getattr(a, bound.get("load_arg", "load") or "load", None)
-        RUNTIME.checkpoint_loaded(directory, int(result[0] or 0))
+        directory = getattr(a, load_arg, None) or getattr(a, "pretrained_checkpoint", None)
+        RUNTIME.checkpoint_loaded(directory, int(result[0] or 0), weights=weights)
     return result
 
 

@@ -9,7 +9,8 @@ grad_norm, update_successful)``) and increments ``self.state.iteration`` after i
   usual final checkpoint, numbered by the steps it holds, with the global model in it.
 - ``save_checkpoint``: the island's sync state goes beside the checkpoint (``<output_dir>/checkpoint-N``).
 - ``_load_checkpoint``: after a resume (``--mcore_model <output_dir>/checkpoint-N --finetune false``) the island
-  restores the sync state saved with it.
+  restores the sync state saved with it; otherwise the run starts from the weights ms-swift loaded (the model's,
+  or ``--mcore_model``'s): a pretrained start, which the syncer's outer lr ``auto`` takes 1.0 for.
 """
 
 from . import _train_step, _wrap
@@ -82,11 +83,18 @@ def save_checkpoint_wrapper(wrapped, instance, args, kwargs):
 
 
 def load_checkpoint_wrapper(wrapped, instance, args, kwargs):
+    """After ``_load_checkpoint``: a resume (``--mcore_model DIR --finetune false``) restores the sync state saved
+    with it. Every ms-swift run trains loaded weights (``--mcore_model``, or the Hugging Face model's, which
+    ``prepare_model`` loaded before): without a sync state of this run beside them, a pretrained start."""
     result = wrapped(*args, **kwargs)
     a, state = getattr(instance, "args", None), getattr(instance, "state", None)
     directory = getattr(a, "mcore_model", None)
     if directory and not getattr(a, "finetune", True):
-        RUNTIME.checkpoint_loaded(directory, _int(getattr(state, "iteration", None)) or 0)
+        RUNTIME.checkpoint_loaded(directory, _int(getattr(state, "iteration", None)) or 0, weights=True)
+    else:
+        source = directory or getattr(a, "model_dir", None) or getattr(a, "model", None)
+        if isinstance(source, str) and source:
+            RUNTIME.checkpoint_loaded(source, 0, weights=True)
     return result
 
 

@@ -14,8 +14,9 @@ class IslandEngine(Protocol):
     finished: bool    # the final model is installed: the training loop stops
     boundary_log: Optional[object]   # island rank 0's boundary log once started (its records feed the figures)
 
-    def set_resume(self, directory: Optional[str], iteration: Optional[int]) -> None:
-        """Megatron loaded `iteration` from `directory` before training (None, None: nothing loaded)."""
+    def set_resume(self, directory: Optional[str], iteration: Optional[int], weights: bool = False) -> None:
+        """Megatron loaded `iteration` from `directory` before training (None, None: nothing loaded); `weights`:
+        the model's weights came from it (with no sync state of this run beside it: a pretrained start)."""
 
     def on_train_step_start(self, iteration=None, train_iters=None, tokens=None, vocab_size=None) -> None:
         """Every train_step, before it runs (the first one starts the island)."""

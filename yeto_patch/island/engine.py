@@ -69,7 +69,7 @@ class Engine:
     """See the module docstring; implements ``yeto_patch.island.api.IslandEngine``."""
     __slots__ = ("settings", "optimizer", "model", "started", "finished", "failed", "step", "total", "train_iters",
                  "vocab_size", "rank", "parts", "boundaries", "installer", "init_sent", "_resume", "_warned_tokens",
-                 "__weakref__")
+                 "pretrained", "_weights_loaded", "__weakref__")
 
     def __init__(self, settings, optimizer=None, model=None):
         global _current
@@ -89,6 +89,8 @@ class Engine:
         self.installer = None         # boundary.installs.Installer
         self.init_sent: list = []     # rank 0: fragments this island sent INIT of (in the WELCOME or later)
         self._resume: Optional[tuple] = None   # (directory, iteration) of the Megatron checkpoint loaded
+        self._weights_loaded = False  # the launcher loaded the model's weights from a checkpoint before training
+        self.pretrained = False       # the run started from pretrained weights (decided at the start: _started_from)
         self._warned_tokens = False
         _current = self
 
@@ -97,12 +99,14 @@ class Engine:
         """Island rank 0's boundary log once started (None on the other ranks and before the start)."""
         return None if self.parts is None else self.parts.log
 
-    def set_resume(self, directory, iteration):
+    def set_resume(self, directory, iteration, weights=False):
         """Megatron loaded the checkpoint of `iteration` from `directory` (before the first step): the island's
         sync state saved beside it is restored at start, and (not started yet) the step count continues from
         `iteration`: a loop with only the optimizer hooks (no train_step telling the iteration) keeps its boundaries
-        and its final cut where they were."""
+        and its final cut where they were. `weights`: the model's weights came from that checkpoint (a resume's
+        always do); without a sync state of this run beside it, the run starts from pretrained weights."""
         self._resume = (directory, int(iteration)) if directory and iteration else None
+        self._weights_loaded = bool(weights) or self._resume is not None
         if self._resume is not None and not self.started:
             self.step = self._resume[1]
 
@@ -201,6 +205,7 @@ class Engine:
         self.settings, self.parts, self.rank = joined.settings, joined.parts, joined.parts.rank
         self.installer, self.boundaries = joined.installer, joined.boundaries
         state, arrays = self._read_sync_state()
+        self._started_from(state)
         for f in joined.needs_init:
             self._send_init(int(f))
         self.parts.await_ready(self._have_all_bases, "the initial base of every fragment", serve_init=self._send_init)
@@ -220,6 +225,15 @@ class Engine:
             self._log_start(specs, time.time() - t0)
             atexit.register(self.close)
 
+    def _started_from(self, state) -> None:
+        """Every rank: whether the run started from pretrained weights (every push says it; the syncer's outer lr
+        auto takes its fine-tune value). A restart keeps what its sync state saved; otherwise weights loaded from a
+        checkpoint before training (a fine-tune's --load --finetune, ms-swift's model, a run continued from a
+        Megatron checkpoint saved without yeto-patch) are a pretrained start."""
+        self.pretrained = bool(state.get("pretrained")) if state is not None else self._weights_loaded
+        if self.rank == 0:
+            self.parts.link.started_from(self.pretrained)
+
     def _initial_specs(self) -> list:
         """Every rank: rank 0's specs of the initial bases it holds, one per fragment."""
         from yeto_patch.island.boundary.plan import BaseSpec, base_spec
@@ -230,11 +244,12 @@ class Engine:
     def _log_start(self, specs, secs):
         s, p = self.settings, self.parts
         log.info("yeto-patch: island %s joined the syncer at %s: %d tensors (%.1f M values) in %d fragments, "
-                 "H=%d, push %s%s, tau=%d, final cut at step %d; start took %.1fs", s.island_id, s.syncer,
+                 "H=%d, push %s%s, tau=%d, final cut at step %d%s; start took %.1fs", s.island_id, s.syncer,
                  len(p.view.manifest), p.view.manifest.total_numel() / 1e6, len(p.frags), s.sync_every,
-                 s.push_dtype, " + error feedback" if s.error_feedback else "", s.overlap_steps, self.total, secs)
+                 s.push_dtype, " + error feedback" if s.error_feedback else "", s.overlap_steps, self.total,
+                 ", from pretrained weights" if self.pretrained else "", secs)
         p.log.write("start", step=self.step, fragments=len(p.frags), versions=p.frags.anchors(),
-                    init=sorted(set(self.init_sent)), seconds=round(secs, 3),
+                    init=sorted(set(self.init_sent)), seconds=round(secs, 3), pretrained=self.pretrained,
                     held=[spec.fragment for spec in specs if spec.own_weights])
 
     def _have_all_bases(self):
@@ -260,7 +275,7 @@ class Engine:
         def write():
             return sync_state.save(directory, int(iteration), self.settings, self.step,
                                    self.parts.view.manifest.digest(), self.parts.frags,
-                                   run_ids=self.parts.link.run_ids)
+                                   run_ids=self.parts.link.run_ids, pretrained=self.pretrained)
         self._guarded(lambda: self.parts.channel.rank0(write, what))
 
     def _read_sync_state(self):

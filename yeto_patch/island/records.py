@@ -179,6 +179,9 @@ class SyncerLinkLike(Protocol):
     def scheduled(self, sync_every: int, next_boundaries) -> None:
         """The island's H and each fragment's next boundary step (heartbeats carry them)."""
 
+    def started_from(self, pretrained: bool) -> None:
+        """Whether the island's run started from pretrained weights (every push says it)."""
+
     def reachable(self) -> bool:
         """The syncer is connected and was heard from recently (every shard of a sharded syncer)."""
 

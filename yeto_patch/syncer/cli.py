@@ -183,9 +183,10 @@ def _round_flags(g) -> None:
 def _outer_flags(g) -> None:
     g.add_argument("--outer", choices=OUTER_KINDS, default="nesterov", help="outer optimizer")
     g.add_argument("--outer-lr", type=_outer_lr, default=AUTO_LR, help="outer learning rate, or auto: for "
-                   "nesterov each merge takes 0.7 when its islands blend bases in (tau > 0), else 0.4 when its "
-                   "pushes cover <= 10 inner steps (H), 0.7 from 50, linear between (measured, docs/convergence.md); "
-                   "1.0 for avg")
+                   "nesterov each merge takes 0.7 when its islands blend bases in (tau > 0), 1.0 if they also "
+                   "started from pretrained weights (a fine-tune: their pushes say so), else 0.4 when its pushes "
+                   "cover <= 10 inner steps (H), 0.7 from 50, linear between (measured, docs/convergence.md); 1.0 "
+                   "for avg")
     g.add_argument("--outer-momentum", type=_nonneg_float, default=None, help="outer momentum (default: 0.9; 0 for "
                    "avg)")
     g.add_argument("--delay", type=_pos_int, default=1, help="delayed-nesterov: apply momentum every N rounds")

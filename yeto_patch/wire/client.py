@@ -39,6 +39,7 @@ API::
     c.status() -> (SyncerStatus, seconds since the syncer last sent anything)   # what its rounds wait for
     c.local_step, c.rate, c.pinned           # the island's step, compute rate (steps/s), pinned H: in heartbeats
     c.schedule                               # a Schedule (H, each fragment's next boundary step): in heartbeats
+    c.pretrained                             # the island started from pretrained weights: in every push
     c.beat_soon()                            # a HEARTBEAT now, not at the next period
     c.check()                                # re-raise a failure seen by the reader thread
     c.close()                                # BYE (best effort) and close; idempotent
@@ -123,6 +124,7 @@ class SyncerClient:
         self.local_step = 0
         self.rate = 0.0                  # the island's compute rate (steps/s; 0: unknown), sent in heartbeats
         self.pinned = False              # the island pinned H (it keeps the fleet's rhythm), sent in heartbeats
+        self.pretrained = False          # the island started from pretrained weights, sent in pushes
         self.schedule: Optional[Schedule] = None   # its H and each fragment's next boundary step, in heartbeats
         self._aims: dict = {}            # fragment -> (base_version, eta_s, period_s): its last push's PUSH_REPLY rhythm
         self._status = SyncerStatus([], [])
@@ -379,7 +381,7 @@ class SyncerClient:
         self.local_step = max(self.local_step, int(local_step))
         meta = push_meta(fragment, numel, base_version=base_version, local_step=local_step, steps=steps,
                          tokens=tokens, codec=codec, block=block, final=final, blend=blend, patience=patience,
-                         rate=self.rate, pinned=self.pinned)
+                         rate=self.rate, pinned=self.pinned, pretrained=self.pretrained)
         key = (fragment, int(base_version))
         if wait:
             with self._cv:

@@ -101,18 +101,20 @@ class PushHeader:
     patience: Optional[float]   # None: unknown (absent, or not a number in range)
     rate: Optional[float] = None   # the island's compute rate, steps/s (None: not said, or out of range)
     pinned: bool = False           # the island pinned H (it keeps the fleet's rhythm)
+    pretrained: bool = False       # the island started from pretrained weights (a fine-tune; the outer lr auto rule)
 
 
 def push_meta(fragment: int, numel: int, *, base_version: int, local_step: int, steps: int, tokens: int,
               codec: str, block: int, final: bool, blend: bool, patience: Optional[float], rate: float = 0.0,
-              pinned: bool = False) -> dict:
+              pinned: bool = False, pretrained: bool = False) -> dict:
     """The PUSH meta (aligned; docs/protocol.md, "Pushes")."""
     return aligned({"fragment": fragment, "base_version": int(base_version), "local_step": int(local_step),
                     "steps": int(steps), "tokens": int(tokens), "codec": codec, "block": int(block),
                     "numel": numel, "final": bool(final), "blend": bool(blend),
                     **({} if patience is None else {"patience": round(max(0.0, float(patience)), 3)}),
                     **({"rate": round(float(rate), 6)} if rate and rate > 0 else {}),
-                    **({"pinned": True} if pinned else {})})
+                    **({"pinned": True} if pinned else {}),
+                    **({"pretrained": True} if pretrained else {})})
 
 
 def _count(meta: dict, name: str, hi: int = INT64_MAX) -> int:
@@ -141,7 +143,7 @@ def read_push(meta: dict, known_codecs) -> PushHeader:
                       final=bool(meta.get("final", False)), blend=blend,
                       patience=float(patience) if bounded_number(patience, MAX_PATIENCE_S) else None,
                       rate=float(meta["rate"]) if bounded_number(meta.get("rate"), MAX_RATE) else None,
-                      pinned=meta.get("pinned") is True)
+                      pinned=meta.get("pinned") is True, pretrained=meta.get("pretrained") is True)
 
 
 # ------------------------------------------------------------------------------------------- PUSH_REPLY

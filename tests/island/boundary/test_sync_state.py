@@ -53,6 +53,11 @@ def test_save_then_load_round_trips_the_state(tmp_path):
                                           "bytes"}
     np.testing.assert_array_equal(arrays["push.1"], np.arange(10, dtype=np.uint8))
     np.testing.assert_array_equal(arrays["residual.0"], np.full(4, 0.5, np.float32))
+    assert state["pretrained"] is False
+    # a fine-tune's restart keeps saying its run started from pretrained weights
+    assert sync_state.save(str(tmp_path), 41, settings(), 41, "d1", fs, pretrained=True)
+    assert sync_state.load(sync_state.state_path(str(tmp_path), 41), 41, {}, settings(), manifest_digest="d1",
+                           layout=fs.layout)["pretrained"] is True
 
 
 @pytest.mark.parametrize("kw,needle", [

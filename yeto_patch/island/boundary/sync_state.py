@@ -5,7 +5,8 @@ Saved by island rank 0 when Megatron saves iteration N, as ``<save dir>/yeto_syn
 Megatron loads iteration N. Holds per fragment the base version its anchor is (the anchor's values are the
 syncer's base of that version, so they are not stored), the steps and tokens since the anchor, the push still
 waiting for its answer (its encoded body, to send again) and the error-feedback residual; and the syncer's run id
-(each shard's), so that a restarted island refuses a syncer of another run (``saved_runs``).
+(each shard's), so that a restarted island refuses a syncer of another run (``saved_runs``); and whether the run
+started from pretrained weights (a restart loads weights too, but its pushes go on saying how the run began).
 
 File layout (little-endian)::
 
@@ -133,9 +134,11 @@ def read_state(path: str) -> Tuple[dict, Dict[str, np.ndarray]]:
 
 
 # ------------------------------------------------------------------------------------------ the island's side
-def capture(settings, iteration: int, step: int, manifest_digest: str, fragments, run_ids=None) -> Tuple[dict, Dict]:
+def capture(settings, iteration: int, step: int, manifest_digest: str, fragments, run_ids=None,
+            pretrained: bool = False) -> Tuple[dict, Dict]:
     """Rank 0: (meta, arrays) of what a restart from this step needs (`fragments`: ``boundary.fragment``'s, every
-    push handed to the link: the engine drains the push lane first; `run_ids`: each syncer shard's run id, in shard order)."""
+    push handed to the link: the engine drains the push lane first; `run_ids`: each syncer shard's run id, in shard
+    order; `pretrained`: the run started from pretrained weights, which a restart keeps saying)."""
     pending, arrays = {}, {}
     for frag in fragments.pushing():
         push, wire = frag.push, frag.side.wire
@@ -153,14 +156,15 @@ def capture(settings, iteration: int, step: int, manifest_digest: str, fragments
             "push_dtype": settings.push_dtype, "block": settings.block, "error_feedback": bool(settings.error_feedback),
             "anchor_version": fragments.anchors(), "steps_since": [frag.steps_since for frag in fragments],
             "tokens_since": [frag.tokens_since for frag in fragments], "pending": pending,
-            "run_ids": list(run_ids) if run_ids is not None else None}
+            "run_ids": list(run_ids) if run_ids is not None else None, "pretrained": bool(pretrained)}
     return meta, arrays
 
 
-def save(directory: str, iteration: int, settings, step: int, manifest_digest: str, fragments, run_ids=None) -> bool:
+def save(directory: str, iteration: int, settings, step: int, manifest_digest: str, fragments, run_ids=None,
+         pretrained: bool = False) -> bool:
     """Rank 0: write the island's sync state for `iteration` beside Megatron's checkpoint in `directory`."""
     path = state_path(directory, iteration)
-    meta, arrays = capture(settings, iteration, step, manifest_digest, fragments, run_ids)
+    meta, arrays = capture(settings, iteration, step, manifest_digest, fragments, run_ids, pretrained)
     n = write_state(path, meta, arrays)
     log.info("yeto-patch: saved the island's sync state for iteration %d (%.1f MB) to %s", iteration, n / 1e6, path)
     return True
@@ -258,4 +262,5 @@ def load(path: str, iteration: int, arrays: Dict[str, np.ndarray], settings, *, 
     log.info("yeto-patch: resuming the island's sync state of iteration %d from %s (anchors at versions "
              "%s, %d push(es) awaiting their answer)", iteration, path, meta["anchor_version"],
              len(meta["pending"]))
-    return {k: meta.get(k) for k in ("anchor_version", "steps_since", "tokens_since", "pending", "block")}
+    out = {k: meta.get(k) for k in ("anchor_version", "steps_since", "tokens_since", "pending", "block")}
+    return {**out, "pretrained": meta.get("pretrained") is True}   # (absent in states saved before it existed)

@@ -122,6 +122,10 @@ class ShardedLink:
         for link in self.links:
             link.stepped(step)
 
+    def started_from(self, pretrained: bool) -> None:
+        for link in self.links:
+            link.started_from(pretrained)
+
     def scheduled(self, sync_every: int, next_boundaries) -> None:
         for link in self.links:
             link.scheduled(sync_every, next_boundaries)

@@ -146,6 +146,7 @@ class SyncerLink:
         self.outliers = 0                      # outlier refusals in a row (no merge of this island's pushes since)
         self.clock = StepClock()              # this island's step and compute rate
         self.schedule = None   # wire.values.Schedule: H and each fragment's next boundary step (heartbeats say it)
+        self.pretrained = False   # the island started from pretrained weights (every push says it: started_from)
         self._told = -1                        # the connection (_conn_no) whose heartbeat said it at once
         self._final_wait: Optional[Patience] = None
         self._redial: Optional[tuple] = None  # (thread, result, cause, deadline) of a reconnect under way
@@ -193,6 +194,7 @@ class SyncerLink:
         self._conn_no += 1
         c.local_step, c.rate = max(c.local_step, self.clock.step), self.clock.rate
         c.schedule = self.schedule
+        c.pretrained = self.pretrained
         self.sender = BackgroundSender(self.settings.send_queue_bytes, name="yeto-push-sender")
 
     def open(self):
@@ -229,6 +231,14 @@ class SyncerLink:
             c.local_step = max(c.local_step, int(step))
             c.rate = self.clock.rate
             c.pinned = not getattr(self.settings, "sync_auto", True)
+
+    def started_from(self, pretrained: bool) -> None:
+        """Whether the island's run started from pretrained weights (a fine-tune): every push says it, and the
+        syncer's outer lr ``auto`` takes its fine-tune value for merges of such pushes."""
+        self.pretrained = bool(pretrained)
+        c = self.client
+        if c is not None:
+            c.pretrained = self.pretrained
 
     def scheduled(self, sync_every: int, next_boundaries) -> None:
         """The island's H and each fragment's next boundary step after its last step (heartbeats carry them: the

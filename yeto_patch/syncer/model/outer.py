@@ -26,7 +26,10 @@ of whether its islands blend bases in (pushes say so: tau > 0).  The rule is wha
 (docs/convergence.md): islands that install bases as they are (tau = 0) overshoot with Nesterov 0.7 when deltas
 cover few inner steps (0.4 was best at H = 10, 0.7-1.0 at H = 50), so 0.4 up to 10 steps, 0.7 from 50, linear
 between; islands that blend (installed = alpha * local + (1 - alpha) * base) already damp every outer step, and
-0.7 was best for them at H = 10 and at H = 50.  ``avg`` keeps lr 1 (the mean of the islands' weights).
+0.7 was best for them at H = 10 and at H = 50.  Blending islands that started from pretrained weights (a
+fine-tune: their pushes say so) take 1.0: fine-tuning a pretrained model on Perl, 1.0 ended 0.996-0.999x DDP at F =
+1-8 against 0.7's 1.001-1.002x, while from scratch 1.0 made runs 0.75% apart against 0.7's 0.2% (docs/convergence.md,
+"Fine-tune regime").  ``avg`` keeps lr 1 (the mean of the islands' weights).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from . import outer_jit
 from .runner import ChunkRunner
 
 __all__ = ["OUTER_KINDS", "OuterOptimizer", "NonFiniteMerge", "FragmentTensors", "AUTO_LR", "lr_for_steps",
-           "outer_lr_inputs", "warmed_momentum", "MOMENTUM_WARMUP"]
+           "outer_lr_inputs", "LrInputs", "warmed_momentum", "MOMENTUM_WARMUP"]
 
 OUTER_KINDS = ("nesterov", "avg", "delayed-nesterov")
 AUTO_LR = "auto"
@@ -47,17 +50,20 @@ AUTO_LR = "auto"
 AUTO_LR_SHORT, AUTO_LR_LONG = (10, 0.4), (50, 0.7)
 #: the automatic outer lr when the islands blend bases in (any H)
 AUTO_LR_BLENDED = 0.7
+#: ... and when, blending, they started from pretrained weights (a fine-tune)
+AUTO_LR_PRETRAINED = 1.0
 #: outer momentum warm-up, merges per fragment (warmed_momentum): 0 = the full momentum from the first merge; 4
 #: was the best of 0 / 4 / 10 measured through yeto-patch (docs/convergence.md, "Outer momentum warm-up")
 MOMENTUM_WARMUP = 4
 
 
-def lr_for_steps(steps: float, blended: bool = False) -> float:
-    """The automatic Nesterov outer learning rate for deltas of ``steps`` inner steps: AUTO_LR_BLENDED when the
-    islands blend bases in; else 0.4 up to 10, 0.7 from 50, linear between (rounded to 3 decimals so the value is
-    the same on every platform)."""
+def lr_for_steps(steps: float, blended: bool = False, pretrained: bool = False) -> float:
+    """The automatic Nesterov outer learning rate for deltas of ``steps`` inner steps: when the islands blend bases
+    in, AUTO_LR_PRETRAINED if they started from pretrained weights, else AUTO_LR_BLENDED; else 0.4 up to 10, 0.7
+    from 50, linear between (rounded to 3 decimals so the value is the same on every platform). Islands that do
+    not blend go by the steps whatever their start (no fine-tune was measured at tau = 0)."""
     if blended:
-        return AUTO_LR_BLENDED
+        return AUTO_LR_PRETRAINED if pretrained else AUTO_LR_BLENDED
     (s0, lr0), (s1, lr1) = AUTO_LR_SHORT, AUTO_LR_LONG
     x = min(max(float(steps), s0), s1)
     return round(lr0 + (lr1 - lr0) * (x - s0) / (s1 - s0), 3)
@@ -72,15 +78,26 @@ def warmed_momentum(momentum: float, version: int, warmup: int) -> float:
     return float(momentum) * max(0, int(version) - 1) / float(warmup)
 
 
-def outer_lr_inputs(pushes) -> tuple:
-    """(median inner steps, mostly blended) of a merge's pushes (anything with ``steps`` and ``blend``): what
-    :meth:`OuterOptimizer.lr_at` goes by. (None, False) without pushes; a tie counts as blended."""
+@dataclass(frozen=True)
+class LrInputs:
+    """What a merge's outer lr goes by (:meth:`OuterOptimizer.lr_at`): the median inner steps of its pushes (None:
+    no pushes), whether most of them blend bases in, and whether most say their run started from pretrained
+    weights (a tie counts as yes for both)."""
+    steps: Optional[float] = None
+    blended: bool = False
+    pretrained: bool = False
+
+
+def outer_lr_inputs(pushes) -> LrInputs:
+    """The LrInputs of a merge's pushes (anything with ``steps``, ``blend`` and ``pretrained``)."""
+    pushes = list(pushes)
     steps = sorted(p.steps for p in pushes)
     if not steps:
-        return None, False
-    k = len(steps) // 2
-    median = float(steps[k]) if len(steps) % 2 else (steps[k - 1] + steps[k]) / 2.0
-    return median, 2 * sum(1 for p in pushes if p.blend) >= len(steps)
+        return LrInputs()
+    k, n = len(steps) // 2, len(steps)
+    median = float(steps[k]) if n % 2 else (steps[k - 1] + steps[k]) / 2.0
+    return LrInputs(median, 2 * sum(1 for p in pushes if p.blend) >= n,
+                    2 * sum(1 for p in pushes if getattr(p, "pretrained", False)) >= n)
 
 
 #: committed base, momentum and delay buffer values stay at most this large: a merge whose result would not is
@@ -147,10 +164,11 @@ class OuterOptimizer:
             out["momentum_warmup"] = self.momentum_warmup
         return out
 
-    def lr_at(self, steps: Optional[float], blended: bool = False) -> float:
+    def lr_at(self, steps: Optional[float], blended: bool = False, pretrained: bool = False) -> float:
         """The learning rate of a merge whose deltas cover ``steps`` inner steps (None: not known) from islands
-        that do (``blended``) or do not blend bases in."""
-        return lr_for_steps(steps, blended) if self.auto and steps is not None else self.lr
+        that do (``blended``) or do not blend bases in, and did (``pretrained``) or did not start from pretrained
+        weights."""
+        return lr_for_steps(steps, blended, pretrained) if self.auto and steps is not None else self.lr
 
     @property
     def uses_momentum(self) -> bool:
@@ -172,9 +190,11 @@ class OuterOptimizer:
         return max(runner.map(t.base.size, amax), default=0.0)
 
     def step(self, t: FragmentTensors, acc: np.ndarray, total_weight: float, new_version: int,
-             runner: ChunkRunner, steps: Optional[float] = None, blended: bool = False) -> float:
-        """``g = acc / total_weight``, check, apply. Returns ||g||_2 (float64). ``acc`` is scratch; ``steps`` and
-        ``blended``: the inner steps the merged deltas cover, whether their islands blend (the lr with "auto").
+             runner: ChunkRunner, steps: Optional[float] = None, blended: bool = False,
+             pretrained: bool = False) -> float:
+        """``g = acc / total_weight``, check, apply. Returns ||g||_2 (float64). ``acc`` is scratch; ``steps``,
+        ``blended``, ``pretrained``: the inner steps the merged deltas cover, whether their islands blend and
+        started from pretrained weights (the lr with "auto").
 
         Pass 1 reads only ``acc`` (finite?, max |acc|, sum of squares).  From max |g| and a kept upper bound of
         |base|, |momentum|, |delay buffer| it bounds every value the update can produce; below 1e38 nothing
@@ -184,7 +204,7 @@ class OuterOptimizer:
         self.ensure_state(t)
         n = t.base.size
         assert acc.size == n and acc.dtype == np.float32
-        lr = self.lr_at(steps, blended)
+        lr = self.lr_at(steps, blended, pretrained)
         p = self._plan(t, total_weight, new_version, lr)
         if t.bound is None:
             t.bound = self._bound(t, runner)

@@ -117,6 +117,7 @@ class Coordinator:
         self.merges_total = 0
         self.initialized = False
         self._accs = AccumulatorPool()   # one released accumulator, reused (no fresh page faults)
+        self._said_lr_start: Optional[bool] = None   # the last start (pretrained or not) the outer lr auto was logged for
 
     # ------------------------------------------------------------------------------------------ setup
     def set_manifest(self, manifest: list, fragments: int) -> None:
@@ -570,9 +571,11 @@ class Coordinator:
             if total > 0:
                 if self.protect is not None:
                     self.protect(index)
-                steps, blended = outer_lr_inputs([c.push for c in fresh or carried])
-                outer_lr = self.opt.lr_at(steps, blended)
-                norm = self.opt.step(f.t, acc, total, version + 1, self.runner, steps=steps, blended=blended)
+                li = outer_lr_inputs([c.push for c in fresh or carried])
+                outer_lr = self.opt.lr_at(li.steps, li.blended, li.pretrained)
+                self._say_lr_start(li, outer_lr)
+                norm = self.opt.step(f.t, acc, total, version + 1, self.runner, steps=li.steps, blended=li.blended,
+                                     pretrained=li.pretrained)
             else:
                 ok, reason = False, "every push weighs nothing (no new steps): the base is not moved"
         except (NonFiniteMerge, CodecError) as e:
@@ -585,6 +588,15 @@ class Coordinator:
                            if ok else 0.0, bytes=sum(x["bytes"] for x in responders), quorum_s=max(0.0, t0 - t_first),
                            merge_s=t1 - t0, grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall,
                            outer_lr=outer_lr, left_out=left_out)
+
+    def _say_lr_start(self, li, outer_lr: float) -> None:
+        """Log when the outer lr auto first goes by a pretrained start (a fine-tune), and when that changes."""
+        if not self.opt.auto or not li.blended or self._said_lr_start == li.pretrained:
+            return
+        if li.pretrained or self._said_lr_start is not None:
+            log.info("yeto-syncer: outer lr auto: %g (the merged islands say their run started from %s)", outer_lr,
+                     "pretrained weights: a fine-tune" if li.pretrained else "fresh weights")
+        self._said_lr_start = li.pretrained
 
     def _close_round(self, f: GlobalFragment, r: Round, merged: list, ok: bool, reason: str, responders: list,
                      index: int) -> None:

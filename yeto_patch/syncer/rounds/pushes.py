@@ -49,6 +49,7 @@ class ReceivedPush:
     patience: Optional[float] = None   # seconds from sending until the island blocks for the answer (None: unknown)
     rate: Optional[float] = None       # the island's compute rate, steps/s, as the push says it (None: not said)
     pinned: bool = False               # the island pinned H (the push says so)
+    pretrained: bool = False           # the island's run started from pretrained weights (the outer lr auto rule)
     arrived: Optional[float] = None    # the coordinator's clock when it was accepted
 
 
@@ -61,7 +62,7 @@ def parse_push(island: str, incarnation, meta: dict, body) -> ReceivedPush:
     return ReceivedPush(island=island, fragment=h.fragment, base_version=h.base_version, codec=h.codec,
                 block=h.block or codecs.DEFAULT_BLOCK, body=body, local_step=h.local_step, steps=h.steps,
                 tokens=h.tokens, final=h.final, incarnation=str(incarnation), blend=h.blend, patience=h.patience,
-                rate=h.rate, pinned=h.pinned)
+                rate=h.rate, pinned=h.pinned, pretrained=h.pretrained)
 
 
 def refusal(fragment, base_version, code: str, message: str) -> dict:
