@@ -8,7 +8,7 @@ import types
 import pytest
 import wrapt
 
-from yeto_patch.hooks import _runtime, bridge_checkpointing, bridge_train, swift_megatron
+from yeto_patch.hooks import _runtime, bridge_checkpointing, bridge_hf_weights, bridge_train, swift_megatron
 from tests.shim.workers import Recorder, shim
 
 
@@ -133,6 +133,39 @@ def test_bridge_load_of_a_pretrained_checkpoint_is_a_pretrained_start(monkeypatc
         load = wrapt.FunctionWrapper(load_checkpoint, bridge_checkpointing.load_checkpoint_wrapper)
         load(state=gs, model=[], optimizer=None, opt_param_scheduler=None)
         assert _runtime.RUNTIME.loaded == expected
+
+
+def test_bridge_hugging_face_weights_are_a_pretrained_start_that_a_resume_replaces(monkeypatch):
+    """A provider made with to_megatron_provider(load_weights=True) loads the Hugging Face weights before the
+    model is wrapped; a load_checkpoint that then finds nothing leaves that, a resume of the run's own checkpoint
+    replaces it (its sync state says how the run began)."""
+    _fake_bridge_checkpointing(monkeypatch, {"/ck"})
+
+    class MegatronModelBridge:   # megatron.bridge.models.conversion.model_bridge's, reduced
+        def load_weights_hf_to_megatron(self, hf_pretrained, megatron_model, allowed_mismatched_params=None):
+            return list(megatron_model)
+
+    def load_checkpoint(state, model, optimizer, opt_param_scheduler, strict=True, **kw):
+        return (6, 0.0) if state.cfg.checkpoint.load == "/ck" else (0, 0.0)
+    mod = types.ModuleType(bridge_hf_weights.TARGET)
+    mod.MegatronModelBridge = MegatronModelBridge
+    monkeypatch.setitem(sys.modules, bridge_hf_weights.TARGET, mod)
+    with shim(factory=FinishingRecorder):
+        assert bridge_hf_weights.patch(mod) == [f"{bridge_hf_weights.TARGET}.MegatronModelBridge."
+                                                 "load_weights_hf_to_megatron"]
+        try:
+            hf = types.SimpleNamespace(model_name_or_path="/hf/qwen")
+            assert MegatronModelBridge().load_weights_hf_to_megatron(hf, ["m"]) == ["m"]
+            assert _runtime.RUNTIME.loaded == _runtime.Loaded("/hf/qwen", 0, True)
+            load = wrapt.FunctionWrapper(load_checkpoint, bridge_checkpointing.load_checkpoint_wrapper)
+            gs = _gs(0)
+            gs.cfg.checkpoint.load = "/empty"
+            load(state=gs, model=[], optimizer=None, opt_param_scheduler=None)      # nothing there: unchanged
+            assert _runtime.RUNTIME.loaded == _runtime.Loaded("/hf/qwen", 0, True)
+            load(state=_gs(6), model=[], optimizer=None, opt_param_scheduler=None)  # a resume of its own
+            assert _runtime.RUNTIME.loaded == _runtime.Loaded("/ck", 6, True)
+        finally:
+            bridge_hf_weights.unpatch()
 
 
 def _bridge_train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state, pg_collection,

@@ -15,6 +15,8 @@ mlm_ft                             megatron.training.ft_integration (Megatron-LM
                                    shutdown; the island's waits keep NVIDIA FT's sections alive)
 bridge_train                       megatron.bridge.training.train (Megatron-Bridge: train_step)
 bridge_checkpointing               megatron.bridge.training.checkpointing (Megatron-Bridge: save/load_checkpoint)
+bridge_hf_weights                  megatron.bridge.models.conversion.model_bridge (Megatron-Bridge: Hugging Face
+                                   weights loaded into the model, a fine-tune's pretrained start)
 swift_megatron                     swift.megatron.trainers.base (ms-swift ``megatron sft`` / ``pt``: train_step,
                                    save_checkpoint, _load_checkpoint)
 =================================  ==========================================================================
@@ -75,6 +77,7 @@ HOOK_MODULES = (
     "mlm_ft",
     "bridge_train",
     "bridge_checkpointing",
+    "bridge_hf_weights",
     "swift_megatron",
 )
 

@@ -145,9 +145,10 @@ class Runtime:
         `weights`: the model's weights came from it (default: when `iteration` > 0); with iteration 0 that is a
         fine-tune's pretrained start."""
         weights = bool(iteration) or bool(weights)   # a resume always loads its weights
+        if not (directory and weights):
+            return   # a load that found nothing changes nothing (Bridge's provider may have loaded weights before)
         with self._lock:
-            self.loaded = (Loaded(str(directory), int(iteration or 0), weights) if directory and (iteration or weights)
-                           else None)
+            self.loaded = Loaded(str(directory), int(iteration or 0), weights)
             if self.engine is not None and not self.engine.started:
                 self._tell_engine()
 

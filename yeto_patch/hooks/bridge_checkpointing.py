@@ -2,9 +2,8 @@
 ``load_checkpoint``, called as globals of that module by its ``DefaultCheckpointManager``. The island's sync state
 is saved beside every persistent checkpoint (in ``cfg.checkpoint.save``) and restored after a resume from
 ``cfg.checkpoint.load``, as for Megatron-LM's checkpoints (``mlm_training``); weights loaded with no sync state
-beside them (``checkpoint.pretrained_checkpoint``: a fine-tune) are the run's pretrained start. A model whose
-provider loaded Hugging Face weights itself (``to_megatron_provider(load_weights=True)``) is not seen here: such a
-run's syncer takes ``--outer-lr 1.0``, or its loop calls ``checkpoint_loaded(path, 0, weights=True)``."""
+beside them (``checkpoint.pretrained_checkpoint``: a fine-tune) are the run's pretrained start. Hugging Face
+weights a provider loaded itself (``to_megatron_provider(load_weights=True)``) are seen by ``bridge_hf_weights``."""
 
 from . import _train_step, _wrap
 from ._runtime import RUNTIME
