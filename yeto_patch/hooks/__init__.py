@@ -46,7 +46,8 @@ module may declare ``WRITERS``: the TensorBoard / W&B writers it hands to the is
 tests/hooks/test_declarations.py checks, for every hook module, that ``patch()`` wraps exactly what it declares.
 
 A custom training loop tells yeto-patch about its own checkpoints with ``checkpoint_saved(directory, iteration)``
-and ``checkpoint_loaded(directory, iteration)`` (``checkpoints.py``; inert where yeto-patch is not attached).
+and ``checkpoint_loaded(directory, iteration, weights=None)`` (``checkpoints.py``; inert where yeto-patch is not
+attached; ``weights=True`` with iteration 0: the loop loaded pretrained weights, a fine-tune).
 
 ``install()`` registers a wrapt post-import hook per target module: one already imported is patched at once, the
 others when they are imported. It imports neither torch nor Megatron. A failing patch never breaks the import

@@ -40,8 +40,8 @@ def set_engine_factory(factory: Optional[Callable[..., Any]]) -> None:
 class Loaded:
     """What the launcher loaded before training: the checkpoint's directory and iteration (0: a fine-tune's or
     release checkpoint), and whether the model's weights came from it."""
-    directory: Optional[str]
-    iteration: Optional[int]
+    directory: str
+    iteration: int
     weights: bool
 
 
@@ -153,8 +153,8 @@ class Runtime:
                 self._tell_engine()
 
     def _tell_engine(self) -> None:
-        """(under the lock) The engine learns what the launcher loaded before training."""
-        got = self.loaded or Loaded(None, None, False)
+        """(under the lock, with something loaded) The engine learns what the launcher loaded before training."""
+        got = self.loaded
         self.engine.set_resume(got.directory, got.iteration, weights=got.weights)
 
     def checkpoint_saved(self, directory, iteration) -> None:

@@ -262,5 +262,6 @@ def load(path: str, iteration: int, arrays: Dict[str, np.ndarray], settings, *, 
     log.info("yeto-patch: resuming the island's sync state of iteration %d from %s (anchors at versions "
              "%s, %d push(es) awaiting their answer)", iteration, path, meta["anchor_version"],
              len(meta["pending"]))
-    out = {k: meta.get(k) for k in ("anchor_version", "steps_since", "tokens_since", "pending", "block")}
-    return {**out, "pretrained": meta.get("pretrained") is True}   # (absent in states saved before it existed)
+    state = {k: meta.get(k) for k in ("anchor_version", "steps_since", "tokens_since", "pending", "block")}
+    state["pretrained"] = meta.get("pretrained") is True   # (absent in states saved before it existed: False)
+    return state

@@ -43,8 +43,16 @@ class Member:
     pinned: bool = False                # its heartbeats say it pinned H (YETO_DILOCO_SYNC_EVERY=N): it keeps a rhythm
     pushed_step: Optional[int] = None   # the boundary step of its latest push (largest step) ...
     pushed_at: Optional[float] = None   # ... and when that push arrived: its pushes' clock, lane delay included
-    sync_every: Optional[int] = None    # its H as its heartbeats last said (bounded; None: not said) ...
-    next_boundaries: Optional[tuple] = None   # ... and each fragment's next boundary step after ``step``
+    schedule: Optional[Schedule] = None   # its H and each fragment's next boundary step after ``step``, as its
+    #                                       heartbeats last said them (bounded; None: not said)
+
+    @property
+    def sync_every(self) -> Optional[int]:
+        return None if self.schedule is None else self.schedule.sync_every
+
+    @property
+    def next_boundaries(self) -> Optional[tuple]:
+        return None if self.schedule is None else self.schedule.next_boundaries
 
     def alive(self, now: float, lease: float) -> bool:
         return now - self.last_seen <= lease
@@ -55,7 +63,7 @@ class Member:
         push says them, and its schedule as a heartbeat says it with its step (bounded by wire/schema.read_island_beat);
         None: not said."""
         if schedule is not None and step is not None:
-            self.sync_every, self.next_boundaries = int(schedule.sync_every), tuple(schedule.next_boundaries)
+            self.schedule = schedule
         if pinned is not None:
             self.pinned = bool(pinned)
         if step is not None:
@@ -81,7 +89,7 @@ class Member:
         """A new process of this island (new incarnation): its old step and pace say nothing of it."""
         self.step, self.rate, self.step_at, self.moved_at = 0, 0.0, None, None
         self.pushed_step = self.pushed_at = None
-        self.sync_every = self.next_boundaries = None
+        self.schedule = None
 
     def credit(self, steps: int, tokens: int) -> None:
         """A merged push of this island: its counters (saturating)."""
