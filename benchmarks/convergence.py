@@ -252,7 +252,7 @@ def main(argv=None):
     ap.add_argument("--layouts", default="single", help="island layout(s), as in yeto-patch demo")
     ap.add_argument("--baseline-layout", default="dp2")
     ap.add_argument("--fragments", type=int, default=1)
-    ap.add_argument("--base-wire", choices=("f32", "bf16", "int8", "int4"), default="int4",
+    ap.add_argument("--base-wire", type=demo_cli.base_wire_type, default="int4", metavar="DTYPE",
                     help="how merged bases go to islands (the syncer's --base-wire; final models are f32)")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate (momentum 0.9)")
     ap.add_argument("--sync-warmup", type=int, default=0, metavar="K", help="train the first K steps "

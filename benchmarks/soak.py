@@ -2,14 +2,16 @@
 """Soak test over slow and lossy links (loopback only).
 
     python benchmarks/soak.py [--quick] [--rounds 40] [--numel 262144] [--seed 0] [--json out.json]
-                              [--push-dtypes f32,topk:0.05+int2,int4]
+                              [--push-dtypes f32,topk:0.05+int2,int4] [--base-wire topk:0.1+int2]
 
 Three scripted islands (wire-level SyncerClient islands, no Megatron) run a fixed roster (--islands 3, quorum 3,
 ``--exact``, pushes in the codecs of ``--push-dtypes``, one per island in turn (default f32; --quick: f32, the
-sparse topk:0.05+int2 and int4), tau = 0: each island pushes relative to the newest base it holds and waits for the merged
-base) through a relay that adds 50-200 ms latency per connection, throttles every direction to a few MB/s,
-pauses reading a direction for 1-5 s at random and cuts connections at random. The islands reconnect with the
-same incarnation and push again what was not answered (``duplicate`` means counted). Faults stop once every
+sparse topk:0.05+int2 and int4), tau = 0: each island pushes relative to the newest base it holds and waits for
+the merged base; bases in the syncer's ``--base-wire``, default f32, --quick: sparse updates topk:0.1+int2, which
+the islands add to the base they hold, or the full shadow after a reconnect) through a relay that adds 50-200 ms
+latency per connection, throttles every direction to a few MB/s, pauses reading a direction for 1-5 s at random
+and cuts connections at random. The islands reconnect with the same incarnation and push again what was not
+answered (``duplicate`` means counted). Faults stop once every
 fragment reached ``rounds - 1`` merges (the last round and the final cut run over a slow but reliable link: an
 island cut off during the final cut could not get the final model back from a syncer that already exited).
 
@@ -39,7 +41,7 @@ sys.path.insert(0, ROOT)
 
 from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings  # noqa: E402
 from yeto_patch.syncer.net.server import ServerConfig, SyncerServer  # noqa: E402
-from yeto_patch.wire import codecs  # noqa: E402
+from yeto_patch.wire import codec_names, codecs  # noqa: E402
 from yeto_patch.wire.client import SyncerClient, SyncerRefusal  # noqa: E402
 from yeto_patch.wire.frames import ProtocolError  # noqa: E402
 
@@ -240,6 +242,11 @@ def delta(island: str, f: int, v: int, base: np.ndarray, seed: int) -> np.ndarra
             + np.float32(1e-3) * base).astype(np.float32)
 
 
+def held_then(held, b):
+    """The base an island holds after receiving `b`: `b` itself, or `held` plus the update `b` carries."""
+    return held.then(b) if b.relative else b
+
+
 def run_island(name, addr, man, values, args, stats, stop):
     inc = 1000 + ISLANDS.index(name)
     dtypes = args.push_dtypes.split(",")
@@ -254,7 +261,7 @@ def run_island(name, addr, man, values, args, stats, stop):
             got = c.wait_ready(args.island_timeout, init_source=lambda f: [values[i] for i in w.layout[f]])
             for f, b in got.items():
                 if f not in bases or b.version >= bases[f].version:
-                    bases[f] = b
+                    bases[f] = held_then(bases.get(f), b)
             while True:
                 todo = [f for f in range(FRAGMENTS) if bases[f].version < args.rounds and not bases[f].final]
                 if not todo:
@@ -269,7 +276,9 @@ def run_island(name, addr, man, values, args, stats, stop):
                         if e.code != "duplicate":
                             raise
                         stats["duplicates"] += 1
-                    bases[f] = c.wait_base(f, v + 1, args.island_timeout)
+                    b = c.wait_base(f, v + 1, args.island_timeout)
+                    stats["base_updates"] += int(b.relative)
+                    bases[f] = held_then(bases.get(f), b)
             final = c.finish(last_step=args.rounds, timeout=args.island_timeout)
             c.close()
             return final
@@ -291,7 +300,8 @@ def run(args, relay: bool) -> dict:
                        rounds=RoundSettings(islands=len(ISLANDS), quorum=len(ISLANDS), grace_s=0.0, timeout_s=600.0,
                                             lease_s=args.lease,
                                             total_rounds=args.rounds),
-                       io_timeout_s=args.io_timeout, final_ack_timeout_s=30.0, tape=tape, merge_threads=2)
+                       base_wire=args.base_wire, io_timeout_s=args.io_timeout, final_ack_timeout_s=30.0, tape=tape,
+                       merge_threads=2)
     server = SyncerServer(cfg)
     host, port = server.start()
     rng = random.Random(args.seed)
@@ -331,6 +341,7 @@ def run(args, relay: bool) -> dict:
             "merges": sum(merged.values()), "refused_merges": sum(1 for r in recs if not r["ok"]),
             "each_round_once": sorted(merged) == [(f, v) for f in range(FRAGMENTS) for v in range(1, args.rounds + 1)]
             and set(merged.values()) == {1}, "pushes": stats["pushes"], "duplicates": stats["duplicates"],
+            "base_updates": stats["base_updates"],
             "reconnects": stats["reconnects"], "errors": stats["errors"],
             **({k: link.counts[k] for k in ("connections", "cuts", "pauses", "drops")} if link else {}),
             "drop_log": link.drop_log if link else []}
@@ -356,10 +367,10 @@ def check(args) -> dict:
     for name, res in soak["results"].items():
         if res and not all(np.array_equal(res[f].values, ref["final"][f]) for f in range(FRAGMENTS)):
             v.append(f"soak: island {name}'s final model differs from the reference")
-    out = {k: soak.get(k) for k in ("seconds", "merges", "pushes", "duplicates", "reconnects", "connections",
-                                    "cuts", "pauses", "drops")}
+    out = {k: soak.get(k) for k in ("seconds", "merges", "pushes", "duplicates", "base_updates", "reconnects",
+                                    "connections", "cuts", "pauses", "drops")}
     out.update(rounds=args.rounds, fragments=FRAGMENTS, islands=len(ISLANDS), numel=args.numel,
-               reference_seconds=ref["seconds"], bit_identical=same, violations=v,
+               base_wire=args.base_wire, reference_seconds=ref["seconds"], bit_identical=same, violations=v,
                island_errors=soak["errors"][:20])
     return out
 
@@ -382,7 +393,13 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--push-dtypes", default=None, help="the islands' push codecs, one per island in turn "
                    "(default f32; --quick: f32,topk:0.05+int2,int4)")
+    p.add_argument("--base-wire", default=None, help="the syncer's --base-wire (default f32; --quick: "
+                   "topk:0.1+int2)")
     a = p.parse_args(argv)
+    if a.base_wire is None:
+        a.base_wire = "topk:0.1+int2" if a.quick else "f32"
+    if not codec_names.base_wire_ok(a.base_wire):
+        p.error(f"--base-wire: use {codec_names.describe_base_wire()}")
     if a.push_dtypes is None:
         a.push_dtypes = "f32,topk:0.05+int2,int4" if a.quick else "f32"
     for d in a.push_dtypes.split(","):

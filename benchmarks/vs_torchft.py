@@ -713,7 +713,7 @@ def main(argv=None):
     g.add_argument("--yeto-push-dtype", default="int4", choices=("f32", "bf16", "int8", "int4", "int4-log"))
     g.add_argument("--yeto-error-feedback", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--yeto-tau", type=int, default=5)
-    g.add_argument("--yeto-base-wire", default="int4", choices=("f32", "bf16", "int8", "int4"))
+    g.add_argument("--yeto-base-wire", default="int4", metavar="DTYPE", help="the syncer's --base-wire")
     g.add_argument("--yeto-quorum", type=int, default=0, help="the syncer's --quorum K (0: its default, elastic "
                    "rounds; M: every round waits for every island, as torchft's quorum does)")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false",

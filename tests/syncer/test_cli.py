@@ -63,6 +63,21 @@ def test_bad_arguments_exit_2_with_a_clear_message(args, msg, capsys, monkeypatc
     assert msg in capsys.readouterr().err
 
 
+def test_base_wire_takes_sparse_names_as_typed():
+    from yeto_patch.syncer.cli import config_from_args
+    for typed, name in (("int4", "int4"), ("TopK:0.050+INT2", "topk:0.05+int2"), ("topk:.1+int8", "topk:0.1+int8")):
+        a = build_parser().parse_args(["--base-wire", typed, "--insecure", "--listen", "127.0.0.1:0"])
+        assert a.base_wire == name and config_from_args(a).base_wire == name
+
+
+@pytest.mark.parametrize("typed", ["int4-log", "topk:0.7+int2", "topk:0.05+int3", "f16"])
+def test_base_wire_refuses_what_cannot_carry_bases(typed, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--base-wire", typed, "--insecure", "--listen", "127.0.0.1:0"])
+    assert e.value.code == 2
+    assert "use f32, bf16, int8, int4, or topk:F+intB" in capsys.readouterr().err
+
+
 def test_key_file_must_be_private(tmp_path, capsys):
     k = tmp_path / "k"
     k.write_text("s" * 40)

@@ -56,10 +56,10 @@ def build_parser():
     g.add_argument("--merge-alpha", type=float, default=0.5)
     g.add_argument("--outer-lr", type=float, default=0.7)
     g.add_argument("--outer-momentum", type=float, default=0.9)
-    g.add_argument("--base-wire", choices=list(codec_names.BASE_WIRE), default="int4",
-                   help="how the syncer sends merged bases (the syncer's --base-wire): int4/int8 send the "
-                        "quantized change with error feedback (8x/4x fewer bytes than f32); the final model is "
-                        "always f32")
+    g.add_argument("--base-wire", type=base_wire_type, default="int4", metavar="DTYPE",
+                   help="how the syncer sends merged bases (the syncer's --base-wire): int4/int8/topk:F+intB send "
+                        "the encoded change with error feedback (8x/4x/more fewer bytes than f32); the final model "
+                        "is always f32")
     g.add_argument("--sync-timeout", type=float, default=300, help="YETO_DILOCO_TIMEOUT of the islands")
     g.add_argument("--syncer-arg", action="append", default=[], help="extra flag for the syncer (repeatable)")
     g.add_argument("--island-env", action="append", default=[], help="extra NAME=VALUE for the islands")
@@ -154,6 +154,14 @@ def main(argv=None):
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def base_wire_type(text: str) -> str:
+    """argparse type of a --base-wire value (the demo's and the benchmarks')."""
+    name = codec_names.canonical_base_wire(text)
+    if name is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: use {codec_names.describe_base_wire()}")
+    return name
 
 
 def _push_dtype(text: str) -> str:

@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Optional
 
-from ..wire import auth
+from ..wire import auth, codec_names
 from ..wire.frames import AuthError
 from .model.checkpoint import CheckpointError
 from .model.outer import AUTO_LR, OUTER_KINDS
@@ -63,6 +63,13 @@ def _initializer(s: str) -> str:
         return policy_arg(s)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _base_wire(s: str) -> str:
+    name = codec_names.canonical_base_wire(s)
+    if name is None:
+        raise argparse.ArgumentTypeError(f"{s!r}: use {codec_names.describe_base_wire()}")
+    return name
 
 
 def _nonneg_float(s: str) -> float:
@@ -195,11 +202,11 @@ def _outer_flags(g) -> None:
 
 
 def _transfer_flags(g) -> None:
-    g.add_argument("--base-wire", choices=("f32", "bf16", "int8", "int4"), default="f32", help="how merged bases "
-                   "go out after each merge: f32, bf16, or int8/int4: the block-quantized change from the base the "
-                   "island holds, with the quantization error carried into the next update (islands hold exactly "
-                   "the syncer's shadow base; 4x/8x fewer bytes than f32). The initial, rejoin and final bases, and "
-                   "any base to an island that missed the previous one, are always f32")
+    g.add_argument("--base-wire", type=_base_wire, default="f32", metavar="DTYPE", help="how merged bases "
+                   "go out after each merge: f32, bf16, or int8/int4/topk:F+intB: the encoded change from the base "
+                   "the island holds, with what was not sent carried into the next update (islands hold exactly "
+                   "the syncer's shadow base; 4x/8x fewer bytes than f32, topk:0.05+int2 about 49x). The initial, "
+                   "rejoin and final bases, and any base to an island that missed the previous one, are always f32")
     g.add_argument("--io-timeout", type=_pos_float, default=120.0, help="seconds a socket operation may stall "
                    "before the connection is dropped; also how long a due merge lets a base of its fragment still "
                    "streaming to a slow island finish before it waits for it")

@@ -4,13 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..wire import codec_names
 from .rounds.settings import MergeSettings, RoundSettings
 from .shards.spec import ShardSpec
 
-__all__ = ["ServerConfig", "BASE_WIRE"]
-
-BASE_WIRE = codec_names.BASE_WIRE
+__all__ = ["ServerConfig"]
 
 
 @dataclass

@@ -15,13 +15,14 @@ import re
 from typing import NamedTuple, Optional
 
 __all__ = ["PLAIN", "BLOCK", "DENSE", "BASE_WIRE", "BASE_UPDATES", "SPARSE_BITS", "SPARSE_FORM", "MAX_NAME",
-           "Sparse", "sparse", "known", "canonical", "describe", "is_blockwise", "examples"]
+           "Sparse", "sparse", "known", "canonical", "describe", "is_blockwise", "examples", "base_wire_ok",
+           "is_base_update", "describe_base_wire", "canonical_base_wire"]
 
 PLAIN = ("f32", "bf16")                       # one value after another
 BLOCK = ("int8", "int4", "int4-log")          # a float32 scale per block, then one code per value
 DENSE = PLAIN + BLOCK
-BASE_WIRE = ("f32", "bf16", "int8", "int4")   # how a syncer may send merged bases (--base-wire)
-BASE_UPDATES = ("int8", "int4")               # base updates relative to the island's previous base
+BASE_WIRE = ("f32", "bf16", "int8", "int4")   # how a syncer may send merged bases (--base-wire), or any sparse name
+BASE_UPDATES = ("int8", "int4")               # base updates relative to the island's previous base (and sparse ones)
 SPARSE_BITS = (2, 4, 8)
 SPARSE_FORM = "topk:F+intB"
 SPARSE_MIN_E4, SPARSE_MAX_E4 = 10, 5000       # F in units of 1e-4: 0.001 .. 0.5
@@ -58,6 +59,27 @@ def sparse(name) -> Optional[Sparse]:
 
 def known(name) -> bool:
     return isinstance(name, str) and (name in DENSE or sparse(name) is not None)
+
+
+def is_base_update(name) -> bool:
+    """Whether merged bases sent as ``name`` go out as the encoded change from the base the island holds, the
+    error carried by the syncer's shadow base (int8, int4 and every sparse name)."""
+    return name in BASE_UPDATES or sparse(name) is not None
+
+
+def base_wire_ok(name) -> bool:
+    """Whether a syncer may send merged bases as ``name`` (--base-wire)."""
+    return name in BASE_WIRE or sparse(name) is not None
+
+
+def describe_base_wire() -> str:
+    return f"{', '.join(BASE_WIRE)}, or {SPARSE_FORM} (as for pushes)"
+
+
+def canonical_base_wire(text: str) -> Optional[str]:
+    """The canonical --base-wire name of what a user typed (None: not a way to send bases)."""
+    name = canonical(text)
+    return name if base_wire_ok(name) else None
 
 
 def is_blockwise(name: str) -> bool:

@@ -14,10 +14,10 @@ from typing import Iterable, Mapping, Optional
 
 import numpy as np
 
-from . import codecs
+from . import codec_names, codecs
 from .frames import CodecError, MsgType, ProtocolError
 from .message import encode_meta
-from .values import DELTA_CODECS, Base, PushReply, Schedule, SyncerStatus, Welcome, merge_info, shard_fields
+from .values import Base, PushReply, Schedule, SyncerStatus, Welcome, merge_info, shard_fields
 
 __all__ = ["SchemaError", "INT64_MAX", "MAX_PUSH_STEPS", "MAX_PUSH_TOKENS", "MAX_PATIENCE_S", "MAX_RATE",
            "MAX_RHYTHM", "MAX_RHYTHM_S", "MAX_CODEC_NAME", "MAX_REPLY_MESSAGE", "bounded_int", "bounded_number", "shown", "aligned",
@@ -270,7 +270,7 @@ def welcome_meta(w: Welcome, manifest_digest: str) -> dict:
 def base_meta(fragment: int, version: int, dtype: str, numel: int, final: bool, merge: Optional[dict] = None,
               delta_from: Optional[int] = None, block: Optional[int] = None) -> dict:
     """A BASE / FINAL_BASE meta (aligned): a full base in ``dtype`` (f32, bf16, or "held": the weights the island
-    declared), or with ``delta_from`` an update of the previous version in ``dtype`` (int8/int4, ``block``);
+    declared), or with ``delta_from`` an update of the previous version in ``dtype`` (int8/int4/topk:F+intB, ``block``);
     ``merge``: this island's figures of the merge that made the version."""
     meta = {"fragment": fragment, "version": version, "dtype": dtype, "numel": numel, "final": final}
     if merge is not None:
@@ -439,13 +439,13 @@ def read_base(t: MsgType, meta: dict, body, welcome, declared: bool, last: Mappi
 
 
 def _base_update(t, meta, body, frag, version, dtype, numel, last) -> Base:
-    """A BASE that carries the change from the previous base (``--base-wire int8/int4``), validated: the client
-    composes it with a base not yet polled, or the island applies it to its anchors."""
+    """A BASE that carries the change from the previous base (``--base-wire int8/int4/topk:F+intB``), validated:
+    the client composes it with a base not yet polled, or the island applies it to its anchors."""
     start = meta["delta_from"]
     block = meta.get("block", codecs.DEFAULT_BLOCK)
     if t != MsgType.BASE or meta.get("final"):
         raise ProtocolError("a final base must be a full float32 base, not an update")
-    if dtype not in DELTA_CODECS or isinstance(start, bool) or not isinstance(start, int) \
+    if not codec_names.is_base_update(dtype) or isinstance(start, bool) or not isinstance(start, int) \
             or isinstance(block, bool) or not isinstance(block, int):
         raise ProtocolError(f"base update of fragment {frag}: bad dtype/delta_from/block "
                             f"{dtype!r}/{start!r}/{block!r}")

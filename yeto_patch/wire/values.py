@@ -14,7 +14,7 @@ import numpy as np
 from . import codec_names, codecs
 from .frames import AuthError, CodecError, PeerError, ProtocolError
 
-__all__ = ["SyncerRefusal", "Welcome", "Base", "PushReply", "SyncerStatus", "Schedule", "recoverable", "DELTA_CODECS",
+__all__ = ["SyncerRefusal", "Welcome", "Base", "PushReply", "SyncerStatus", "Schedule", "recoverable",
            "shard_fields", "merge_info"]
 
 
@@ -108,7 +108,6 @@ class SyncerStatus:
         return "; ".join(parts) or "no round of this island is open"
 
 
-DELTA_CODECS = codec_names.BASE_UPDATES
 _COMPOSE_PIECE = 1 << 18
 
 

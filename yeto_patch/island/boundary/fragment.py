@@ -128,7 +128,7 @@ class Rank0Side:
 
     def take_base(self, b) -> None:
         """A base received from the syncer; kept if it is the newest (an update of the previous base,
-        --base-wire int8/int4, is applied to it in order)."""
+        --base-wire int8/int4/topk, is applied to it in order)."""
         cur = self.arrived
         if b.relative:
             self.arrived = b if cur is None else cur.then(b)

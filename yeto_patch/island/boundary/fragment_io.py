@@ -3,7 +3,7 @@
 - push: the encoder of a fragment's delta on rank 0 (``push_encoder.py``, with error feedback if on); the delta
   itself is gathered by the push lane (push_lane.py);
 - INIT: stream the fragment's masters to the syncer from rank 0 without holding the fragment (``send_init``);
-- install: write a base (or the quantized updates of the anchor, --base-wire int8/int4) into masters, model
+- install: write a base (or the encoded updates of the anchor, --base-wire int8/int4/topk) into masters, model
   parameters and anchors (``install``: at start, the final cut and restarts); bases merged during training are
   staged in the background (``base_lane.py``, ``base_sources``) and installed by ``installs.Installer``;
 - the start digests of every tensor (the syncer skips initial bases this island already holds).

@@ -123,7 +123,7 @@ class FragmentTensors:
     base: np.ndarray
     momentum: Optional[np.ndarray] = None
     delay_buf: Optional[np.ndarray] = None
-    shadow: Optional[np.ndarray] = None   # --base-wire int8/int4: the base the islands hold (base + residual)
+    shadow: Optional[np.ndarray] = None   # --base-wire int8/int4/topk: the base the islands hold (base + residual)
     bound: Optional[float] = None  # max |x| over base, momentum, delay buffer (None: unknown)
 
 

@@ -19,12 +19,12 @@ from typing import Optional
 
 import numpy as np
 
-from ...wire import auth
+from ...wire import auth, codec_names
 from ...wire.frames import MAX_PAYLOAD, BrokenHere, FrameAuthError, MsgType, PeerError, ProtocolError, WireTimeout
 from ...wire.transport import Connection, listen
 from .admission import HandshakeSlots, host_of
 from ..model.checkpoint import CheckpointError, CheckpointWriter
-from ..config import BASE_WIRE, ServerConfig
+from ..config import ServerConfig
 from .final_cut import await_acks, goodbye
 from ..model.guard import NormGuard
 from ...wire.text import printable
@@ -37,7 +37,6 @@ from ..observe.metrics import Metrics, Tape
 from ..rounds.records import MergeRecord
 from ..rounds.coordinator import Coordinator
 from ..observe.status_page import StatusPage
-from .session import BASE_UPDATES
 from .session import Session as _Session
 from .registry import Registry
 from ..rounds.pushes import ReceivedPush, PushRefused, parse_push, refusal, reply_for
@@ -56,8 +55,9 @@ HANDSHAKE_MAX = {t: 64 << 10 for t in MsgType if t != MsgType.CHUNK}
 
 class SyncerServer:
     def __init__(self, cfg: ServerConfig):
-        if cfg.base_wire not in BASE_WIRE:
-            raise ValueError(f"base wire dtype must be one of {BASE_WIRE}, got {cfg.base_wire!r}")
+        if not codec_names.base_wire_ok(cfg.base_wire):
+            raise ValueError(f"base wire dtype must be one of {codec_names.describe_base_wire()}, got "
+                             f"{cfg.base_wire!r}")
         if cfg.key is None and not cfg.island_keys:
             auth.check_insecure(cfg.listen, cfg.insecure)
         if cfg.background_checkpoint and not cfg.checkpoint:
@@ -70,7 +70,7 @@ class SyncerServer:
             if cfg.max_push_norm_ratio else None
         rounds = dataclasses.replace(cfg.rounds, roster_wait_s=cfg.init_wait_s)   # (FINALs: rounds/roster.py)
         self.coord = Coordinator(cfg.merge, rounds, self.runner, shard=cfg.shard, guard=guard,
-                                 down_codec=cfg.base_wire if cfg.base_wire in BASE_UPDATES else None,
+                                 down_codec=cfg.base_wire if codec_names.is_base_update(cfg.base_wire) else None,
                                  protect=self.writer.protect if self.writer else None,
                                  heartbeat_s=self.heartbeat_s)   # (a lost link counts as up for one heartbeat)
         self.fold_pool = ThreadPoolExecutor(max(2, min(8, cfg.islands)), thread_name_prefix="yeto-fold")

@@ -19,11 +19,10 @@ from ...wire.schema import base_meta
 from ...wire.transport import Connection
 from ..model.fragment import GlobalFragment
 
-__all__ = ["Session", "SEND_CHUNK", "BASE_UPDATES"]
+__all__ = ["Session", "SEND_CHUNK"]
 
 log = logging.getLogger("yeto.syncer")
 SEND_CHUNK = 4 << 20  # bytes per body piece handed to the transport
-BASE_UPDATES = codec_names.BASE_UPDATES   # quantized change from the island's base, error carried to the next
 
 
 class Session:
@@ -215,11 +214,11 @@ class Session:
                 return None   # this connection already carried this version (an island joining while INIT completed)
             base = f.outgoing(final)
             n = f.numel
-            down = None if final or dtype not in BASE_UPDATES else f.update_for(self._sent.get(frag))
+            down = None if final or not codec_names.is_base_update(dtype) else f.update_for(self._sent.get(frag))
             if dtype == "check":   # the island declared what it holds: skip the download when it is this base
                 dtype = "held" if (not final and frag not in self._sent and declared_ok(f.digests(base, sizes))) \
                     else "f32"
-            if dtype in BASE_UPDATES and down is None:
+            if codec_names.is_base_update(dtype) and down is None:
                 dtype = "f32"   # the island does not hold the previous version: the full shadow
             meta = base_meta(frag, f.version, dtype, n, final,
                              merge=merge[1] if merge is not None and merge[0] == f.version else None,
