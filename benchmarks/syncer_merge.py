@@ -217,6 +217,8 @@ def transfer_part(P: int, threads: int, reps: int = 3) -> dict:
     import logging
 
     logging.getLogger("yeto").setLevel(logging.WARNING)
+    from yeto_patch.syncer.model import outer_jit
+    outer_jit.warm()   # (as yeto-syncer does before it listens: the INIT check's kernel is compiled or loaded)
     values = np.random.default_rng(0).standard_normal(P, dtype=np.float32)
     nbytes = 4 * P
     raws, inits, bases, ri, rb = [], [], [], [], []

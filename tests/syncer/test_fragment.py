@@ -17,6 +17,36 @@ def vals(n, seed=0):
     return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
 
 
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_init_refusal_names_the_first_bad_value_in_one_pass(jit, threads):
+    from yeto_patch.syncer.model import outer_jit
+    from yeto_patch.syncer.model.guard import init_refusal
+    from yeto_patch.syncer.model.runner import ChunkRunner
+    runner = ChunkRunner(threads, chunk=1 << 18)
+    was = outer_jit.enabled()
+    outer_jit.set_enabled(jit and outer_jit.available())
+    try:
+        assert init_refusal("INIT of fragment 0", vals(3 << 20), runner) is None
+        assert init_refusal("INIT of fragment 0", np.zeros(0, np.float32), runner) is None
+        edge = vals(1000)
+        edge[7] = np.float32(1e30)                          # the largest usable value is usable
+        assert init_refusal("x", edge, runner) is None
+        bad = vals(3 << 20)
+        bad[(1 << 20) + 5] = np.inf
+        assert init_refusal("INIT of fragment 2", bad, runner) == (
+            "nonfinite", "INIT of fragment 2 has a non-finite value near 1048576")
+        bad[(2 << 20) + 9] = np.float32(3e36)               # a finite value too large comes first
+        code, why = init_refusal("INIT of fragment 2", bad, runner)
+        assert code == "bad-init" and "element 2097161" in why and "a base must stay usable" in why
+        nan = vals(10)
+        nan[9] = np.nan
+        assert init_refusal("y", nan, runner)[0] == "nonfinite"
+    finally:
+        outer_jit.set_enabled(was)
+        runner.close()
+
+
 def test_init_install_and_drop():
     f = GlobalFragment(2, 10)
     assert not f.has_base and f.index == 2 and f.version == 0
@@ -24,9 +54,6 @@ def test_init_install_and_drop():
         f.check_init(vals(9))
     with pytest.raises(ValueError, match="float64"):
         f.check_init(np.zeros(10))
-    bad = vals(3 << 20)
-    bad[(1 << 20) + 5] = np.inf
-    assert f.first_nonfinite(bad) == 1 << 20 and f.first_nonfinite(vals(10)) is None
     v = vals(10)
     f.install_init(v, shadow=True)
     assert f.has_base and f.t.base is v                # kept, not copied

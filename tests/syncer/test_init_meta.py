@@ -58,6 +58,28 @@ def test_a_second_init_of_a_fragment_is_an_init_error_and_changes_nothing():
         b.close()
 
 
+@pytest.mark.parametrize("value,says", [(np.nan, "non-finite value near 0"), (np.float32(3e36), "above 1e+30")])
+def test_an_init_that_cannot_be_a_base_is_an_init_error_and_changes_nothing(value, says):
+    """The INIT's values are checked in one pass before they become the base; the element is named."""
+    server, addr = make_server(islands=2, fragments=2)
+    values = init_values()
+    with running(server):
+        a = client(addr, "a")
+        w = a.connect()
+        bad = [values[i].copy() for i in w.layout[0]]
+        bad[0].reshape(-1)[3] = value
+        a.send_init(0, bad)
+        e = peer_error(a)
+        assert e.code == "init" and says in e.message, e.message
+        assert not server.coord.initialized and not server.coord.frags[0].has_base
+        a.close()
+        b = client(addr, "b")   # an island with usable weights initializes the run
+        wb = b.connect()
+        b.wait_ready(20, init_source=lambda f: [values[i] for i in wb.layout[f]])
+        assert server.coord.initialized
+        b.close()
+
+
 def test_init_after_initialization_is_an_init_error():
     server, addr = make_server(islands=2, fragments=2)
     with running(server):

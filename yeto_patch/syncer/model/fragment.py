@@ -53,13 +53,6 @@ class GlobalFragment:
             raise ValueError(f"INIT of fragment {self.index} must hold {self.numel} float32 values, "
                              f"got {values.size} {values.dtype}")
 
-    def first_nonfinite(self, values: np.ndarray) -> Optional[int]:
-        """Offset (of the 1 Mi-value piece) holding the first non-finite value, None when all are finite."""
-        for a in range(0, values.size, 1 << 20):
-            if not np.isfinite(values[a:a + (1 << 20)]).all():
-                return a
-        return None
-
     def install_init(self, values: np.ndarray, shadow: bool) -> None:
         """Take INIT values as the base (kept, not copied, when writeable); ``shadow``: base updates go out, so
         the islands' shadow starts equal to the base."""

@@ -47,9 +47,10 @@ from ...wire import codecs
 from ...wire.frames import CodecError
 from ...wire.text import printable
 from .runner import ChunkRunner
+from . import outer_jit
 from .outer import USABLE_MAX
 
-__all__ = ["NormGuard", "PushStats", "unusable", "too_large", "USABLE_MAX", "WINDOW", "FIRST_GROWTH", "push_stats"]
+__all__ = ["NormGuard", "PushStats", "unusable", "too_large", "init_refusal", "USABLE_MAX", "WINDOW", "FIRST_GROWTH", "push_stats"]
 
 log = logging.getLogger("yeto.syncer")
 WINDOW = 16          # accepted pushes remembered per island and fragment
@@ -176,6 +177,33 @@ def unusable(name: str, a: Optional[np.ndarray], chunk: int = 1 << 20) -> Option
             i = s + int(np.argmax(bad))
             return f"{name} has a value {float(a[i])!r} at element {i} (not finite or above {USABLE_MAX:g})"
     return None
+
+
+def init_refusal(name: str, a: np.ndarray, runner: ChunkRunner) -> Optional[tuple]:
+    """(refusal code, why) when float32 array ``a`` cannot become a base, None when it can: a finite value above
+    USABLE_MAX ("bad-init", checked first) or a non-finite one ("nonfinite"). One pass on the runner's threads
+    (the outer step's scan: INIT of a large model is not held up by a dozen numpy passes after its last byte);
+    the element is named by the slower checks, on hostile input only."""
+    if all(ok and amax <= USABLE_MAX for ok, amax in runner.map(a.size, lambda x, y: _largest(a[x:y]))):
+        return None
+    why = too_large(name, a)
+    if why:
+        return "bad-init", why + " (a base must stay usable)"
+    for s in range(0, a.size, 1 << 20):
+        if not np.isfinite(a[s:s + (1 << 20)]).all():
+            return "nonfinite", f"{name} has a non-finite value near {s}"
+    return None
+
+
+def _largest(x: np.ndarray) -> tuple:
+    """(finite, max |x|) of a float32 chunk."""
+    if x.size == 0:
+        return True, 0.0
+    if outer_jit.enabled():
+        ok, amax, _ = outer_jit.scan(x)
+        return ok, amax
+    mx, mn = float(x.max()), float(x.min())   # NaN propagates through max/min
+    return bool(np.isfinite(mx) and np.isfinite(mn)), max(mx, -mn)
 
 
 def too_large(name: str, a: np.ndarray, chunk: int = 1 << 20) -> Optional[str]:

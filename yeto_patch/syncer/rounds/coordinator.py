@@ -34,6 +34,7 @@ from ...wire.frames import CodecError
 from ...wire.schema import MAX_RHYTHM, bounded_int, shown
 from ...wire.values import SyncerStatus
 from ..model.fragment import GlobalFragment
+from ..model.guard import init_refusal
 from ..model.layout import fragment_numels, partition
 from ..model.outer import NonFiniteMerge, outer_lr_inputs
 from ..model.runner import ChunkRunner
@@ -158,9 +159,9 @@ class Coordinator:
         """Install INIT values (float32, finite) for a fragment; True when every fragment has its base."""
         with self.lock:
             f = self._init_target(index, values)
-        a = f.first_nonfinite(values)
-        if a is not None:
-            raise PushRefused("nonfinite", f"INIT of fragment {index} has a non-finite value near {a}")
+        bad = init_refusal(f"INIT of fragment {index}", values, self.runner)
+        if bad is not None:
+            raise PushRefused(*bad)
         with self.lock:
             if f.has_base:   # (one initializer, one reader thread: not expected)
                 raise PushRefused("duplicate-init", f"a second INIT of fragment {index}; refused")
