@@ -48,9 +48,9 @@ API::
     probe(address, key, *, timeout=10.0, insecure=False, island_id="doctor") -> dict
         # authenticated handshake without joining a run (yeto-patch doctor): the syncer's status
 
-    Base: fragment, version, dtype ("f32" | "bf16" | "int8" | "int4" on the wire), values (flat float32 numpy
-        array) or, for a base update (--base-wire int8/int4/topk), values None and `deltas`: encoded changes to apply
-        in order to the island's base of version `start` (base.delta_range(i, start, count) decodes a piece),
+    Base: fragment, version, dtype ("f32" | "bf16" | "int8" | "int4" | "topk:F+intB"), values (flat float32 numpy
+        array) or, for a base update (--base-wire int8/int4/topk), values None and `deltas`: encoded changes to
+        apply in order to the island's base of version `start` (base.delta_range(i, start, count) decodes a piece),
         with `held` True when that base is the weights the island already holds (declared in its MANIFEST);
         `merge`: the syncer's figures of the merge that made it (values.merge_info), or None;
         base_a.then(base_b) composes a base with the updates that follow it (exactly as the syncer did), final

@@ -3,8 +3,8 @@
 A :class:`GlobalFragment` (the global model's copy; an island's own state of a fragment is
 island/boundary/fragment.Fragment) owns the fragment's committed tensors (base, momentum, delay buffer, and with
 ``--base-wire int8/int4/topk:F+intB`` the shadow base the islands hold), its version, the encoded update from the
-previous shadow, the per-tensor digests islands compare with what they declared, and the readers-writer lock that lets
-base streams read the live base while a merge waits to write it, and whether it takes pushes at all (``closed``:
+previous shadow, the per-tensor digests islands compare with what they declared, and the readers-writer lock that
+lets base streams read the live base while a merge waits to write it, and whether it takes pushes at all (``closed``:
 total rounds reached, final cut done). Its open round is not here: rounds/round.py owns it, and the coordinator
 keeps one per fragment.
 

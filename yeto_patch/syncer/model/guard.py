@@ -46,11 +46,12 @@ import numpy as np
 from ...wire import codecs
 from ...wire.frames import CodecError
 from ...wire.text import printable
-from .runner import ChunkRunner
 from . import outer_jit
+from .runner import ChunkRunner
 from .outer import USABLE_MAX
 
-__all__ = ["NormGuard", "PushStats", "unusable", "too_large", "init_refusal", "USABLE_MAX", "WINDOW", "FIRST_GROWTH", "push_stats"]
+__all__ = ["NormGuard", "PushStats", "unusable", "too_large", "init_refusal", "USABLE_MAX", "WINDOW", "FIRST_GROWTH",
+           "push_stats"]
 
 log = logging.getLogger("yeto.syncer")
 WINDOW = 16          # accepted pushes remembered per island and fragment

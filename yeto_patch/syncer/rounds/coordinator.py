@@ -76,8 +76,8 @@ class RoundView(NamedTuple):
 class Coordinator:
     """Built with everything it needs: ``merge`` and ``rounds`` settings, the merge ``runner``, the ``clock``, its
     ``shard``; ``guard`` (a model.guard.NormGuard or None) refuses pushes far outside what a fragment has seen;
-    ``down_codec`` (``--base-wire int8/int4/topk:F+intB``): merged bases go out as encoded updates of a shadow base, the
-    quantization error carried into the next update; ``protect(fragment)`` is called before a fragment's arrays
+    ``down_codec`` (``--base-wire int8/int4/topk:F+intB``): merged bases go out as encoded updates of a shadow
+    base, what was not sent carried into the next update; ``protect(fragment)`` is called before a fragment's arrays
     change (a background checkpoint copies them first); ``heartbeat_s``: a lost link counts as up for one period."""
 
     def __init__(self, merge: MergeSettings, rounds: RoundSettings, runner: Optional[ChunkRunner] = None,
