@@ -741,6 +741,10 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, "bench-out", "vs_torchft"))
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    from yeto_patch.wire import codec_names
+    if codec_names.canonical_base_wire(a.yeto_base_wire) is None:
+        ap.error(f"--yeto-base-wire: use {codec_names.describe_base_wire()}")
+    a.yeto_base_wire = codec_names.canonical_base_wire(a.yeto_base_wire)
     why = torchft_missing()
     if why:
         print(f"vs_torchft: {why}", file=sys.stderr)
