@@ -71,6 +71,14 @@ KINDS = ("ddp", "lone", "diloco", "ref")
 LOADS = ("quiet", "hog", "delay")
 MERGED = re.compile(r"merged fragment \d+ -> v\d+: \d+ push\(es\) \[([^\]]*)\]")
 ITER_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+def training_ms(windows: list):
+    """An island's ms per iteration while it trains, from Megatron's per-window figures: without the first window
+    (start-up, compilation) and, given more than two, the last (it holds the final cut's wait for the other
+    islands: a fast island that reaches its last step first waits there, 666 ms per iteration in one window)."""
+    core = windows[1:-1] if len(windows) > 2 else windows[1:]
+    return sum(core) / len(core) if core else None
 VALID = re.compile(r"validation loss at iteration (\d+) on validation set \| lm loss value: ([0-9.eE+-]+)")
 
 
@@ -351,7 +359,7 @@ def run_diloco(a, cell: Cell, data: dict, tmp: str) -> dict:
     return {"loss": sum(losses) / 2, "islands": losses, "dir": str(d), "merges": len(merges),
             "both": both / len(merges) if merges else 0.0,   # merges holding a push of each island (on time or carried)
             "both_live": both_live / len(live) if live else 0.0, "live": len(live),   # ... while both train
-            "ms_per_iter": [sum(x[1:]) / len(x[1:]) if len(x) > 1 else None for x in ms]}   # (the first: start-up)
+            "ms_per_iter": [training_ms(x) for x in ms]}
 
 
 def island_argv(a, x: str, data: dict, cache: str, seeds: tuple) -> list:

@@ -55,3 +55,11 @@ def test_two_islands_f4_are_no_worse_than_the_lone_island_from_the_same_start(tm
     r = subprocess.run(cmd, cwd=P.ROOT, env=P.base_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert json.loads(ref_json.read_text())["diloco"] == ref["loss"]
+
+
+def test_ms_per_iteration_leaves_out_start_up_and_the_final_cut_wait():
+    """The table's ms per iteration is an island's training pace: Megatron's first window (start-up) and last
+    (a fast island waiting at its last step for the final cut) are left out."""
+    from benchmarks import convergence_mlm as mod
+    assert mod.training_ms([900.0, 55.0, 53.0, 57.0, 666.4]) == pytest.approx(55.0)
+    assert mod.training_ms([900.0, 60.0]) == 60.0 and mod.training_ms([900.0]) is None and mod.training_ms([]) is None
