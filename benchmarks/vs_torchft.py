@@ -713,7 +713,9 @@ def main(argv=None):
     g.add_argument("--yeto-push-dtype", default="int4", choices=("f32", "bf16", "int8", "int4", "int4-log"))
     g.add_argument("--yeto-error-feedback", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--yeto-tau", type=int, default=5)
-    g.add_argument("--yeto-base-wire", default="int4", metavar="DTYPE", help="the syncer's --base-wire")
+    from yeto_patch.demo.cli import base_wire_type   # (the demo's check of a --base-wire value)
+    g.add_argument("--yeto-base-wire", default="int4", type=base_wire_type, metavar="DTYPE",
+                   help="the syncer's --base-wire")
     g.add_argument("--yeto-quorum", type=int, default=0, help="the syncer's --quorum K (0: its default, elastic "
                    "rounds; M: every round waits for every island, as torchft's quorum does)")
     ap.add_argument("--no-baseline", dest="baseline", action="store_false",
@@ -741,10 +743,6 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, "bench-out", "vs_torchft"))
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    from yeto_patch.wire import codec_names
-    if codec_names.canonical_base_wire(a.yeto_base_wire) is None:
-        ap.error(f"--yeto-base-wire: use {codec_names.describe_base_wire()}")
-    a.yeto_base_wire = codec_names.canonical_base_wire(a.yeto_base_wire)
     why = torchft_missing()
     if why:
         print(f"vs_torchft: {why}", file=sys.stderr)
