@@ -9,7 +9,7 @@ Throughput is GB/s of float32 input (numel * 4 bytes / seconds), best of --repea
 measures numpy's memcpy (np.copyto of the float32 array: read bandwidth = bytes read / s), xxh3_64 over the
 float32 bytes, and a naive one-line numpy implementation of each codec (same format, no blocking/threads),
 then prints ratios: encode/memcpy, decode/memcpy, encode/naive, decode/naive.
-Targets on the 2-core reference machine (int8/int4/int4-log): encode >= 0.8x memcpy, decode >= 0.9x memcpy,
+Targets on the 2-core reference machine (int8/int4/int4-log/int1): encode >= 0.8x memcpy, decode >= 0.9x memcpy,
 both >= 3x naive.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import xxhash
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from yeto_patch.wire import codec_jit, codec_kernels, codec_names, codecs, pieces  # noqa: E402
 
-TARGETS = {"int8", "int4", "int4-log"}
+TARGETS = {"int8", "int4", "int4-log", "int1"}
 
 
 # ------------------------------------------------------------------------- naive one-line implementations
@@ -36,9 +36,16 @@ def naive_encode(codec, x, block):
     if codec == "bf16":
         b = x.view(np.uint32).astype(np.uint64)
         return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
-    k = {"int8": 127.0, "int4": 7.0, "int4-log": 4.0 / 3.0}[codec]
     pad = (-x.size) % block
     xb = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(-1, block)
+    if codec == "int1":   # the block's mean |x|, its float64 sum in the codec's lane order; the sign bits
+        lanes = np.cumsum(np.abs(xb).astype(np.float64).reshape(xb.shape[0], -1, 8), axis=1)[:, -1]
+        sums = ((lanes[:, 0] + lanes[:, 1]) + (lanes[:, 2] + lanes[:, 3])) + ((lanes[:, 4] + lanes[:, 5])
+                                                                            + (lanes[:, 6] + lanes[:, 7]))
+        sizes = np.full(sums.size, float(block))
+        sizes[-1] -= pad
+        return (sums / sizes).astype(np.float32).tobytes() + np.packbits(np.signbit(x), bitorder="little").tobytes()
+    k = {"int8": 127.0, "int4": 7.0, "int4-log": 4.0 / 3.0}[codec]
     amax = np.abs(xb).max(axis=1, keepdims=True)
     inv = np.float32(k) / np.maximum(amax, codec_kernels.TINY[k])
     if codec == "int8":
@@ -67,6 +74,8 @@ def naive_decode(codec, buf, n, block):
     c = b[4 * nb:]
     if codec == "int8":
         q = c.view(np.int8).astype(np.float32)
+    elif codec == "int1":
+        q = 1 - 2 * np.unpackbits(c, count=n, bitorder="little").astype(np.float32)
     else:
         nib = np.stack([c & 15, c >> 4], axis=1).ravel()[:n]
         if codec == "int4":
@@ -170,7 +179,7 @@ def main(argv=None):
             if e < 0.8 * memcpy or d < 0.9 * memcpy or (not args.no_naive and (e < 3 * ne or d < 3 * nd)):
                 below.append(codec)
     print(f"xxh3_64 digest: {xx:.2f} GB/s ({xx / max(mcpy_all or [1]):.2f}x the best memcpy)")
-    print("targets (int8/int4/int4-log): encode >= 0.8x memcpy, decode >= 0.9x memcpy, both >= 3x naive: "
+    print("targets (int8/int4/int4-log/int1): encode >= 0.8x memcpy, decode >= 0.9x memcpy, both >= 3x naive: "
           + ("met" if not below else "NOT met for " + ", ".join(below)))
     return 0 if ok else 1
 

@@ -270,6 +270,10 @@ def _resolve(v: dict, env) -> None:
         raise ConfigError(f"YETO_DILOCO_OVERLAP_STEPS={v['overlap_steps']} must be smaller than "
                           f"YETO_DILOCO_SYNC_EVERY={v['sync_every']}: a fragment's base must arrive before its next "
                           f"boundary")
+    why = codec_names.block_refusal(v["push_dtype"], v["block"])
+    if why:
+        raise ConfigError(f"YETO_DILOCO_BLOCK={v['block']} does not suit YETO_DILOCO_PUSH_DTYPE={v['push_dtype']}: "
+                          f"{why}")
     metrics = v["metrics_path"]
     if metrics is not None:
         metrics = v["metrics_path"] = metrics.replace("{island}", v["island_id"])

@@ -50,6 +50,16 @@ def test_sparse_push_dtype_is_canonicalised():
     assert from_env(env(YETO_DILOCO_PUSH_DTYPE="topk:.1+int8", YETO_DILOCO_BLOCK="1024")).push_dtype == "topk:0.1+int8"
 
 
+def test_the_block_must_suit_the_push_dtype():
+    """A packed codec's block fills whole bytes: refused at start-up naming both variables, not at the first push."""
+    assert from_env(env(YETO_DILOCO_PUSH_DTYPE="INT1", YETO_DILOCO_BLOCK="1024")).push_dtype == "int1"
+    for dtype, block, per in (("int1", "12", 8), ("int4", "9", 2), ("int4-log", "255", 2)):
+        with pytest.raises(ConfigError, match=rf"^YETO_DILOCO_BLOCK={block} does not suit "
+                                              rf"YETO_DILOCO_PUSH_DTYPE={dtype}: .*multiple of {per}"):
+            from_env(env(YETO_DILOCO_PUSH_DTYPE=dtype, YETO_DILOCO_BLOCK=block))
+    assert from_env(env(YETO_DILOCO_PUSH_DTYPE="int8", YETO_DILOCO_BLOCK="9")).block == 9
+
+
 def test_every_value_form():
     s = from_env(env(YETO_DILOCO_SYNC_EVERY="50", YETO_DILOCO_PUSH_DTYPE="INT4-LOG", YETO_DILOCO_BLOCK="128",
                      YETO_DILOCO_ERROR_FEEDBACK="yes", YETO_DILOCO_OVERLAP_STEPS="2",

@@ -158,7 +158,8 @@ def test_a_lone_island_cannot_walk_the_base_up_unless_it_is_the_runs_only_island
             assert accepted == 3 and np.linalg.norm(base) <= 2 * first.norm   # 1.2 ** 4 > 2
 
 
-@pytest.mark.parametrize("codec", ["f32", "bf16", "int8", "int4", "int4-log", "topk:0.05+int2", "topk:0.1+int8"])
+@pytest.mark.parametrize("codec", ["f32", "bf16", "int8", "int4", "int4-log", "int1", "topk:0.05+int2",
+                                   "topk:0.1+int8"])
 def test_push_stats_match_the_decoded_values(codec):
     from yeto_patch.syncer.model.guard import push_stats
     from yeto_patch.syncer.model.runner import ChunkRunner

@@ -7,7 +7,8 @@ from yeto_patch.wire import codec_jit, codecs, pieces
 from yeto_patch.wire.frames import CodecError
 
 pytestmark = pytest.mark.skipif(not codec_jit.available(), reason="numba is not installed")
-BLOCK_CODECS = ("int8", "int4", "int4-log")
+BLOCK_CODECS = ("int8", "int4", "int4-log", "int1")
+INT1_BLOCK = {2: 8, 6: 24}   # int1 packs 8 values a byte: its blocks are multiples of 8
 
 
 @pytest.fixture
@@ -57,6 +58,8 @@ def _data(rng, n, kind):
 @pytest.mark.parametrize("block", [2, 6, 64, 256, 1000])
 @pytest.mark.parametrize("kind", ["normal", "wide", "grid", "tiny", "blocks"])
 def test_byte_equal_to_the_reference(codec, block, kind, reference):
+    if codec == "int1":
+        block = INT1_BLOCK.get(block, block)
     rng = np.random.default_rng(block * 7 + len(kind) + len(codec))
     for n in (1, 5, block - 1, block, 3 * block + 1, 2 * pieces.PIECE + 3):
         if n < 1:

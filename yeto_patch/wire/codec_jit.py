@@ -1,4 +1,4 @@
-"""Fused codec kernels (numba): one pass per block for int8, int4, int4-log (here) and the sparse codecs (their
+"""Fused codec kernels (numba): one pass per block for int8, int4, int4-log, int1 (here) and the sparse codecs (their
 dispatch is in sparse.py), byte-equal to the numpy kernels
 of :mod:`.codec_kernels` (the reference; tests/wire/test_codec_jit.py compares them on every layout).
 
@@ -29,6 +29,8 @@ available, enabled, set_enabled, kernels = _GATE.available, _GATE.enabled, _GATE
 def encoder(codec: str) -> Optional[Callable]:
     """The fused encoder of a piece (``codec_kernels.BLOCK_ENCODERS``' signature), or None (not a block codec,
     numba missing or disabled)."""
+    if codec == "int1" and enabled():
+        return _int1_encoder(kernels())
     if codec not in _KIND or not enabled():
         return None
     kind, k, div = _KIND[codec]
@@ -44,8 +46,22 @@ def encoder(codec: str) -> Optional[Callable]:
     return enc
 
 
+def _int1_encoder(kern):
+    def enc(x, scales, codes, a, b, block, name):
+        bad = kern.enc_int1(x, scales, codes, a, b, block)
+        if bad >= 0:
+            lo = bad * block
+            _NP_ENCODERS["int1"](x, scales, codes, lo, min(b, lo + block), block, name)
+            raise AssertionError("the fused encoder refused a block the reference accepted")
+    return enc
+
+
 def decoder(codec: str) -> Optional[Callable]:
     """The fused decoder of a piece (``codec_kernels.DECODERS``' signature), or None."""
+    if codec == "int1" and enabled():
+        kern = kernels()
+        return lambda codes, scales, out, a, b, block, acc, w: kern.dec_int1(
+            codes, scales, out if acc is None else acc, a, b, block, float(w), acc is not None)
     if codec not in _KIND or not enabled():
         return None
     kind = _KIND[codec][0]

@@ -250,6 +250,114 @@ def dec_nib(codes, scales, dst, a, b, block, w, add, logbits):
     return 0
 
 
+# ------------------------------------------------------------------------------------------------------ int1
+@_jit
+def _int1_sum(xb):
+    """(sum of |xb| in codec_kernels.int1_scale_sums' order, the largest |x| bit pattern): eight float64 lanes,
+    value i in lane i % 8, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))."""
+    xi = xb.view(np.int32)
+    l0 = l1 = l2 = l3 = l4 = l5 = l6 = l7 = 0.0
+    mx = np.int32(0)
+    m = xb.size
+    full = m & ~7
+    for p in range(full >> 3):
+        q = 8 * p
+        l0 += np.float64(abs(xb[q]))
+        l1 += np.float64(abs(xb[q + 1]))
+        l2 += np.float64(abs(xb[q + 2]))
+        l3 += np.float64(abs(xb[q + 3]))
+        l4 += np.float64(abs(xb[q + 4]))
+        l5 += np.float64(abs(xb[q + 5]))
+        l6 += np.float64(abs(xb[q + 6]))
+        l7 += np.float64(abs(xb[q + 7]))
+    for i in range(m):
+        mx = max(mx, xi[i] & np.int32(0x7FFFFFFF))
+    r = m - full   # a short last block: its values continue the lanes in order
+    if r > 0:
+        l0 += np.float64(abs(xb[full]))
+    if r > 1:
+        l1 += np.float64(abs(xb[full + 1]))
+    if r > 2:
+        l2 += np.float64(abs(xb[full + 2]))
+    if r > 3:
+        l3 += np.float64(abs(xb[full + 3]))
+    if r > 4:
+        l4 += np.float64(abs(xb[full + 4]))
+    if r > 5:
+        l5 += np.float64(abs(xb[full + 5]))
+    if r > 6:
+        l6 += np.float64(abs(xb[full + 6]))
+    return ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), mx
+
+
+@_jit
+def _enc1(xi, cb):
+    """Sign bits, value i -> bit i % 8 of byte i // 8 (LSB first); the last byte's padding bits zero."""
+    m = xi.size
+    full = m >> 3
+    for p in range(full):
+        q = 8 * p
+        v = ((xi[q] >> 31) & 1) | (((xi[q + 1] >> 31) & 1) << 1) | (((xi[q + 2] >> 31) & 1) << 2) \
+            | (((xi[q + 3] >> 31) & 1) << 3) | (((xi[q + 4] >> 31) & 1) << 4) | (((xi[q + 5] >> 31) & 1) << 5) \
+            | (((xi[q + 6] >> 31) & 1) << 6) | (((xi[q + 7] >> 31) & 1) << 7)
+        cb[p] = np.uint8(v)
+    if m & 7:
+        v = np.int32(0)
+        for j in range(m & 7):
+            v |= ((xi[8 * full + j] >> 31) & 1) << j
+        cb[full] = np.uint8(v)
+
+
+@_jit
+def enc_int1(x, scales, codes, a, b, block):
+    """int1 over blocks of x[a:b] (block a multiple of 8): per block one loop for the lane sums and the range check,
+    one (over L1) for the sign bits. Returns -1, or the first block holding a value the codecs refuse."""
+    xi = x.view(np.int32)
+    nb = (b - a + block - 1) // block
+    j0 = a // block
+    for jb in range(nb):
+        lo = a + jb * block
+        hi = min(b, lo + block)
+        prefetch_range(x, lo + _AHEAD, hi + _AHEAD)
+        total, bits = _int1_sum(x[lo:hi])
+        if bits > _LIMIT_BITS:
+            return j0 + jb
+        scales[j0 + jb] = np.float32(total / np.float64(hi - lo))
+        _enc1(xi[lo:hi], codes[lo >> 3:(lo >> 3) + ((hi - lo + 7) >> 3)])
+    return -1
+
+
+@_jit
+def _dec1_set(cb, db, sb):
+    for i in range(db.size):
+        db[i] = _i2f(sb ^ (((np.int32(cb[i >> 3]) >> (i & 7)) & 1) << 31))
+
+
+@_jit
+def _dec1_add(cb, db, sb):
+    for i in range(db.size):
+        db[i] = db[i] + _i2f(sb ^ (((np.int32(cb[i >> 3]) >> (i & 7)) & 1) << 31))
+
+
+@_jit
+def dec_int1(codes, scales, dst, a, b, block, w, add):
+    """int1: value i of a block is its scale (times w) with the sign bit of bit i % 8 of byte i // 8."""
+    wf = np.float32(w)
+    j0 = a // block
+    for jb in range((b - a + block - 1) // block):
+        lo = a + jb * block
+        hi = min(b, lo + block)
+        s = scales[j0 + jb]
+        if w != 1.0:
+            s = s * wf
+        cb = codes[lo >> 3:(lo >> 3) + ((hi - lo + 7) >> 3)]
+        if add:
+            _dec1_add(cb, dst[lo:hi], np.int64(_f2i(s)))
+        else:
+            _dec1_set(cb, dst[lo:hi], np.int64(_f2i(s)))
+    return 0
+
+
 # --------------------------------------------------------------------------------------------- sparse (topk)
 @_jit
 def _kth_largest(s, kth):

@@ -18,7 +18,8 @@ from .pieces import scratch as _scratch
 if sys.byteorder != "little":  # the bit manipulations below assume a little-endian host
     raise ImportError("yeto_patch.wire.codecs requires a little-endian host")
 
-__all__ = ["F32", "LIMIT", "TINY", "enc_f32", "enc_bf16", "BLOCK_ENCODERS", "DECODERS", "validate_plain"]
+__all__ = ["F32", "LIMIT", "TINY", "enc_f32", "enc_bf16", "BLOCK_ENCODERS", "DECODERS", "validate_plain",
+           "int1_scale_sums"]
 
 F32 = np.dtype("<f4")
 #: Largest |x| the block codecs accept (so that q * scale can never round to inf on decode).
@@ -188,7 +189,47 @@ def _enc_int4log(x, scales, codes, a, b, block, name):
     _pack_nibbles(e, codes[a // 2: (b + 1) // 2])
 
 
-BLOCK_ENCODERS = {"int8": _enc_int8, "int4": _enc_int4, "int4-log": _enc_int4log}
+def int1_scale_sums(ab: np.ndarray, block: int) -> np.ndarray:
+    """int1's block scales before the division: per block of ``ab`` (|x|, float32), the float64 sum of its values in
+    the one order every kernel uses, eight lanes (value i in lane i % 8, each summed in index order) combined as
+    ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): a fixed order, so numpy and numba agree to the bit, and one
+    that a compiled loop can run eight wide."""
+    m = ab.size
+    nb = _nblocks(m, block)
+    lanes = _scratch("i1lanes", nb * block, np.float64)
+    lanes[:m] = ab   # exact: every float32 is a float64
+    lanes[m:] = 0.0   # a short last block: zeros in the missing places (adding +0 changes no sum)
+    t = lanes.reshape(nb, block // 8, 8)
+    acc = np.add.accumulate(t, axis=1)[:, -1, :]   # accumulate, not sum: sequential, never pairwise
+    return ((acc[:, 0] + acc[:, 1]) + (acc[:, 2] + acc[:, 3])) + ((acc[:, 4] + acc[:, 5]) + (acc[:, 6] + acc[:, 7]))
+
+
+def _enc_int1(x, scales, codes, a, b, block, name):
+    # scale = the block's mean |x| (float64 sum in int1_scale_sums' order, one rounding to float32): for a fixed
+    # sign pattern, the scale with the least squared error; bit i of byte i // 8 (LSB first) = sign of value i
+    xs = x[a:b]
+    m = b - a
+    ab = _scratch("f32a", m, np.float32)
+    abits = ab.view(np.int32)
+    np.bitwise_and(xs.view(np.int32), np.int32(0x7FFFFFFF), out=abits)
+    if m and abits.max() > _LIMIT_BITS:
+        if not np.isfinite(xs).all():
+            raise _nonfinite(xs, name, a)
+        i = int(np.flatnonzero(np.abs(xs) > LIMIT)[0])
+        raise CodecError(f"{name}: value {xs[i]!r} at index {a + i} is beyond the block codecs' range "
+                         f"(|x| <= {LIMIT:.1e}); refusing to encode")
+    sums = int1_scale_sums(ab, block)
+    nb = sums.size
+    sizes = np.full(nb, float(block))
+    sizes[-1] = m - block * (nb - 1)
+    j = a // block
+    scales[j: j + nb] = (sums / sizes).astype(np.float32)
+    sg = _scratch("sgn", m, np.bool_)
+    np.signbit(xs, out=sg)
+    codes[a // 8: (b + 7) // 8] = np.packbits(sg, bitorder="little")
+
+
+BLOCK_ENCODERS = {"int8": _enc_int8, "int4": _enc_int4, "int4-log": _enc_int4log, "int1": _enc_int1}
 
 
 # ----------------------------------------------------------------------------------------------- decode
@@ -317,4 +358,15 @@ def _dec_int4log(codes, scales, out, a, b, block, acc, w):
     _dec_nibbles(_LUT_INT4LOG, _LUT_INT4LOG_F, codes, scales, out, a, b, block, acc, w)
 
 
-DECODERS = {"f32": _dec_f32, "bf16": _dec_bf16, "int8": _dec_int8, "int4": _dec_int4, "int4-log": _dec_int4log}
+def _dec_int1(codes, scales, out, a, b, block, acc, w):
+    d = _target(out, a, b, acc)
+    m = b - a
+    bits = np.unpackbits(codes[a // 8: (b + 7) // 8], count=m, bitorder="little")
+    np.multiply(bits, np.float32(-2.0), out=d)
+    d += np.float32(1.0)   # +1 or -1, exactly
+    _block_mul(d, _piece_scales(scales, a, b, block, w), block, d)
+    _finish(d, a, b, acc, w, True)
+
+
+DECODERS = {"f32": _dec_f32, "bf16": _dec_bf16, "int8": _dec_int8, "int4": _dec_int4, "int4-log": _dec_int4log,
+            "int1": _dec_int1}

@@ -16,10 +16,10 @@ from typing import NamedTuple, Optional
 
 __all__ = ["PLAIN", "BLOCK", "DENSE", "BASE_WIRE", "BASE_UPDATES", "SPARSE_BITS", "SPARSE_FORM", "MAX_NAME",
            "Sparse", "sparse", "known", "canonical", "describe", "is_blockwise", "examples", "base_wire_ok",
-           "is_base_update", "describe_base_wire", "canonical_base_wire"]
+           "is_base_update", "describe_base_wire", "canonical_base_wire", "block_refusal"]
 
 PLAIN = ("f32", "bf16")                       # one value after another
-BLOCK = ("int8", "int4", "int4-log")          # a float32 scale per block, then one code per value
+BLOCK = ("int8", "int4", "int4-log", "int1")  # a float32 scale per block, then one code per value
 DENSE = PLAIN + BLOCK
 BASE_WIRE = ("f32", "bf16", "int8", "int4")   # how a syncer may send merged bases (--base-wire), or any sparse name
 BASE_UPDATES = ("int8", "int4")               # base updates relative to the island's previous base (and sparse ones)
@@ -85,6 +85,19 @@ def canonical_base_wire(text: str) -> Optional[str]:
 def is_blockwise(name: str) -> bool:
     """Whether ``name``'s layout is per block (a scale per block): every codec but f32 and bf16."""
     return name not in PLAIN
+
+
+#: codecs whose codes pack several values a byte: the block (and so every piece) must fill whole bytes
+_PACKED = {"int4": 2, "int4-log": 2, "int1": 8}
+
+
+def block_refusal(name: str, block: int) -> Optional[str]:
+    """Why codec ``name`` cannot use quantization blocks of ``block`` values (None: it can). The rule of the
+    packed codecs; the sparse family's own bound on the block is checked by the wire layer."""
+    per = _PACKED.get(name, 1)
+    if block % per:
+        return f"codec {name} needs a block that is a multiple of {per}, got {block}"
+    return None
 
 
 def describe() -> str:

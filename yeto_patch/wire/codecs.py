@@ -1,4 +1,4 @@
-"""Codecs for one flat float32 vector: ``f32``, ``bf16``, ``int8``, ``int4``, ``int4-log`` and the sparse
+"""Codecs for one flat float32 vector: ``f32``, ``bf16``, ``int8``, ``int4``, ``int4-log``, ``int1`` and the sparse
 ``topk:F+intB`` family (names: :mod:`.codec_names`; layout and kernels: :mod:`.sparse`).
 
 Byte layouts (all little-endian; exact definitions in docs/protocol.md, section "Codecs"):
@@ -10,7 +10,9 @@ Byte layouts (all little-endian; exact definitions in docs/protocol.md, section 
   bytes, value ``2i`` in the low nibble of byte ``i`` and value ``2i+1`` in the high nibble, nibble
   ``q + 8`` with ``q = rint(x * 7 / absmax)`` in [-7, 7], scale ``absmax / 7``.  ``int4-log``: same
   packing, nibble ``sign << 3 | level``; level 0 is exactly zero, level ``L`` in 1..7 is
-  ``absmax * 2**(L - 7)``; scale ``absmax``.
+  ``absmax * 2**(L - 7)``; scale ``absmax``.  ``int1``: ``ceil(numel / 8)`` bytes, bit ``i % 8`` of byte
+  ``i // 8`` set when value ``i`` is negative (padding bits zero), value ``(1 - 2 bit) * scale``; scale the
+  block's mean ``|x|`` (a float64 sum in a fixed order, codec_kernels.int1_scale_sums); the block a multiple of 8.
 
 The work is done over cache-sized pieces (whole blocks) with preallocated per-thread scratch, optionally on
 a small thread pool over disjoint pieces; results are bit-identical for any thread count.  The per-piece
@@ -36,7 +38,9 @@ CODECS = codec_names.DENSE   # the fixed names; the sparse family is codec_names
 DEFAULT_BLOCK = 256
 MAX_BLOCK = 1 << 24
 # the largest valid scale of each block codec (LIMIT: the largest |x| they encode; codec_kernels.py)
-_MAX_SCALE = {"int8": np.float32(LIMIT / 127), "int4": np.float32(LIMIT / 7), "int4-log": np.float32(LIMIT)}
+_MAX_SCALE = {"int8": np.float32(LIMIT / 127), "int4": np.float32(LIMIT / 7), "int4-log": np.float32(LIMIT),
+              "int1": np.float32(LIMIT)}
+_PER_BYTE = {"int8": 1, "int4": 2, "int4-log": 2, "int1": 8}   # values per code byte
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -46,8 +50,9 @@ def check_codec(codec: str, block: int = DEFAULT_BLOCK) -> None:
         raise CodecError(f"unknown codec {shown} (known: {codec_names.describe()})")
     if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or not 1 <= block <= MAX_BLOCK:
         raise CodecError(f"block must be an integer in [1, {MAX_BLOCK}], got {block!r}")
-    if codec in ("int4", "int4-log") and block % 2:
-        raise CodecError(f"codec {codec} needs an even block size, got {block}")
+    why = codec_names.block_refusal(codec, int(block))
+    if why:
+        raise CodecError(why)
     spec = codec_names.sparse(codec)
     if spec is not None:
         sparse.check_block(spec, int(block))
@@ -70,10 +75,14 @@ def encoded_nbytes(codec: str, numel: int, block: int = DEFAULT_BLOCK) -> int:
     lay = _sparse_layout(codec, numel, block)
     if lay is not None:
         return lay.nbytes
-    nb = _nblocks(numel, block)
-    if codec == "int8":
-        return 4 * nb + numel
-    return 4 * nb + (numel + 1) // 2
+    per = _PER_BYTE[codec]
+    return 4 * _nblocks(numel, block) + (numel + per - 1) // per
+
+
+def _code_bytes(codec: str, lo: int, hi: int) -> slice:
+    """The code bytes of values [lo, hi) (lo a multiple of the block, so of the values per byte)."""
+    per = _PER_BYTE[codec]
+    return slice(lo // per, (hi + per - 1) // per)
 
 
 def _as_input(x, name: str) -> np.ndarray:
@@ -157,6 +166,8 @@ def _check_decode_args(codec, buf, numel, block):
                              f"(scales must be finite, >= 0 and <= {float(_MAX_SCALE[codec]):.3e})",
                              code="nonfinite")
         b = b[4 * nb:]
+        if codec == "int1" and numel % 8 and b[-1] >> (numel % 8):
+            raise CodecError(f"int1 data has set padding bits after value {numel - 1} (they must be zero)")
     return b, scales
 
 
@@ -213,12 +224,7 @@ def decode_range(codec: str, buf, numel: int, start: int, count: int, block: int
     if lay is not None:
         out = decode(codec, sparse.sub_buffer(lay, b, b0, b1), hi - lo, block)
         return out[start - lo: start - lo + count]
-    codes = b[4 * nb:]
-    if codec == "int8":
-        sub_codes = codes[lo:hi]
-    else:
-        sub_codes = codes[lo // 2: (hi + 1) // 2]
-    sub = np.concatenate([b[4 * b0: 4 * b1], sub_codes])
+    sub = np.concatenate([b[4 * b0: 4 * b1], b[4 * nb:][_code_bytes(codec, lo, hi)]])
     out = decode(codec, sub, hi - lo, block)
     return out[start - lo: start - lo + count]
 
@@ -275,11 +281,7 @@ def splice(codec: str, body: np.ndarray, enc: np.ndarray, pos: int, n: int, nume
         return
     nb, nbp, b0 = _nblocks(numel, block), _nblocks(n, block), pos // block
     body[4 * b0: 4 * (b0 + nbp)] = enc[: 4 * nbp]
-    codes = body[4 * nb:]
-    if codec == "int8":
-        codes[pos: pos + n] = enc[4 * nbp:]
-    else:
-        codes[pos // 2: pos // 2 + (n + 1) // 2] = enc[4 * nbp:]
+    body[4 * nb:][_code_bytes(codec, pos, pos + n)] = enc[4 * nbp:]
 
 def sparse_sumsq(codec: str, buf, numel: int, block: int = DEFAULT_BLOCK) -> tuple:
     """(sum of squares, largest block mean square) of a sparse-codec body, validated first, from its scales and

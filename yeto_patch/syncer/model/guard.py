@@ -96,9 +96,21 @@ _LUT = _luts()
 _BLOCKS_PER_STEP = 4096
 
 
+def _int1_stats(mv: memoryview, numel: int, block: int) -> tuple:
+    """int1: every value of a block is +-its scale, so its sum of squares is scale^2 x its size (no code read)."""
+    nb = -(-numel // block)
+    s = np.frombuffer(mv, np.float32, nb).astype(np.float64)
+    sq = s * s
+    sizes = np.full(nb, float(block))
+    sizes[-1] = numel - block * (nb - 1)
+    return float((sq * sizes).sum()), float(sq.max()) if nb else 0.0
+
+
 def _block_codec_stats(codec: str, mv: memoryview, numel: int, block: int) -> tuple:
     """(sum of squares, largest block mean square) of a (validated) block-codec body: per block, the scale squared
     times the sum of the squared codes (a table lookup per code byte; no decode)."""
+    if codec == "int1":
+        return _int1_stats(mv, numel, block)
     nb = -(-numel // block)
     scales = np.frombuffer(mv, np.float32, nb).astype(np.float64)
     codes = np.frombuffer(mv, np.uint8, offset=4 * nb)
