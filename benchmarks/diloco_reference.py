@@ -26,7 +26,8 @@ steps has train_gpt.py --fp32's held-out loss to 4 decimals (2.7499; bf16: 2.749
 
 Deliberate differences (see NOT_MODELLED): fp32 throughout, so that the reference is the algorithm alone (the
 islands compute in bf16 over FP32 masters; the baseline's offset from that is what --runs dp measures);
-exact pushes and bases (no int4/int8, no error feedback); yeto-patch installs a base when it has been staged, at
+exact pushes and bases (no int4/int8, no error feedback; --coded-pushes encodes the pushes as the islands do, with
+their error feedback); yeto-patch installs a base when it has been staged, at
 some step in t+1..t+tau depending on timing, the reference always at t+tau; --sync-warmup is not modelled.
 
     python benchmarks/diloco_reference.py --islands 2 --steps 500 -H 50 --tau 5 --layers 2 --hidden 64 \\
@@ -52,10 +53,33 @@ from yeto_patch.island.boundary.schedule import due_fragments  # noqa: E402
 from yeto_patch.syncer.model.layout import partition  # noqa: E402
 
 RUNS = ("diloco", "lone", "dp")
-NOT_MODELLED = "bf16 compute, int4/int8 pushes and bases, error feedback, install timing under tau, --sync-warmup"
+NOT_MODELLED = ("bf16 compute, the pushes' codec and error feedback (unless --coded-pushes), int4/int8 bases, "
+                "install timing under tau, --sync-warmup")
 
 
 # --- DiLoCo itself: any torch modules ---------------------------------------------------------------------------
+
+class CodedPushes:
+    """What an island's push does to its pseudo-gradient (``--coded-pushes``): the product's codec (the demo's
+    --push-dtype) at ``block``, and with error feedback (--error-feedback, the demo's default) the residual of each
+    replica's push of a parameter carried into its next one, as the island's PushEncoder does."""
+
+    def __init__(self, codec, block, error_feedback, replicas, params):
+        from yeto_patch.wire import codecs
+        codecs.check_codec(codec, block)
+        self.codec, self.block, self.error_feedback = codec, block, error_feedback
+        self.residual = [[None] * params for _ in range(replicas)]
+
+    def __call__(self, k, i, g):
+        from yeto_patch.wire import codecs
+        x = g.detach().float().reshape(-1).numpy().copy()
+        if self.error_feedback and self.residual[k][i] is not None:
+            x += self.residual[k][i]
+        sent = codecs.decode(self.codec, codecs.encode(self.codec, x, self.block), x.size, self.block)
+        if self.error_feedback:
+            self.residual[k][i] = x - sent
+        return torch.from_numpy(sent).reshape(g.shape)
+
 
 class OuterOptimizer:
     """The global model (the syncer's role): one anchor copy of the weights, and per fragment Nesterov momentum SGD
@@ -63,8 +87,9 @@ class OuterOptimizer:
     zero), with the syncer's momentum warm-up: round v of a fragment (1-based) uses ``mu * min(1, (v - 1) /
     warmup)`` (yeto_patch.syncer.model.outer.warmed_momentum; warmup 0: mu from the first round)."""
 
-    def __init__(self, params, fragments, lr, momentum, warmup=0):
+    def __init__(self, params, fragments, lr, momentum, warmup=0, pushes=None):
         self.anchor = [p.detach().clone() for p in params]
+        self.pushes = pushes   # a CodedPushes, or None: exact pushes
         self.fragments = fragments
         self.lr, self.momentum, self.warmup = lr, momentum, warmup
         self.m = [torch.zeros_like(a) for a in self.anchor]
@@ -77,10 +102,14 @@ class OuterOptimizer:
         self.rounds[f] += 1
         mu = warmed_momentum(self.momentum, self.rounds[f], self.warmup)
         for i in self.fragments[f]:
-            g = torch.stack([self.anchor[i] - r[i].detach() for r in replicas]).mean(0)
+            g = torch.stack([self._pushed(k, i, self.anchor[i] - r[i].detach())
+                             for k, r in enumerate(replicas)]).mean(0)
             self.m[i].mul_(mu).add_(g)
             self.anchor[i].sub_(g.add(self.m[i], alpha=mu), alpha=self.lr)
         return [self.anchor[i] for i in self.fragments[f]]
+
+    def _pushed(self, k, i, g):
+        return g if self.pushes is None else self.pushes(k, i, g)
 
 
 @torch.no_grad()
@@ -220,8 +249,11 @@ def fragments_of(model, n):
 def run_diloco(o, a, corpus):
     reps = [replica(a, [k], o.batch) for k in range(o.islands)]
     from yeto_patch.syncer.model.outer import MOMENTUM_WARMUP   # (the syncer's default momentum warm-up)
+    nparams = len(list(reps[0].model.parameters()))
+    pushes = CodedPushes(o.push_dtype, o.push_block, o.error_feedback, o.islands, nparams) \
+        if getattr(o, "coded_pushes", False) else None
     outer = OuterOptimizer(reps[0].model.parameters(), fragments_of(reps[0].model, o.fragments), o.outer_lr,
-                           o.outer_momentum, MOMENTUM_WARMUP)
+                           o.outer_momentum, MOMENTUM_WARMUP, pushes)
     final = train_diloco([r.model for r in reps], lambda k, s: train_step(reps[k], corpus, s, a), o.steps,
                          o.sync_every, outer, tau=o.overlap_steps, alpha=o.merge_alpha)
     install(list(reps[0].model.parameters()), range(len(final)), final)
@@ -265,11 +297,17 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--runs", default="diloco,lone", help=f"comma-separated, of {', '.join(RUNS)}")
     ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--coded-pushes", action="store_true", help="encode each replica's pseudo-gradient with the "
+                    "product's codec (--push-dtype), with error feedback unless --no-error-feedback")
+    ap.add_argument("--push-block", type=int, default=256, help="the codec's block with --coded-pushes "
+                    "(YETO_DILOCO_BLOCK)")
     mine, rest = ap.parse_known_args(argv)
     runs = [r for r in mine.runs.split(",") if r]
     if any(r not in RUNS for r in runs):
         raise SystemExit(f"--runs: expected some of {', '.join(RUNS)}, got {mine.runs}")
-    return demo_cli.parse(rest), runs, mine.json
+    o = demo_cli.parse(rest)
+    o.coded_pushes, o.push_block = mine.coded_pushes, mine.push_block
+    return o, runs, mine.json
 
 
 def main(argv=None):

@@ -2,7 +2,7 @@
 one replica, outer lr 1 and no momentum is plain training (so the reference adds nothing of its own)."""
 import torch
 
-from benchmarks.diloco_reference import OuterOptimizer, train_diloco
+from benchmarks.diloco_reference import CodedPushes, OuterOptimizer, train_diloco
 
 LR, MU = 0.7, 0.9
 
@@ -47,6 +47,35 @@ def test_one_replica_outer_lr_1_no_momentum_is_plain_training():
     for p, q, f in zip(plain.parameters(), diloco.parameters(), final):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
         torch.testing.assert_close(f, p, rtol=0, atol=1e-6)
+
+
+def test_coded_pushes_are_the_codec_s_with_each_replica_s_own_error_feedback():
+    """--coded-pushes: the merge averages decode(encode(g + residual)) per replica, each replica's residual carried
+    to its next push of that parameter (and none without error feedback)."""
+    import numpy as np
+    from yeto_patch.wire import codecs
+    anchor = linear(0)
+    pushes = CodedPushes("int1", 8, True, 2, 2)
+    outer = OuterOptimizer(anchor.parameters(), [[0, 1]], 1.0, 0.0, pushes=pushes)
+    a = [p.detach().clone() for p in anchor.parameters()]
+    res = [[np.zeros(x.numel(), np.float32) for x in a] for _ in range(2)]
+    for round_ in range(3):
+        replicas = [[p.detach() for p in linear(10 * round_ + k).parameters()] for k in (1, 2)]
+        new = outer.merge(0, replicas)
+        for i in range(2):
+            sent = []
+            for k in range(2):
+                x = (a[i] - replicas[k][i]).reshape(-1).numpy() + res[k][i]
+                d = codecs.decode("int1", codecs.encode("int1", x, 8), x.size, 8)
+                res[k][i] = x - d
+                sent.append(torch.from_numpy(d).reshape(a[i].shape))
+            a[i] = a[i] - (sent[0] + sent[1]) / 2
+            torch.testing.assert_close(new[i], a[i], rtol=0, atol=1e-6)
+    assert any(np.abs(r).max() > 0 for r in pushes.residual[1])
+    plain = CodedPushes("int4", 8, False, 1, 1)
+    g = torch.randn(5, 3)
+    plain(0, 0, g)
+    assert plain.residual[0][0] is None
 
 
 def test_overlap_installs_the_blend_tau_steps_later():
