@@ -38,13 +38,15 @@ def naive_encode(codec, x, block):
         return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16).tobytes()
     pad = (-x.size) % block
     xb = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(-1, block)
-    if codec == "int1":   # the block's mean |x|, its float64 sum in the codec's lane order; the sign bits
-        lanes = np.cumsum(np.abs(xb).astype(np.float64).reshape(xb.shape[0], -1, 8), axis=1)[:, -1]
-        sums = ((lanes[:, 0] + lanes[:, 1]) + (lanes[:, 2] + lanes[:, 3])) + ((lanes[:, 4] + lanes[:, 5])
-                                                                            + (lanes[:, 6] + lanes[:, 7]))
-        sizes = np.full(sums.size, float(block))
+    if codec == "int1":   # the block's mean |x| (exact integer sums, docs/protocol.md); the sign bits
+        ab = np.abs(xb).view(np.int32)
+        e = np.maximum(ab.max(axis=1, keepdims=True) >> 23, 1)
+        ex = ab >> 23
+        q = ((ab & 0x7FFFFF) | ((ex > 0) << 23)).astype(np.int64) << 7 >> np.minimum(e - np.maximum(ex, 1), 31)
+        sizes = np.full(xb.shape[0], float(block))
         sizes[-1] -= pad
-        return (sums / sizes).astype(np.float32).tobytes() + np.packbits(np.signbit(x), bitorder="little").tobytes()
+        s = q.sum(axis=1) * np.ldexp(1.0, e[:, 0].astype(np.int64) - 157) / sizes
+        return s.astype(np.float32).tobytes() + np.packbits(np.signbit(x), bitorder="little").tobytes()
     k = {"int8": 127.0, "int4": 7.0, "int4-log": 4.0 / 3.0}[codec]
     amax = np.abs(xb).max(axis=1, keepdims=True)
     inv = np.float32(k) / np.maximum(amax, codec_kernels.TINY[k])

@@ -8,6 +8,8 @@ encoders 30% slower). Float bits are read and written with a bit cast (``_f2i``,
 are built from exponent bits in the same loop as the codes (no scratch array, no log/exp)."""
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -15,6 +17,7 @@ from numba import types
 from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import intrinsic
 
+from .codec_kernels import INT1_UNIT_EXP as _INT1_UNIT_EXP
 from .codec_kernels import LIMIT
 
 _LIMIT_BITS = int(np.float32(LIMIT).view(np.int32))
@@ -252,42 +255,16 @@ def dec_nib(codes, scales, dst, a, b, block, w, add, logbits):
 
 # ------------------------------------------------------------------------------------------------------ int1
 @_jit
-def _int1_sum(xb):
-    """(sum of |xb| in codec_kernels.int1_scale_sums' order, the largest |x| bit pattern): eight float64 lanes,
-    value i in lane i % 8, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))."""
-    xi = xb.view(np.int32)
-    l0 = l1 = l2 = l3 = l4 = l5 = l6 = l7 = 0.0
-    mx = np.int32(0)
-    m = xb.size
-    full = m & ~7
-    for p in range(full >> 3):
-        q = 8 * p
-        l0 += np.float64(abs(xb[q]))
-        l1 += np.float64(abs(xb[q + 1]))
-        l2 += np.float64(abs(xb[q + 2]))
-        l3 += np.float64(abs(xb[q + 3]))
-        l4 += np.float64(abs(xb[q + 4]))
-        l5 += np.float64(abs(xb[q + 5]))
-        l6 += np.float64(abs(xb[q + 6]))
-        l7 += np.float64(abs(xb[q + 7]))
-    for i in range(m):
-        mx = max(mx, xi[i] & np.int32(0x7FFFFFFF))
-    r = m - full   # a short last block: its values continue the lanes in order
-    if r > 0:
-        l0 += np.float64(abs(xb[full]))
-    if r > 1:
-        l1 += np.float64(abs(xb[full + 1]))
-    if r > 2:
-        l2 += np.float64(abs(xb[full + 2]))
-    if r > 3:
-        l3 += np.float64(abs(xb[full + 3]))
-    if r > 4:
-        l4 += np.float64(abs(xb[full + 4]))
-    if r > 5:
-        l5 += np.float64(abs(xb[full + 5]))
-    if r > 6:
-        l6 += np.float64(abs(xb[full + 6]))
-    return ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), mx
+def _int1_sum(xi, e_blk):
+    """codec_kernels.int1_scales' integer sum of the |x| of one block (``xi``: its int32 bits; ``e_blk``: the
+    biased exponent of its largest |x|, at least 1). Exact, so its order is free: the loop vectorizes."""
+    t = np.int64(0)
+    for i in range(xi.size):
+        a = xi[i] & np.int32(0x7FFFFFFF)
+        ex = a >> 23
+        mant = (a & np.int32(0x7FFFFF)) | (np.int32(ex > 0) << 23)
+        t += np.int64((mant << 7) >> min(e_blk - max(ex, 1), 31))
+    return t
 
 
 @_jit
@@ -295,23 +272,24 @@ def _enc1(xi, cb):
     """Sign bits, value i -> bit i % 8 of byte i // 8 (LSB first); the last byte's padding bits zero."""
     m = xi.size
     full = m >> 3
+    u = xi.view(np.uint32)
     for p in range(full):
         q = 8 * p
-        v = ((xi[q] >> 31) & 1) | (((xi[q + 1] >> 31) & 1) << 1) | (((xi[q + 2] >> 31) & 1) << 2) \
-            | (((xi[q + 3] >> 31) & 1) << 3) | (((xi[q + 4] >> 31) & 1) << 4) | (((xi[q + 5] >> 31) & 1) << 5) \
-            | (((xi[q + 6] >> 31) & 1) << 6) | (((xi[q + 7] >> 31) & 1) << 7)
+        v = np.uint32(0)
+        for j in range(8):
+            v |= (u[q + j] >> np.uint32(31)) << np.uint32(j)
         cb[p] = np.uint8(v)
     if m & 7:
-        v = np.int32(0)
+        v = np.uint32(0)
         for j in range(m & 7):
-            v |= ((xi[8 * full + j] >> 31) & 1) << j
+            v |= (u[8 * full + j] >> np.uint32(31)) << np.uint32(j)
         cb[full] = np.uint8(v)
 
 
 @_jit
 def enc_int1(x, scales, codes, a, b, block):
-    """int1 over blocks of x[a:b] (block a multiple of 8): per block one loop for the lane sums and the range check,
-    one (over L1) for the sign bits. Returns -1, or the first block holding a value the codecs refuse."""
+    """int1 over blocks of x[a:b] (block a multiple of 8): per block one loop for the absolute maximum and the range
+    check, then (over L1) one for the integer sum of the magnitudes and one for the sign bits. Returns -1, or the first block holding a value the codecs refuse."""
     xi = x.view(np.int32)
     nb = (b - a + block - 1) // block
     j0 = a // block
@@ -319,10 +297,12 @@ def enc_int1(x, scales, codes, a, b, block):
         lo = a + jb * block
         hi = min(b, lo + block)
         prefetch_range(x, lo + _AHEAD, hi + _AHEAD)
-        total, bits = _int1_sum(x[lo:hi])
+        bits = absmax_bits(xi[lo:hi])
         if bits > _LIMIT_BITS:
             return j0 + jb
-        scales[j0 + jb] = np.float32(total / np.float64(hi - lo))
+        e_blk = max(bits >> 23, 1)
+        total = _int1_sum(xi[lo:hi], e_blk)
+        scales[j0 + jb] = np.float32(np.float64(total) * math.ldexp(1.0, e_blk - _INT1_UNIT_EXP) / np.float64(hi - lo))
         _enc1(xi[lo:hi], codes[lo >> 3:(lo >> 3) + ((hi - lo + 7) >> 3)])
     return -1
 

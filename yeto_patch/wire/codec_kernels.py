@@ -19,7 +19,7 @@ if sys.byteorder != "little":  # the bit manipulations below assume a little-end
     raise ImportError("yeto_patch.wire.codecs requires a little-endian host")
 
 __all__ = ["F32", "LIMIT", "TINY", "enc_f32", "enc_bf16", "BLOCK_ENCODERS", "DECODERS", "validate_plain",
-           "int1_scale_sums"]
+           "int1_scales", "INT1_UNIT_EXP"]
 
 F32 = np.dtype("<f4")
 #: Largest |x| the block codecs accept (so that q * scale can never round to inf on decode).
@@ -189,41 +189,49 @@ def _enc_int4log(x, scales, codes, a, b, block, name):
     _pack_nibbles(e, codes[a // 2: (b + 1) // 2])
 
 
-def int1_scale_sums(ab: np.ndarray, block: int) -> np.ndarray:
-    """int1's block scales before the division: per block of ``ab`` (|x|, float32), the float64 sum of its values in
-    the one order every kernel uses, eight lanes (value i in lane i % 8, each summed in index order) combined as
-    ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): a fixed order, so numpy and numba agree to the bit, and one
-    that a compiled loop can run eight wide."""
-    m = ab.size
-    nb = _nblocks(m, block)
-    lanes = _scratch("i1lanes", nb * block, np.float64)
-    lanes[:m] = ab   # exact: every float32 is a float64
-    lanes[m:] = 0.0   # a short last block: zeros in the missing places (adding +0 changes no sum)
-    t = lanes.reshape(nb, block // 8, 8)
-    acc = np.add.accumulate(t, axis=1)[:, -1, :]   # accumulate, not sum: sequential, never pairwise
-    return ((acc[:, 0] + acc[:, 1]) + (acc[:, 2] + acc[:, 3])) + ((acc[:, 4] + acc[:, 5]) + (acc[:, 6] + acc[:, 7]))
+#: int1 sums magnitudes as integers in units of 2**(E - INT1_UNIT_EXP), E the biased exponent of the block's
+#: largest |x| (at least 1): each |x| keeps its top 31 bits below that binade's top, truncated
+INT1_UNIT_EXP = 127 + 23 + 7
+
+
+def int1_scales(abits: np.ndarray, amax_bits: np.ndarray, block: int) -> np.ndarray:
+    """int1's scales: per block, its mean |x| (``abits``: the int32 bits of |x|; ``amax_bits``: each block's
+    largest), computed exactly in integers so that any order of summing (numpy, numba, threads) gives the same
+    bits. Each |x| = mant * 2**(e - 150) (mant with its implicit bit; e >= 1) counts as the integer
+    ``(mant << 7) >> min(31, E - e)``, below 2**31; the block's int64 sum, times 2**(E - 157) (exact in float64),
+    divided by the block's size (float64) and rounded once to float32 is the scale."""
+    m = abits.size
+    nb = amax_bits.size
+    e_blk = np.maximum(amax_bits >> 23, 1)
+    ex = abits >> 23
+    mant = (abits & np.int32(0x7FFFFF)) | ((ex > 0).astype(np.int32) << 23)
+    shift = np.minimum(np.repeat(e_blk, block)[:m] - np.maximum(ex, 1), 31)
+    q = np.right_shift(mant << 7, shift)
+    starts = np.arange(0, m, block)
+    sums = np.add.reduceat(q.astype(np.int64), starts) if m else np.zeros(0, np.int64)
+    sizes = np.full(nb, float(block))
+    sizes[-1] = m - block * (nb - 1)
+    return (sums.astype(np.float64) * np.ldexp(1.0, e_blk.astype(np.int64) - INT1_UNIT_EXP) / sizes).astype(np.float32)
 
 
 def _enc_int1(x, scales, codes, a, b, block, name):
-    # scale = the block's mean |x| (float64 sum in int1_scale_sums' order, one rounding to float32): for a fixed
-    # sign pattern, the scale with the least squared error; bit i of byte i // 8 (LSB first) = sign of value i
+    # scale = the block's mean |x| (int1_scales: exact integer sums), the least squared error for the sign
+    # pattern; bit i of byte i // 8 (LSB first) = sign of value i
     xs = x[a:b]
     m = b - a
-    ab = _scratch("f32a", m, np.float32)
-    abits = ab.view(np.int32)
+    abits = _scratch("f32a", m, np.float32).view(np.int32)
     np.bitwise_and(xs.view(np.int32), np.int32(0x7FFFFFFF), out=abits)
-    if m and abits.max() > _LIMIT_BITS:
+    nb = _nblocks(m, block)
+    amax = _scratch("amax", nb, np.float32).view(np.int32)
+    _block_absmax_bits(abits, block, amax)
+    if amax.max() > _LIMIT_BITS:
         if not np.isfinite(xs).all():
             raise _nonfinite(xs, name, a)
         i = int(np.flatnonzero(np.abs(xs) > LIMIT)[0])
         raise CodecError(f"{name}: value {xs[i]!r} at index {a + i} is beyond the block codecs' range "
                          f"(|x| <= {LIMIT:.1e}); refusing to encode")
-    sums = int1_scale_sums(ab, block)
-    nb = sums.size
-    sizes = np.full(nb, float(block))
-    sizes[-1] = m - block * (nb - 1)
     j = a // block
-    scales[j: j + nb] = (sums / sizes).astype(np.float32)
+    scales[j: j + nb] = int1_scales(abits, amax, block)
     sg = _scratch("sgn", m, np.bool_)
     np.signbit(xs, out=sg)
     codes[a // 8: (b + 7) // 8] = np.packbits(sg, bitorder="little")

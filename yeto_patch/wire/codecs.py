@@ -12,7 +12,7 @@ Byte layouts (all little-endian; exact definitions in docs/protocol.md, section 
   packing, nibble ``sign << 3 | level``; level 0 is exactly zero, level ``L`` in 1..7 is
   ``absmax * 2**(L - 7)``; scale ``absmax``.  ``int1``: ``ceil(numel / 8)`` bytes, bit ``i % 8`` of byte
   ``i // 8`` set when value ``i`` is negative (padding bits zero), value ``(1 - 2 bit) * scale``; scale the
-  block's mean ``|x|`` (a float64 sum in a fixed order, codec_kernels.int1_scale_sums); the block a multiple of 8.
+  block's mean ``|x|`` (summed exactly in integers: codec_kernels.int1_scales); the block a multiple of 8.
 
 The work is done over cache-sized pieces (whole blocks) with preallocated per-thread scratch, optionally on
 a small thread pool over disjoint pieces; results are bit-identical for any thread count.  The per-piece
