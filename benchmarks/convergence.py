@@ -100,7 +100,8 @@ def demo_flags(c, a):
          "--base-wire", a.base_wire, "--outer-lr", a.outer_lr, "--sync-warmup", a.sync_warmup,
          "--error-feedback" if c["ef"] else "--no-error-feedback"]
     for k, v in c.get("extra", {}).items():
-        f += [f"--{k.replace('_', '-')}", v]
+        f.append(f"--{k.replace('_', '-')}={v}")   # one token: a value may start with "--" (syncer_arg=--quorum=2)
+    f += [f"--syncer-arg={x}" for x in a.syncer_arg]
     if a.cache_dir:
         f += ["--cache-dir", a.cache_dir]
     return [str(x) for x in f]
@@ -248,6 +249,9 @@ def main(argv=None):
     ap.add_argument("--sweep", action="append", default=[],
                     help="NAME=v1,v2: repeat every selected configuration for each value of a demo option "
                          "(outer_lr, outer_momentum, merge_alpha, fragments, base_wire, lr, warmup ...)")
+    ap.add_argument("--syncer-arg", action="append", default=[], metavar="FLAG",
+                    help="extra flag for the syncer of every run, e.g. --syncer-arg=--quorum=2 (the fixed roster: "
+                         "no timing in which pushes a merge holds, for comparing codecs)")
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--layouts", default="single", help="island layout(s), as in yeto-patch demo")
     ap.add_argument("--baseline-layout", default="dp2")

@@ -311,3 +311,27 @@ def test_auto_outer_lr_from_the_round_pushes_steps():
     for k, blend in enumerate((True, False)):   # half of the pushes blend (tau > 0): the blended rule
         assert push(c, f"i{k}", 1, 2, ds[k], steps=8, blend=blend) == ("accepted", 0)
     assert c.merge(1).outer_lr == 0.7
+
+
+def test_pushes_that_leave_much_to_error_feedback_warn_once_when_the_outer_step_has_momentum(caplog):
+    """int1 and sparse pushes with outer momentum compound what error feedback carries: the syncer says so once
+    per push dtype, naming the flags; the control, outer lr 1 without momentum (and int4 with momentum), is quiet."""
+    import logging
+    rng = np.random.default_rng(3)
+
+    def run(codecs_pushed, **ms):
+        c = make(islands=2, **ms)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="yeto.syncer"):
+            for k, codec in enumerate(codecs_pushed):
+                d = (rng.standard_normal(c.frags[0].numel) * 0.01).astype(np.float32)
+                push(c, f"i{k % 2}", 0, k // 2, d, codec=codec, codec2=codec)
+                if k % 2:
+                    c.merge(0)
+        return [r.getMessage() for r in caplog.records if "leaves most of each push" in r.getMessage()]
+
+    said = run(["int1", "int1", "int1", "topk:0.05+int2"], lr=0.7, momentum=0.9)
+    assert len(said) == 2 and "island i0 pushes int1" in said[0] and "topk:0.05+int2" in said[1]
+    assert "--outer-lr 1 --outer-momentum 0" in said[0]
+    assert run(["int1", "int1", "topk:0.05+int2", "int1"], lr=1.0, momentum=0.0) == []
+    assert run(["int4", "int4", "int8", "int4"], lr=0.7, momentum=0.9) == []

@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
-from ...wire import codecs
+from ...wire import codec_names, codecs
 from ...wire.frames import CodecError
 from ...wire.schema import MAX_RHYTHM, bounded_int, shown
 from ...wire.values import SyncerStatus
@@ -119,6 +119,7 @@ class Coordinator:
         self.initialized = False
         self._accs = AccumulatorPool()   # one released accumulator, reused (no fresh page faults)
         self._said_lr_start: Optional[bool] = None   # the last start (pretrained or not) the outer lr auto was logged for
+        self._said_codec: set[str] = set()   # push dtypes warned of (much left to error feedback, outer momentum on)
 
     # ------------------------------------------------------------------------------------------ setup
     def set_manifest(self, manifest: list, fragments: int) -> None:
@@ -304,6 +305,7 @@ class Coordinator:
         it."""
         with self.lock:
             f, (w, claimed, unref) = self._checked(p)
+            self._say_codec_momentum(p)
         key = (p.island, f.index, p.base_version)
         guard = self.guard
         first_round = p.base_version == 0   # (the guard keeps the first round's pushes apart: model/guard.py)
@@ -589,6 +591,19 @@ class Coordinator:
                            if ok else 0.0, bytes=sum(x["bytes"] for x in responders), quorum_s=max(0.0, t0 - t_first),
                            merge_s=t1 - t0, grad_norm=norm, expected=expected, reason=reason, t_wall=t_wall,
                            outer_lr=outer_lr, left_out=left_out)
+
+    def _say_codec_momentum(self, p: ReceivedPush) -> None:
+        """(lock held) Warn once per push dtype that leaves much to error feedback while the outer step uses
+        momentum: the two compound (int1 over 100 rounds in the reference: 7% above int4 with Nesterov 0.9, level
+        with it without; docs/benchmarks.md, "int1")."""
+        if not self.opt.uses_momentum or not codec_names.carries_much(p.codec) \
+                or p.codec in self._said_codec or len(self._said_codec) >= 16:
+            return
+        self._said_codec.add(p.codec)
+        log.warning("yeto-syncer: island %s pushes %s, which leaves most of each push to error feedback, while the "
+                    "outer step uses momentum %g: the two compound; start the syncer with --outer-lr 1 "
+                    "--outer-momentum 0 for such pushes (docs/benchmarks.md, \"int1\"; said once per push dtype)",
+                    p.island, p.codec, self.opt.momentum)
 
     def _say_lr_start(self, li, outer_lr: float) -> None:
         """Log when the outer lr auto first goes by a pretrained start (a fine-tune), and when that changes."""
