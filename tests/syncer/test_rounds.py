@@ -313,9 +313,10 @@ def test_auto_outer_lr_from_the_round_pushes_steps():
     assert c.merge(1).outer_lr == 0.7
 
 
-def test_pushes_that_leave_much_to_error_feedback_warn_once_when_the_outer_step_has_momentum(caplog):
-    """int1 and sparse pushes with outer momentum compound what error feedback carries: the syncer says so once
-    per push dtype, naming the flags; the control, outer lr 1 without momentum (and int4 with momentum), is quiet."""
+def test_sparse_pushes_warn_once_when_the_outer_step_has_momentum(caplog):
+    """Sparse pushes with outer momentum: the syncer says once per push dtype that momentum repeats their bursts,
+    naming the flags; the controls are quiet: outer lr 1 without momentum, int4, and int1 (whose pushes move every
+    coordinate: with the product's defaults momentum helps it on Megatron-LM, docs/benchmarks.md)."""
     import logging
     rng = np.random.default_rng(3)
 
@@ -328,10 +329,10 @@ def test_pushes_that_leave_much_to_error_feedback_warn_once_when_the_outer_step_
                 push(c, f"i{k % 2}", 0, k // 2, d, codec=codec, codec2=codec)
                 if k % 2:
                     c.merge(0)
-        return [r.getMessage() for r in caplog.records if "leaves most of each push" in r.getMessage()]
+        return [r.getMessage() for r in caplog.records if "sends a fraction of each push" in r.getMessage()]
 
-    said = run(["int1", "int1", "int1", "topk:0.05+int2"], lr=0.7, momentum=0.9)
-    assert len(said) == 2 and "island i0 pushes int1" in said[0] and "topk:0.05+int2" in said[1]
+    said = run(["topk:0.05+int2", "topk:0.05+int2", "topk:0.1+int2", "topk:0.05+int2"], lr=0.7, momentum=0.9)
+    assert len(said) == 2 and "island i0 pushes topk:0.05+int2" in said[0] and "topk:0.1+int2" in said[1]
     assert "--outer-lr 1 --outer-momentum 0" in said[0]
-    assert run(["int1", "int1", "topk:0.05+int2", "int1"], lr=1.0, momentum=0.0) == []
-    assert run(["int4", "int4", "int8", "int4"], lr=0.7, momentum=0.9) == []
+    assert run(["topk:0.05+int2", "int1", "topk:0.1+int2", "int1"], lr=1.0, momentum=0.0) == []
+    assert run(["int4", "int1", "int8", "int1"], lr=0.7, momentum=0.9) == []

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 
 __all__ = ["PLAIN", "BLOCK", "DENSE", "BASE_WIRE", "BASE_UPDATES", "SPARSE_BITS", "SPARSE_FORM", "MAX_NAME",
            "Sparse", "sparse", "known", "canonical", "describe", "is_blockwise", "examples", "base_wire_ok",
-           "is_base_update", "describe_base_wire", "canonical_base_wire", "block_refusal", "carries_much"]
+           "is_base_update", "describe_base_wire", "canonical_base_wire", "block_refusal"]
 
 PLAIN = ("f32", "bf16")                       # one value after another
 BLOCK = ("int8", "int4", "int4-log", "int1")  # a float32 scale per block, then one code per value
@@ -98,13 +98,6 @@ def block_refusal(name: str, block: int) -> Optional[str]:
     if block % per:
         return f"codec {name} needs a block that is a multiple of {per}, got {block}"
     return None
-
-
-def carries_much(name: str) -> bool:
-    """Whether pushes in ``name`` leave much of each push to error feedback (int1: only signs; the sparse family:
-    only a fraction of the values): an outer momentum then compounds what is carried (docs/benchmarks.md, "int1:
-    a sign per value"), so such pushes want outer lr 1 and no momentum."""
-    return name == "int1" or sparse(name) is not None
 
 
 def describe() -> str:

@@ -119,7 +119,7 @@ class Coordinator:
         self.initialized = False
         self._accs = AccumulatorPool()   # one released accumulator, reused (no fresh page faults)
         self._said_lr_start: Optional[bool] = None   # the last start (pretrained or not) the outer lr auto was logged for
-        self._said_codec: set[str] = set()   # push dtypes warned of (much left to error feedback, outer momentum on)
+        self._said_codec: set[str] = set()   # sparse push dtypes warned of (outer momentum on)
 
     # ------------------------------------------------------------------------------------------ setup
     def set_manifest(self, manifest: list, fragments: int) -> None:
@@ -593,16 +593,17 @@ class Coordinator:
                            outer_lr=outer_lr, left_out=left_out)
 
     def _say_codec_momentum(self, p: ReceivedPush) -> None:
-        """(lock held) Warn once per push dtype that leaves much to error feedback while the outer step uses
-        momentum: the two compound (int1 over 100 rounds in the reference: 7% above int4 with Nesterov 0.9, level
-        with it without; docs/benchmarks.md, "int1")."""
-        if not self.opt.uses_momentum or not codec_names.carries_much(p.codec) \
+        """(lock held) Warn once per sparse push dtype while the outer step uses momentum: a coordinate reaches the
+        syncer in bursts (when its carried residual enters its block's top F) and momentum repeats each burst
+        (topk:0.05+int2 on Megatron-LM with Nesterov 0.9 diverged; docs/benchmarks.md)."""
+        if not self.opt.uses_momentum or codec_names.sparse(p.codec) is None \
                 or p.codec in self._said_codec or len(self._said_codec) >= 16:
             return
         self._said_codec.add(p.codec)
-        log.warning("yeto-syncer: island %s pushes %s, which leaves most of each push to error feedback, while the "
-                    "outer step uses momentum %g: the two compound; start the syncer with --outer-lr 1 "
-                    "--outer-momentum 0 for such pushes (docs/benchmarks.md, \"int1\"; said once per push dtype)",
+        log.warning("yeto-syncer: island %s pushes %s, which sends a fraction of each push and leaves the rest to "
+                    "error feedback, while the outer step uses momentum %g: momentum repeats each coordinate's "
+                    "bursts (it diverged on Megatron-LM at 0.9); start the syncer with --outer-lr 1 --outer-momentum "
+                    "0 for sparse pushes (docs/benchmarks.md; said once per push dtype)",
                     p.island, p.codec, self.opt.momentum)
 
     def _say_lr_start(self, li, outer_lr: float) -> None:
