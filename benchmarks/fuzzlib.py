@@ -601,17 +601,20 @@ class PushFuzzer:
             if r.random() < 0.6:
                 meta["codec"] = pick(["f64", "", "F32", "int3", "int4 ", "\u2603", None, 7, ["f32"]] + BAD_SPARSE)
             elif r.random() < 0.5:
-                meta["codec"] = pick(["int4", "int4-log"])
-                meta["block"] = pick([1, 3, 255, 1 << 25, 1 << 40])
+                meta["codec"] = pick(["int4", "int4-log", "int1"])
+                meta["block"] = pick([1, 3, 255, 1 << 25, 1 << 40] + ([4, 12, 250] if meta["codec"] == "int1" else []))
             else:   # a valid sparse name with a block its 16-bit indices cannot address
                 meta["codec"] = pick(SPARSE_FUZZ)
                 meta["block"] = pick([(1 << 16) + 1, 1 << 20, 1 << 24])
             return MsgType.PUSH, meta, body, "bad-codec"
         if kind == "outlier":  # within every codec check, but a norm far above anything the fragment has seen
             nb = -(-n // 256)
-            meta["codec"] = pick(["int4-log", "int8", "f32"])
+            meta["codec"] = pick(["int4-log", "int8", "f32", "int1"])
             if meta["codec"] == "f32":
                 body = np.full(n, pick([1e30, 2.9e38, 1e20]), np.float32).tobytes()
+            elif meta["codec"] == "int1":   # every value +-scale: the scales alone carry the norm
+                body = np.concatenate([np.full(nb, pick([2.9e38, 1e30, 1e20]), np.float32).view(np.uint8),
+                                       np.full(-(-n // 8), pick([0, 0x55, 0xFF]), np.uint8)]).tobytes()
             else:
                 k = 0x77 if meta["codec"] == "int4-log" else 0x7F
                 scale = pick([2.9e38, 1e30]) if k == 0x77 else pick([1e30, 1e20]) / 127

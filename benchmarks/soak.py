@@ -2,11 +2,11 @@
 """Soak test over slow and lossy links (loopback only).
 
     python benchmarks/soak.py [--quick] [--rounds 40] [--numel 262144] [--seed 0] [--json out.json]
-                              [--push-dtypes f32,topk:0.05+int2,int4] [--base-wire topk:0.1+int2]
+                              [--push-dtypes f32,topk:0.05+int2,int4,int1] [--base-wire topk:0.1+int2]
 
 Three scripted islands (wire-level SyncerClient islands, no Megatron) run a fixed roster (--islands 3, quorum 3,
-``--exact``, pushes in the codecs of ``--push-dtypes``, one per island in turn (default f32; --quick: f32, the
-sparse topk:0.05+int2 and int4), tau = 0: each island pushes relative to the newest base it holds and waits for
+``--exact``, pushes in the codecs of ``--push-dtypes``, island i's push of round v in codec (i + v) mod their count
+(default f32; --quick: f32, the sparse topk:0.05+int2, int4 and int1), tau = 0: each island pushes relative to the newest base it holds and waits for
 the merged base; bases in the syncer's ``--base-wire``, default f32, --quick: sparse updates topk:0.1+int2, which
 the islands add to the base they hold, or the full shadow after a reconnect) through a relay that adds 50-200 ms
 latency per connection, throttles every direction to a few MB/s, pauses reading a direction for 1-5 s at random
@@ -250,7 +250,6 @@ def held_then(held, b):
 def run_island(name, addr, man, values, args, stats, stop):
     inc = 1000 + ISLANDS.index(name)
     dtypes = args.push_dtypes.split(",")
-    codec = dtypes[ISLANDS.index(name) % len(dtypes)]
     bases: dict = {}
     final = None
     while not stop.is_set():
@@ -268,10 +267,12 @@ def run_island(name, addr, man, values, args, stats, stop):
                     break
                 for f in todo:
                     v = bases[f].version
+                    codec = dtypes[(ISLANDS.index(name) + v) % len(dtypes)]   # (a re-sent push: the same codec)
                     try:
                         c.push(f, base_version=v, local_step=v + 1, steps=1, tokens=1, codec=codec,
                                body=codecs.encode(codec, delta(name, f, v, bases[f].values, args.seed)), wait=True)
                         stats["pushes"] += 1
+                        stats["by_codec"][codec] += 1
                     except SyncerRefusal as e:
                         if e.code != "duplicate":
                             raise
@@ -310,6 +311,7 @@ def run(args, relay: bool) -> dict:
     addr = f"127.0.0.1:{link.port if link else port}"
     stats = collections.Counter()
     stats["errors"] = []
+    stats["by_codec"] = collections.Counter()
     results, stop = {}, threading.Event()
     t0 = time.monotonic()
 
@@ -341,7 +343,7 @@ def run(args, relay: bool) -> dict:
             "merges": sum(merged.values()), "refused_merges": sum(1 for r in recs if not r["ok"]),
             "each_round_once": sorted(merged) == [(f, v) for f in range(FRAGMENTS) for v in range(1, args.rounds + 1)]
             and set(merged.values()) == {1}, "pushes": stats["pushes"], "duplicates": stats["duplicates"],
-            "base_updates": stats["base_updates"],
+            "base_updates": stats["base_updates"], "pushes_by_codec": dict(stats["by_codec"]),
             "reconnects": stats["reconnects"], "errors": stats["errors"],
             **({k: link.counts[k] for k in ("connections", "cuts", "pauses", "drops")} if link else {}),
             "drop_log": link.drop_log if link else []}
@@ -368,7 +370,7 @@ def check(args) -> dict:
         if res and not all(np.array_equal(res[f].values, ref["final"][f]) for f in range(FRAGMENTS)):
             v.append(f"soak: island {name}'s final model differs from the reference")
     out = {k: soak.get(k) for k in ("seconds", "merges", "pushes", "duplicates", "base_updates", "reconnects",
-                                    "connections", "cuts", "pauses", "drops")}
+                                    "connections", "cuts", "pauses", "drops", "pushes_by_codec")}
     out.update(rounds=args.rounds, fragments=FRAGMENTS, islands=len(ISLANDS), numel=args.numel,
                base_wire=args.base_wire, reference_seconds=ref["seconds"], bit_identical=same, violations=v,
                island_errors=soak["errors"][:20])
@@ -391,8 +393,8 @@ def parse_args(argv=None):
     p.add_argument("--max-seconds", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
-    p.add_argument("--push-dtypes", default=None, help="the islands' push codecs, one per island in turn "
-                   "(default f32; --quick: f32,topk:0.05+int2,int4)")
+    p.add_argument("--push-dtypes", default=None, help="the islands' push codecs, in turn by island and round "
+                   "(default f32; --quick: f32,topk:0.05+int2,int4,int1)")
     p.add_argument("--base-wire", default=None, help="the syncer's --base-wire (default f32; --quick: "
                    "topk:0.1+int2)")
     a = p.parse_args(argv)
@@ -401,7 +403,7 @@ def parse_args(argv=None):
     if not codec_names.base_wire_ok(a.base_wire):
         p.error(f"--base-wire: use {codec_names.describe_base_wire()}")
     if a.push_dtypes is None:
-        a.push_dtypes = "f32,topk:0.05+int2,int4" if a.quick else "f32"
+        a.push_dtypes = "f32,topk:0.05+int2,int4,int1" if a.quick else "f32"
     for d in a.push_dtypes.split(","):
         codecs.check_codec(d)
     if a.quick:

@@ -21,8 +21,9 @@ def load_soak():
 
 def test_quick_soak_over_a_slow_lossy_link():
     soak = load_soak()
-    res = soak.check(soak.parse_args(["--quick", "--seed", "3"]))   # (pushes: f32, topk:0.05+int2, int4)
+    res = soak.check(soak.parse_args(["--quick", "--seed", "3"]))   # (pushes: f32, topk:0.05+int2, int4, int1)
     assert res["base_wire"] == "topk:0.1+int2" and res["base_updates"] > 0, res   # (sparse base updates)
+    assert set(res["pushes_by_codec"]) == {"f32", "topk:0.05+int2", "int4", "int1"}, res   # every codec, merged
     assert res["violations"] == [], res
     assert res["bit_identical"] and res["drops"] == 0, res
     assert res["merges"] == res["rounds"] * res["fragments"], res
