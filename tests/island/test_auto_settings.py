@@ -33,3 +33,23 @@ def test_resolve_keeps_explicit_values_and_says_the_choice(caplog):
         explicit = from_env({**ENV, "YETO_DILOCO_ERROR_FEEDBACK": value})
         assert auto_settings.resolve(explicit, 120 * 10**9, rank=0, memory=GiB) is explicit
         assert explicit.error_feedback is want
+
+
+def test_int1_and_sparse_pushes_without_error_feedback_are_warned(caplog):
+    """int1 and top-k pushes lose what they do not send unless it is carried: an explicit 0, or an auto that turned
+    it off for memory, is said on rank 0 with what to do; int4 with an explicit 0 is the user's call, quiet."""
+    with caplog.at_level(logging.INFO, logger="yeto_patch"):
+        for dtype in ("int1", "topk:0.05+int2"):
+            explicit = from_env({**ENV, "YETO_DILOCO_ERROR_FEEDBACK": "0", "YETO_DILOCO_PUSH_DTYPE": dtype})
+            assert auto_settings.resolve(explicit, 10**6, rank=0, memory=64 * GiB) is explicit
+            auto_settings.resolve(explicit, 10**6, rank=1, memory=64 * GiB)
+            off = auto_settings.resolve(from_env({**ENV, "YETO_DILOCO_PUSH_DTYPE": dtype}), 120 * 10**9, rank=0,
+                                        memory=1024 * GiB)
+            assert off.error_feedback is False
+        auto_settings.resolve(from_env({**ENV, "YETO_DILOCO_ERROR_FEEDBACK": "0"}), 10**6, rank=0, memory=GiB)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 4, said
+    assert "int1 pushes without error feedback (YETO_DILOCO_ERROR_FEEDBACK=0)" in said[0]
+    assert "int1 pushes without it lose what they do not send: use int4" in said[1]
+    assert "topk:0.05+int2 pushes without error feedback" in said[2] and "set it to 1 or use int4" in said[2]
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
