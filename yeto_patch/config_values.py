@@ -158,7 +158,8 @@ def codec() -> Parser:
         if v is None:
             raise ConfigError(f"{name}={raw!r} is not accepted: use one of {codec_names.describe()}")
         return v
-    return Parser(parse, lambda v: v, f"{', '.join(codec_names.PLAIN)}, int8, int4(-log), int1, {codec_names.SPARSE_FORM}")
+    return Parser(parse, lambda v: v,
+                  f"{', '.join(codec_names.PLAIN)}, int8, int4(-log), int1, {codec_names.SPARSE_FORM}")
 
 
 def text(accepts: str = "text") -> Parser:

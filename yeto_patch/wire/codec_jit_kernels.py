@@ -257,7 +257,7 @@ def dec_nib(codes, scales, dst, a, b, block, w, add, logbits):
 @_jit
 def _int1_sum(xi, e_blk):
     """codec_kernels.int1_scales' integer sum of the |x| of one block (``xi``: its int32 bits; ``e_blk``: the
-    biased exponent of its largest |x|, at least 1). Exact, so its order is free: the loop vectorizes."""
+    biased exponent of its largest |x|, at least 1). Exact, so any order of summing gives the same bits."""
     t = np.int64(0)
     for i in range(xi.size):
         a = xi[i] & np.int32(0x7FFFFFFF)
@@ -289,7 +289,8 @@ def _enc1(xi, cb):
 @_jit
 def enc_int1(x, scales, codes, a, b, block):
     """int1 over blocks of x[a:b] (block a multiple of 8): per block one loop for the absolute maximum and the range
-    check, then (over L1) one for the integer sum of the magnitudes and one for the sign bits. Returns -1, or the first block holding a value the codecs refuse."""
+    check, then (over L1) one for the integer sum of the magnitudes and one for the sign bits. Returns -1, or the
+    first block holding a value the codecs refuse."""
     xi = x.view(np.int32)
     nb = (b - a + block - 1) // block
     j0 = a // block
@@ -302,7 +303,8 @@ def enc_int1(x, scales, codes, a, b, block):
             return j0 + jb
         e_blk = max(bits >> 23, 1)
         total = _int1_sum(xi[lo:hi], e_blk)
-        scales[j0 + jb] = np.float32(np.float64(total) * math.ldexp(1.0, e_blk - _INT1_UNIT_EXP) / np.float64(hi - lo))
+        unit = math.ldexp(1.0, e_blk - _INT1_UNIT_EXP)
+        scales[j0 + jb] = np.float32(np.float64(total) * unit / np.float64(hi - lo))
         _enc1(xi[lo:hi], codes[lo >> 3:(lo >> 3) + ((hi - lo + 7) >> 3)])
     return -1
 

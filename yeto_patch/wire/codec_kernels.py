@@ -211,7 +211,8 @@ def int1_scales(abits: np.ndarray, amax_bits: np.ndarray, block: int) -> np.ndar
     sums = np.add.reduceat(q.astype(np.int64), starts) if m else np.zeros(0, np.int64)
     sizes = np.full(nb, float(block))
     sizes[-1] = m - block * (nb - 1)
-    return (sums.astype(np.float64) * np.ldexp(1.0, e_blk.astype(np.int64) - INT1_UNIT_EXP) / sizes).astype(np.float32)
+    unit = np.ldexp(1.0, e_blk.astype(np.int64) - INT1_UNIT_EXP)
+    return (sums.astype(np.float64) * unit / sizes).astype(np.float32)
 
 
 def _enc_int1(x, scales, codes, a, b, block, name):
