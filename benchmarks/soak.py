@@ -6,14 +6,14 @@
 
 Three scripted islands (wire-level SyncerClient islands, no Megatron) run a fixed roster (--islands 3, quorum 3,
 ``--exact``, pushes in the codecs of ``--push-dtypes``, island i's push of round v in codec (i + v) mod their count
-(default f32; --quick: f32, the sparse topk:0.05+int2, int4 and int1), tau = 0: each island pushes relative to
-the newest base it holds and waits for the merged base; bases in the syncer's ``--base-wire``, default f32,
---quick: sparse updates topk:0.1+int2, which the islands add to the base they hold, or the full shadow after a reconnect) through a relay that adds 50-200 ms
-latency per connection, throttles every direction to a few MB/s, pauses reading a direction for 1-5 s at random
-and cuts connections at random. The islands reconnect with the same incarnation and push again what was not
-answered (``duplicate`` means counted). Faults stop once every
-fragment reached ``rounds - 1`` merges (the last round and the final cut run over a slow but reliable link: an
-island cut off during the final cut could not get the final model back from a syncer that already exited).
+(default f32; --quick: f32, the sparse topk:0.05+int2, int4 and int1), tau = 0: each island pushes relative to the
+newest base it holds and waits for the merged base; bases in the syncer's ``--base-wire``, default f32, --quick:
+sparse updates topk:0.1+int2, which the islands add to the base they hold, or the full shadow after a reconnect)
+through a relay that adds 50-200 ms latency per connection, throttles every direction to a few MB/s, pauses reading
+a direction for 1-5 s at random and cuts connections at random. The islands reconnect with the same incarnation and
+push again what was not answered (``duplicate`` means counted). Faults stop once every fragment reached
+``rounds - 1`` merges (the last round and the final cut run over a slow but reliable link: an island cut off during
+the final cut could not get the final model back from a syncer that already exited).
 
 Checks: no connection was closed by an island or the syncer (only by the relay's cuts) while faults were on,
 every round of every fragment merged exactly once and none was refused, and the final model is bit-identical to
