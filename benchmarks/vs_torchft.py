@@ -265,9 +265,8 @@ def demo_flags(a, hidden, steps, baseline=True):
     ns.hidden, ns.steps, ns.eval_interval = hidden, steps, steps
     ns.baseline_layout, ns.layouts, ns.sync_warmup = a.baseline_layout, "single", 0
     ns.base_wire = a.yeto_base_wire
+    ns.syncer_arg = [f"--quorum={a.yeto_quorum}"] if a.yeto_quorum else []   # (default: elastic rounds)
     f = convergence.demo_flags(c, ns) + ["--fp32"]
-    if a.yeto_quorum:  # the syncer's --quorum K (default: elastic rounds)
-        f.append(f"--syncer-arg=--quorum={a.yeto_quorum}")
     return f + ([] if baseline else ["--no-baseline"])
 
 
