@@ -165,6 +165,15 @@ def enc_block(x, scales, codes, a, b, block, kind, k, div, tiny):
 
 
 @_jit
+def _block_scale(scales, j, w, wf):
+    """Block j's scale, times the weight w (float32 wf) of an accumulating decode unless w is 1."""
+    s = scales[j]
+    if w != 1.0:
+        s = s * wf
+    return s
+
+
+@_jit
 def dec_int8(codes, scales, dst, a, b, block, w, add):
     ci = codes.view(np.int8)
     wf = np.float32(w)
@@ -172,9 +181,7 @@ def dec_int8(codes, scales, dst, a, b, block, w, add):
     for jb in range((b - a + block - 1) // block):
         lo = a + jb * block
         hi = min(b, lo + block)
-        s = scales[j0 + jb]
-        if w != 1.0:
-            s = s * wf
+        s = _block_scale(scales, j0 + jb, w, wf)
         cb = ci[lo:hi]
         db = dst[lo:hi]
         if add:
@@ -235,9 +242,7 @@ def dec_nib(codes, scales, dst, a, b, block, w, add, logbits):
     for jb in range((b - a + block - 1) // block):
         lo = a + jb * block
         hi = min(b, lo + block)
-        s = scales[j0 + jb]
-        if w != 1.0:
-            s = s * wf
+        s = _block_scale(scales, j0 + jb, w, wf)
         m = hi - lo
         cb = codes[lo >> 1:(lo >> 1) + ((m + 1) >> 1)]
         db = dst[lo:hi]
@@ -329,9 +334,7 @@ def dec_int1(codes, scales, dst, a, b, block, w, add):
     for jb in range((b - a + block - 1) // block):
         lo = a + jb * block
         hi = min(b, lo + block)
-        s = scales[j0 + jb]
-        if w != 1.0:
-            s = s * wf
+        s = _block_scale(scales, j0 + jb, w, wf)
         cb = codes[lo >> 3:(lo >> 3) + ((hi - lo + 7) >> 3)]
         if add:
             _dec1_add(cb, dst[lo:hi], np.int64(_f2i(s)))

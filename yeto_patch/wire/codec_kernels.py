@@ -111,16 +111,14 @@ def enc_bf16(x, out, a, b, name):
     np.copyto(out[2 * a: 2 * b].view(np.uint16), t, casting="unsafe")
 
 
-def _enc_prologue(x, scales, a, b, block, name, k, scale_div):
-    """Per-block absmax of x[a:b]; writes scales (absmax / scale_div) and returns
-    (xs, |xs| in a float32 scratch, inv = float32(k / max(absmax, tiny)))."""
+def _checked_absmax(x, a, b, block, name):
+    """(xs = x[a:b], |xs| in a float32 scratch, each block's absmax in a float32 scratch), refusing a non-finite
+    value or one beyond LIMIT with the block codecs' message."""
     xs = x[a:b]
-    m = b - a
-    ab = _scratch("f32a", m, np.float32)
+    ab = _scratch("f32a", b - a, np.float32)
     abits = ab.view(np.int32)
     np.bitwise_and(xs.view(np.int32), np.int32(0x7FFFFFFF), out=abits)
-    nb = _nblocks(m, block)
-    amax = _scratch("amax", nb, np.float32)
+    amax = _scratch("amax", _nblocks(b - a, block), np.float32)
     _block_absmax_bits(abits, block, amax.view(np.int32))
     if amax.view(np.int32).max() > _LIMIT_BITS:
         if not np.isfinite(xs).all():
@@ -128,6 +126,14 @@ def _enc_prologue(x, scales, a, b, block, name, k, scale_div):
         i = int(np.flatnonzero(np.abs(xs) > LIMIT)[0])
         raise CodecError(f"{name}: value {xs[i]!r} at index {a + i} is beyond the block codecs' range "
                          f"(|x| <= {LIMIT:.1e}); refusing to encode")
+    return xs, ab, amax
+
+
+def _enc_prologue(x, scales, a, b, block, name, k, scale_div):
+    """Per-block absmax of x[a:b]; writes scales (absmax / scale_div) and returns
+    (xs, |xs| in a float32 scratch, inv = float32(k / max(absmax, tiny)))."""
+    xs, ab, amax = _checked_absmax(x, a, b, block, name)
+    nb = amax.size
     j = a // block
     np.divide(amax, np.float32(scale_div), out=scales[j: j + nb])
     kf = np.float32(k)
@@ -218,21 +224,10 @@ def int1_scales(abits: np.ndarray, amax_bits: np.ndarray, block: int) -> np.ndar
 def _enc_int1(x, scales, codes, a, b, block, name):
     # scale = the block's mean |x| (int1_scales: exact integer sums), the least squared error for the sign
     # pattern; bit i of byte i // 8 (LSB first) = sign of value i
-    xs = x[a:b]
-    m = b - a
-    abits = _scratch("f32a", m, np.float32).view(np.int32)
-    np.bitwise_and(xs.view(np.int32), np.int32(0x7FFFFFFF), out=abits)
-    nb = _nblocks(m, block)
-    amax = _scratch("amax", nb, np.float32).view(np.int32)
-    _block_absmax_bits(abits, block, amax)
-    if amax.max() > _LIMIT_BITS:
-        if not np.isfinite(xs).all():
-            raise _nonfinite(xs, name, a)
-        i = int(np.flatnonzero(np.abs(xs) > LIMIT)[0])
-        raise CodecError(f"{name}: value {xs[i]!r} at index {a + i} is beyond the block codecs' range "
-                         f"(|x| <= {LIMIT:.1e}); refusing to encode")
+    xs, ab, amax = _checked_absmax(x, a, b, block, name)
+    m, nb = b - a, amax.size
     j = a // block
-    scales[j: j + nb] = int1_scales(abits, amax, block)
+    scales[j: j + nb] = int1_scales(ab.view(np.int32), amax.view(np.int32), block)
     sg = _scratch("sgn", m, np.bool_)
     np.signbit(xs, out=sg)
     codes[a // 8: (b + 7) // 8] = np.packbits(sg, bitorder="little")
