@@ -158,8 +158,9 @@ class Engine:
         self._guarded(self._after_step)
         cadence = self.boundaries.cadence
         cadence.passed(self.step)   # (every rank: the fragments due at this step move on by H)
-        if self.parts.link is not None:   # (rank 0) its heartbeats say when its next pushes are due
-            self.parts.link.scheduled(cadence.h, cadence.next)
+        if self.parts.link is not None:   # (rank 0) its heartbeats say when its next pushes are due; the next
+            self.parts.link.scheduled(cadence.h, cadence.next)   # step's time (its compute) counts from here
+            self.parts.link.resumed()
 
     def close(self):
         """Stop talking to the syncer (BYE); idempotent. Called at exit and by tests."""

@@ -176,6 +176,9 @@ class SyncerLinkLike(Protocol):
     def stepped(self, step: int) -> None:
         """The island finished optimizer step `step` (heartbeats carry it, with the compute rate)."""
 
+    def resumed(self) -> None:
+        """The island's work after its last step ended (the compute rate leaves that work out)."""
+
     def scheduled(self, sync_every: int, next_boundaries) -> None:
         """The island's H and each fragment's next boundary step (heartbeats carry them)."""
 

@@ -248,6 +248,9 @@ class Link:
     def stepped(self, step):
         pass
 
+    def resumed(self):
+        pass
+
     def scheduled(self, sync_every, next_boundaries):
         pass
 

@@ -59,3 +59,24 @@ def test_the_step_clock_says_no_rate_from_its_first_steps():
         t[0] += 0.5
         c.stepped(step)
     assert c.rate == pytest.approx(2.0)
+
+
+def test_the_step_clock_leaves_out_the_work_after_each_step():
+    """An island that pushes every step or two waits at its tau bound after most steps: the time from a step's end
+    to ``resumed`` (installs, hand-overs, waits for other islands) is not compute, whichever share of steps waits."""
+    t = [0.0]
+    c = StepClock(clock=lambda: t[0])
+    for step in range(1, 40):
+        t[0] += 0.25                   # compute
+        c.stepped(step)
+        t[0] += 1.0 if step % 3 else 0.0   # waits after 2 steps in 3
+        c.resumed()
+    assert c.step_s == pytest.approx(0.25) and c.rate == pytest.approx(4.0)
+    c2 = StepClock(clock=lambda: t[0])   # without resumed: the median is the wait
+    for step in range(1, 40):
+        t[0] += 0.25
+        c2.stepped(step)
+        t[0] += 1.0 if step % 3 else 0.0
+    assert c2.rate == pytest.approx(0.8)
+    c.resumed()   # (said twice, or before any step: harmless)
+    StepClock(clock=lambda: t[0]).resumed()

@@ -122,6 +122,10 @@ class ShardedLink:
         for link in self.links:
             link.stepped(step)
 
+    def resumed(self) -> None:
+        for link in self.links:
+            link.resumed()
+
     def started_from(self, pretrained: bool) -> None:
         for link in self.links:
             link.started_from(pretrained)

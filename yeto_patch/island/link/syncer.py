@@ -232,6 +232,11 @@ class SyncerLink:
             c.rate = self.clock.rate
             c.pinned = not getattr(self.settings, "sync_auto", True)
 
+    def resumed(self) -> None:
+        """The island's work after its last step (installs, hand-overs, waits at the tau bound) ended: not compute
+        (``StepClock.resumed``)."""
+        self.clock.resumed()
+
     def started_from(self, pretrained: bool) -> None:
         """Whether the island's run started from pretrained weights (a fine-tune): every push says it, and the
         syncer's outer lr ``auto`` takes its fine-tune value for merges of such pushes."""
