@@ -39,6 +39,7 @@ from ..model.layout import fragment_numels, partition
 from ..model.outer import NonFiniteMerge, outer_lr_inputs
 from ..model.runner import ChunkRunner
 from ..shards.spec import ShardSpec, assign
+from .lockstep import Advice
 from .members import Member
 from .pushes import ReceivedPush, PushRefused, check_counters, push_standing, push_target
 from .records import MergeRecord
@@ -120,6 +121,7 @@ class Coordinator:
         self._accs = AccumulatorPool()   # one released accumulator, reused (no fresh page faults)
         self._said_lr_start: Optional[bool] = None   # the last start (pretrained or not) the outer lr auto was logged for
         self._said_codec: set[str] = set()   # sparse push dtypes warned of (outer momentum on)
+        self._lockstep = Advice()   # the H said to islands that wait for the slowest one's rounds (--quorum)
 
     # ------------------------------------------------------------------------------------------ setup
     def set_manifest(self, manifest: list, fragments: int) -> None:
@@ -236,6 +238,7 @@ class Coordinator:
             m = self.members.get(island)
             if m is not None:
                 m.progress(step, rate, self.clock(), pinned, schedule)
+                self._say_lockstep()
 
     def disconnected(self, island: str, bye: bool) -> None:
         with self.lock:
@@ -605,6 +608,16 @@ class Coordinator:
                     "bursts (it diverged on Megatron-LM at 0.9); start the syncer with --outer-lr 1 --outer-momentum "
                     "0 for sparse pushes (docs/benchmarks.md; said once per push dtype)",
                     p.island, p.codec, self.opt.momentum)
+
+    def _say_lockstep(self) -> None:
+        """(lock held) With ``--quorum``: tell the operator, once per island, the H that lets an island
+        waiting for the slowest island's rounds train at its own pace (rounds/lockstep.py)."""
+        for h in self._lockstep.new(self.roster.lockstep(self.clock())):
+            log.info("yeto-syncer: island %s trains %.1f steps/s and pushes every %d steps; every round waits for "
+                     "island %s (%d steps at %.1f steps/s), so it waits about %.0f%% of its time: pin "
+                     "YETO_DILOCO_SYNC_EVERY=%d on it to train at its own pace (rounds stay keyed by push count; "
+                     "docs/operations.md; rates swing under load)", shown(h.island), h.rate, h.sync_every, shown(h.slowest), h.slowest_every,
+                     h.slowest_rate, 100 * h.wait_share, h.suggested)
 
     def _say_lr_start(self, li, outer_lr: float) -> None:
         """Log when the outer lr auto first goes by a pretrained start (a fine-tune), and when that changes."""

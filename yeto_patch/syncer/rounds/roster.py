@@ -19,6 +19,7 @@ import statistics
 from typing import Callable, Optional
 
 from ..model.limits import stateless_members
+from . import lockstep
 from .members import Member
 from .pushes import PushRefused
 from .settings import RoundSettings
@@ -183,6 +184,16 @@ class Roster:
             # steps/s shared 0.55 of their merges while both trained)
         self.keeper = slow.island
         return slow if slow.rate * STRETCH_SPREAD >= max(m.rate for m in up) else None
+
+    def lockstep(self, now: float) -> list:
+        """With ``--quorum`` (rounds keyed by push count: every island trains at the slowest round's pace), the
+        lockstep.Hint of each island up and training that pinned an H its speed leaves waiting for the slowest
+        island's rounds (none in elastic rounds, which stretch a pinned H by timing: ``rhythm``)."""
+        if self.rs.elastic:
+            return []
+        up = [(m.island, m.sync_every, m.rate) for m in self.members.values()
+              if not m.finished and self.is_up(m, now) and m.pinned and m.rate > 0 and m.sync_every]
+        return lockstep.suggest(up)
 
     def describe(self, islands, now: float) -> list[str]:
         """``islands`` for a log line: each id, with "(down Ns)" for one that is not up."""

@@ -1,0 +1,85 @@
+"""Lock-step rounds across speeds (issue 35, item 5): with ``--quorum`` every round waits for its islands, so an
+island that pinned the same H as a slower one trains at the slower one's pace; the syncer says, once per island,
+the H that lets it train at its own (its steps in the slowest island's round). Elastic rounds stretch a pinned H
+by timing and say nothing. Runtime: under a second."""
+import logging
+
+import numpy as np
+import pytest
+
+from yeto_patch.syncer.model.runner import ChunkRunner
+from yeto_patch.syncer.rounds import lockstep
+from yeto_patch.syncer.rounds.coordinator import Coordinator
+from yeto_patch.syncer.rounds.settings import MergeSettings, RoundSettings
+from yeto_patch.wire.values import Schedule
+
+from .test_rounds import MAN, Clock
+
+
+def test_the_fast_island_is_told_its_steps_in_the_slowest_round():
+    # Megatron-LM here: TP2 at 85 ms per step, PP2 at 52, both H = 10
+    (h,) = lockstep.suggest([("a", 10, 1 / 0.085), ("b", 10, 1 / 0.052)])
+    assert (h.island, h.slowest, h.sync_every, h.suggested) == ("b", "a", 10, 16)
+    assert h.wait_share == pytest.approx(1 - 0.52 / 0.85, rel=1e-6)   # b waits 39% of its time
+
+
+def test_islands_already_matched_or_alone_are_not_advised_and_h_is_never_lowered():
+    assert lockstep.suggest([("a", 10, 11.8), ("b", 16, 19.2)]) == []   # 0.847 s against 0.833 s: within 10%
+    assert lockstep.suggest([("a", 10, 11.8)]) == []
+    # the slowest round is b's (H pinned far too high): a is told to push less often, never b more often
+    (h,) = lockstep.suggest([("a", 10, 11.8), ("b", 40, 19.2)])
+    assert h.island == "a" and h.suggested == round(40 / 19.2 * 11.8) and h.suggested > 10
+    # three islands: each faster one gets its own H
+    hints = {x.island: x.suggested for x in lockstep.suggest([("a", 10, 5.0), ("b", 10, 10.0), ("c", 10, 7.5)])}
+    assert hints == {"b": 20, "c": 15}
+
+
+def test_advice_says_each_island_once():
+    adv = lockstep.Advice()
+    hint = lockstep.suggest([("a", 10, 11.8), ("b", 10, 19.2)])
+    assert [h.island for h in adv.new(hint)] == ["b"]
+    assert adv.new(hint) == []
+    assert adv.new(lockstep.suggest([("a", 10, 6.5), ("b", 10, 12.5)])) == []   # rates swing under load
+    many = lockstep.Advice()
+    for k in range(lockstep.MAX_SAID + 5):
+        many.new(lockstep.suggest([("slow", 10, 1.0), (f"i{k}", 10, 2.0)]))
+    assert len(many) == lockstep.MAX_SAID
+
+
+def fleet(quorum):
+    clock = Clock()
+    c = Coordinator(MergeSettings(weights="equal", outer="avg"),
+                    RoundSettings(islands=2, quorum=quorum, timeout_s=600.0, lease_s=30.0),
+                    ChunkRunner(1), clock=clock, heartbeat_s=1.0)
+    c.set_manifest(MAN, 1)
+    c.init_fragment(0, np.zeros(c.frags[0].numel, np.float32))
+    for island in ("a", "b"):
+        c.join(island, "1")
+    return c
+
+
+@pytest.mark.parametrize("quorum", [2, None])
+def test_the_syncer_logs_the_advice_with_a_quorum_only(quorum, caplog):
+    c = fleet(quorum)
+    with caplog.at_level(logging.INFO, logger="yeto.syncer"):
+        c.touch("a", 20, 11.8, True, Schedule(10, (30,)))
+        c.touch("b", 20, 19.2, True, Schedule(10, (30,)))
+        c.touch("b", 30, 19.2, True, Schedule(10, (40,)))   # said once
+    said = [r.getMessage() for r in caplog.records if "YETO_DILOCO_SYNC_EVERY=" in r.getMessage()]
+    if quorum is None:   # elastic rounds stretch b's H by timing (schedule.stretch)
+        assert said == []
+    else:
+        assert len(said) == 1 and "island 'b'" in said[0] and "YETO_DILOCO_SYNC_EVERY=16" in said[0], said
+
+
+def test_no_advice_for_an_island_that_follows_the_pace_or_finished(caplog):
+    c = fleet(2)
+    with caplog.at_level(logging.INFO, logger="yeto.syncer"):
+        c.touch("a", 20, 11.8, True, Schedule(10, (30,)))
+        c.touch("b", 20, 19.2, False, Schedule(10, (30,)))   # YETO_DILOCO_SYNC_EVERY=auto: no pinned H
+    assert not any("YETO_DILOCO_SYNC_EVERY=" in r.getMessage() for r in caplog.records)
+    assert c.roster.lockstep(c.clock()) == []
+    c.members["b"].pinned = True
+    assert [h.island for h in c.roster.lockstep(c.clock())] == ["b"]
+    c.members["b"].finished = True
+    assert c.roster.lockstep(c.clock()) == []

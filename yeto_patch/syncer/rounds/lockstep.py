@@ -1,0 +1,75 @@
+"""Lock-step rounds: the H each island should pin so that a fixed roster keeps every island at its own pace.
+
+With ``--quorum`` (the fixed roster, or an explicit quorum) every round of a fragment waits for its islands'
+pushes, and each island waits at its tau bound for the round its push is in: the k-th pushes of a fragment share
+round k, whatever the timing, so the run repeats bit for bit. Islands of different speeds that pinned one H then
+train at the slowest one's pace (a TP2 island at 85 ms per step and a PP2 island at 52: the PP2 island waits 39%
+of its time). Pinned in proportion to their speeds (``YETO_DILOCO_SYNC_EVERY=16`` on the fast one, 10 on the
+slow), every island's round takes about the same wall time: each trains at its own pace and the rounds are still
+keyed by push count (docs/operations.md, "Reproducible rounds across speeds").
+
+The syncer says that H once per island, from the compute rates and H the islands' heartbeats say (a rough
+figure: the rates swing under load; time a few hundred steps of each island alone for a better one):
+``suggest`` is the rule (pure), ``Advice`` what has been said (one per coordinator; the elastic defaults stretch a
+pinned H by timing instead, schedule.stretch, and need no advice).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+__all__ = ["Hint", "suggest", "Advice", "WAIT_SHARE", "MAX_SAID"]
+
+WAIT_SHARE = 0.1   # advise an island that waits at least this share of its time for the slowest one's rounds
+MAX_SAID = 64      # islands advised at most (a bounded record, whatever the roster)
+
+
+@dataclass(frozen=True)
+class Hint:
+    island: str
+    sync_every: int      # the H it pinned
+    rate: float          # its compute rate (steps/s)
+    suggested: int       # the H that makes its round take the slowest round's wall time
+    wait_share: float    # the share of its time it waits for the slowest round now
+    slowest: str         # the island whose rounds take longest
+    slowest_every: int
+    slowest_rate: float
+
+
+def suggest(islands: list) -> list:
+    """``islands``: ``[(id, H, rate), ...]`` of the islands up and training that said both (H >= 1, rate > 0).
+    The slowest round is the largest ``H / rate``; each island whose round is at least WAIT_SHARE shorter gets a
+    Hint with ``round(slowest period x rate)`` (at least its H: a pinned H is never lowered). Fewer than two
+    islands: none."""
+    if len(islands) < 2:
+        return []
+    slow_id, slow_h, slow_rate = max(islands, key=lambda x: (x[1] / x[2], x[0]))
+    period = slow_h / slow_rate
+    out = []
+    for island, h, rate in islands:
+        wait = 1.0 - (h / rate) / period
+        if island == slow_id or wait < WAIT_SHARE:
+            continue
+        out.append(Hint(island, h, rate, max(h, int(round(period * rate))), wait, slow_id, slow_h, slow_rate))
+    return out
+
+
+class Advice:
+    """What the syncer said about lock-step H: each island hears it once (rates swing by a third and more on a
+    loaded machine, so a suggestion said again at every swing would only be noise: two Megatron-LM islands on two
+    cores said 6.5-9.3 and 10.4-12.5 steps/s within a minute, suggestions 12-18)."""
+    __slots__ = ("_said",)
+
+    def __init__(self):
+        self._said: set[str] = set()   # islands advised
+
+    def __len__(self) -> int:
+        return len(self._said)
+
+    def new(self, hints: list) -> list:
+        """The hints for islands not advised yet (recorded as advised), for at most MAX_SAID islands."""
+        out = []
+        for h in hints:
+            if h.island in self._said or len(self._said) >= MAX_SAID:
+                continue
+            self._said.add(h.island)
+            out.append(h)
+        return out
