@@ -311,6 +311,14 @@ def init_flags(a) -> list:
     return [] if a.policy == "lowest-id" else ["--initializer", a.policy]
 
 
+def island_env(env: dict, x: str) -> dict:
+    """The variables of a setting for island x: ``VAR`` for every island, ``x:VAR`` for island x only (a
+    ``--row`` such as ``'lockstep|b:YETO_DILOCO_SYNC_EVERY=16|--quorum 2'`` pins H per island)."""
+    out = {k: v for k, v in env.items() if ":" not in k}
+    out.update({k.split(":", 1)[1]: v for k, v in env.items() if k.startswith(x + ":")})
+    return out
+
+
 def run_diloco(a, cell: Cell, data: dict, tmp: str) -> dict:
     env, flags = SETTINGS[cell.setting]
     d = cell_dir(tmp, cell)
@@ -329,7 +337,8 @@ def run_diloco(a, cell: Cell, data: dict, tmp: str) -> dict:
                 time.sleep(a.stagger)
             yeto = dict(YETO_DILOCO_SYNCER=f"127.0.0.1:{relay.port if relay else port}", YETO_DILOCO_KEY_FILE=key,
                         YETO_DILOCO_ISLAND_ID=ids[x], YETO_DILOCO_SYNC_EVERY=a.sync_every,
-                        YETO_DILOCO_TIMEOUT=900, YETO_DILOCO_METRICS=str(d / x / "metrics.jsonl"), **env)
+                        YETO_DILOCO_TIMEOUT=900, YETO_DILOCO_METRICS=str(d / x / "metrics.jsonl"))
+            yeto.update(island_env(env, x))   # (a setting may set H, e.g. per island)
             seed = cell.seeds["ab".index(x)]
             margs = megatron_args(a, 4, train_paths(a, data, shard), data, str(d / x / "cache"), seed)
             islands.append(job(d / x, layout, margs, yeto, start_dump=a.dump_start))
@@ -492,7 +501,8 @@ def parse(argv=None):
                     + ", ".join(SETTINGS) + " or a --row's name")
     ap.add_argument("--row", action="append", default=[], metavar="'NAME|VAR=V ...|SYNCER FLAGS'",
                     help="an extra DiLoCo setting (repeatable; run when named in --settings, or alone when "
-                    "--settings is not given), e.g. 'lr0.4|YETO_DILOCO_ERROR_FEEDBACK=1|--outer-lr 0.4'")
+                    "--settings is not given), e.g. 'lr0.4|YETO_DILOCO_ERROR_FEEDBACK=1|--outer-lr 0.4'; "
+                    "b:VAR=V sets a variable on island b only")
     ap.add_argument("--repeat", type=int, default=1, help="DiLoCo runs per cell (run-to-run spread)")
     ap.add_argument("--policy", default="lowest-id", choices=("lowest-id", "first"), help="the syncer's "
                     "--initializer")
@@ -539,6 +549,9 @@ def parse(argv=None):
         name, _, rest = spec.partition("|")
         env, _, flags = rest.partition("|")
         SETTINGS[name.strip()] = (dict(kv.split("=", 1) for kv in env.split()), flags.split())
+        bad_island = [k for k in SETTINGS[name.strip()][0] if ":" in k and k.split(":", 1)[0] not in ISLANDS]
+        if bad_island:
+            ap.error(f"--row {name.strip()!r}: {bad_island} names no island of " + ", ".join(ISLANDS))
         if "--settings" not in (argv if argv is not None else sys.argv):
             named = [n for n in named if n != "defaults"] + [name.strip()]
     a.settings = named

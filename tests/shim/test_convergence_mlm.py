@@ -63,3 +63,16 @@ def test_ms_per_iteration_leaves_out_start_up_and_the_final_cut_wait():
     from benchmarks import convergence_mlm as mod
     assert mod.training_ms([900.0, 55.0, 53.0, 57.0, 666.4]) == pytest.approx(55.0)
     assert mod.training_ms([900.0, 60.0]) == 60.0 and mod.training_ms([900.0]) is None and mod.training_ms([]) is None
+
+
+def test_a_row_sets_a_variable_on_one_island_only(monkeypatch):
+    """``b:VAR=V`` in a --row goes to island b alone (H pinned per island); an unknown island prefix is refused."""
+    from benchmarks import convergence_mlm as mod
+    monkeypatch.setattr(mod, "SETTINGS", dict(mod.SETTINGS))
+    env = {"YETO_DILOCO_PUSH_DTYPE": "int1", "b:YETO_DILOCO_SYNC_EVERY": "16"}
+    assert mod.island_env(env, "a") == {"YETO_DILOCO_PUSH_DTYPE": "int1"}
+    assert mod.island_env(env, "b") == {"YETO_DILOCO_PUSH_DTYPE": "int1", "YETO_DILOCO_SYNC_EVERY": "16"}
+    a = mod.parse(["--only", "diloco", "--row", "lockstep|b:YETO_DILOCO_SYNC_EVERY=16|--quorum 2"])
+    assert a.settings == ["lockstep"]
+    with pytest.raises(SystemExit):
+        mod.parse(["--only", "diloco", "--row", "bad|c:YETO_DILOCO_SYNC_EVERY=16|"])
