@@ -296,8 +296,8 @@ def test_concurrent_pushes_exact_mode_is_bit_exact_and_final_pushes_end_the_run(
             last = rnd == 2
             for f in range(2):
                 n = refs[f].base.size
-                deltas = {nm: ((rng.standard_normal(n) * 0.01).astype(np.float32), int(rng.integers(8, 21)))
-                          for nm in names}   # (steps within 3x of each other: no weight is capped)
+                deltas = {nm: ((rng.standard_normal(n) * 0.01).astype(np.float32), int(rng.integers(10, 20)))
+                          for nm in names}   # (steps within 2x of each other: no weight is capped)
                 errs = []
 
                 def go(c, nm):

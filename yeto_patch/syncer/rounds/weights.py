@@ -16,7 +16,11 @@ A push's weight is computed from what the syncer can check, and bounded relative
   caps them (a median of an even count averaged an honest value with a sybil's). The record keeps the checked
   weights, not the capped ones: an honest island whose weight grows (its first push of few steps, H at the fleet's
   pace) is not held back for merges while a capped record catches up, and each syncer shard, which records only its
-  own fragments, weighs exactly as one syncer does when no cap binds. Honest fleets stay below the cap: islands that push at the fleet's rhythm
+  own fragments, weighs exactly as one syncer does when no cap binds. An island process's first merged push of a
+  fragment is not recorded: it covers only the steps to the fragment's first boundary, fewer than H when fragments
+  take turns (two Megatron-LM islands, H 10 and 16, F 4: a's first push of 2 steps capped b's first of 8 at 4,
+  or not, as the fragments' first merges happened to come; a fixed roster's run then did not repeat bit for bit).
+  Honest fleets stay below the cap: islands that push at the fleet's rhythm
   (``YETO_DILOCO_SYNC_EVERY=auto``) weigh in proportion to their speed, and the fastest of the benchmark fleet
   (speeds 1 to 0.35) weighs 1.4x the others' median; only a fleet of two islands more than 2x apart in speed has
   its faster island capped. With no other island on record yet (a run's first rounds), the push is held in its
@@ -132,12 +136,15 @@ class WeightBook:
 
     def merged(self, p: ReceivedPush, raw: float) -> None:
         """A push was merged: its local step, its tokens per step (the island process's first) and its checked
-        weight ``raw`` (before the cap) go on record."""
+        weight ``raw`` (before the cap) go on record; the weight not for the process's first merged push of the
+        fragment (see the module docstring: it covers the steps to the fragment's first boundary only)."""
+        prev = self.last_step.get((p.island, p.fragment))
+        first = prev is None or prev[0] != p.incarnation
         self.last_step[(p.island, p.fragment)] = (p.incarnation, int(p.local_step))
         have = self.tps.get(p.island)
         if (have is None or have[0] != p.incarnation) and p.steps > 0 and p.tokens > 0:
             self.tps[p.island] = (p.incarnation, float(p.tokens) / float(p.steps))
-        if self.mode != "equal":
+        if self.mode != "equal" and not first:
             self.recent.setdefault(p.island, collections.deque(maxlen=KEPT)).append(raw)
 
     # ------------------------------------------------------------------------------------------ checkpoints
