@@ -2,8 +2,8 @@
 (``--quorum``) and each island's H pinned in proportion to its speed (a slow island pushes every 3 steps, a fast
 one every 6), round k of a fragment merges the k-th push of each island whatever the timing: the same two islands
 with their speeds swapped (the slow one sleeping after each step, then the fast one) end with bit-identical
-models, every merge until the fast island's last push holds both, and the syncer says the H that would let an
-island waiting for the slowest one's rounds train at its own pace. Runtime: about a minute."""
+models, and every merge until the fast island's last push holds both (the syncer's advice of an H per island,
+said after a minute of waiting, is tested in tests/syncer/test_lockstep.py). Runtime: about a minute."""
 import json
 
 import numpy as np
@@ -29,13 +29,13 @@ def run(tmp, sleep: dict):
     with open(tmp / "tape.jsonl") as f:
         tape = [json.loads(line) for line in f if line.strip()]
     model, _ = P.syncer_model(str(tmp / "syncer.ckpt"))
-    return tape, model, syncer.text()
+    return tape, model
 
 
 @pytest.mark.timeout(900)
 def test_rounds_keyed_by_push_count_do_not_depend_on_the_islands_speeds(tmp_path):
-    tape1, model1, log1 = run(tmp_path / "a-slow", {"a": 0.3})
-    tape2, model2, _ = run(tmp_path / "b-slow", {"b": 0.3})
+    tape1, model1 = run(tmp_path / "a-slow", {"a": 0.3})
+    tape2, model2 = run(tmp_path / "b-slow", {"b": 0.3})
     # each fragment's rounds (the fragments' merges interleave by timing), with the islands each held
     merged = [{f: [sorted(r["island"] for r in t["responders"]) for t in tape if t["fragment"] == f]
                for f in range(FRAGMENTS)} for tape in (tape1, tape2)]
@@ -49,6 +49,3 @@ def test_rounds_keyed_by_push_count_do_not_depend_on_the_islands_speeds(tmp_path
     assert sorted(model1) == sorted(model2)
     for k in model1:
         assert np.array_equal(model1[k], model2[k]), (k, float(np.abs(model1[k] - model2[k]).max()))
-    # b, waiting for a's rounds in the first run: the syncer names the H for b's own pace, once
-    said = [line for line in log1.splitlines() if "pin YETO_DILOCO_SYNC_EVERY=" in line]
-    assert len(said) == 1 and "island 'b'" in said[0], said

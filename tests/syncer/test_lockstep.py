@@ -34,15 +34,28 @@ def test_islands_already_matched_or_alone_are_not_advised_and_h_is_never_lowered
     assert hints == {"b": 20, "c": 15}
 
 
-def test_advice_says_each_island_once():
+def test_advice_says_each_island_once_after_a_minute_of_waiting_with_its_median_h():
     adv = lockstep.Advice()
+    rates = [19.2, 30.0, 19.0, 18.0, 19.5, 19.2]   # one swing: 30 steps/s for a moment
+    said = []
+    for k, r in enumerate(rates):
+        said += adv.new(lockstep.suggest([("a", 10, 11.8), ("b", 10, r)]), now=12.0 * k)
+    (h,) = said                                     # at 60 s, once
+    assert h.island == "b" and h.suggested == 16    # the median, not the swing's 25
+    assert adv.new(lockstep.suggest([("a", 10, 11.8), ("b", 10, 25.0)]), now=200.0) == [] and len(adv) == 1
+
+
+def test_a_streak_that_breaks_starts_again_and_advice_is_bounded():
+    adv = lockstep.Advice(settle_s=60.0)
     hint = lockstep.suggest([("a", 10, 11.8), ("b", 10, 19.2)])
-    assert [h.island for h in adv.new(hint)] == ["b"]
-    assert adv.new(hint) == []
-    assert adv.new(lockstep.suggest([("a", 10, 6.5), ("b", 10, 12.5)])) == []   # rates swing under load
-    many = lockstep.Advice()
+    assert adv.new(hint, now=0.0) == [] and adv.new(hint, now=10.0) == []
+    assert adv.new([], now=30.0) == []              # not waiting for 20 s (> 60 / 4): the streak broke
+    for t in (61.0, 73.0, 85.0, 97.0, 109.0):       # a new streak from 61 s, hinted every 12 s
+        assert adv.new(hint, now=t) == []
+    assert [h.island for h in adv.new(hint, now=121.0)] == ["b"]
+    many = lockstep.Advice(settle_s=0.0)
     for k in range(lockstep.MAX_SAID + 5):
-        many.new(lockstep.suggest([("slow", 10, 1.0), (f"i{k}", 10, 2.0)]))
+        many.new(lockstep.suggest([("slow", 10, 1.0), (f"i{k}", 10, 2.0)]), now=float(k))
     assert len(many) == lockstep.MAX_SAID
 
 
@@ -62,9 +75,10 @@ def fleet(quorum):
 def test_the_syncer_logs_the_advice_with_a_quorum_only(quorum, caplog):
     c = fleet(quorum)
     with caplog.at_level(logging.INFO, logger="yeto.syncer"):
-        c.touch("a", 20, 11.8, True, Schedule(10, (30,)))
-        c.touch("b", 20, 19.2, True, Schedule(10, (30,)))
-        c.touch("b", 30, 19.2, True, Schedule(10, (40,)))   # said once
+        for k in range(8):   # heartbeats over 70 s: said once, a minute into b's waiting
+            c.touch("a", 20 + 10 * k, 11.8, True, Schedule(10, (30 + 10 * k,)))
+            c.touch("b", 20 + 10 * k, 19.2, True, Schedule(10, (30 + 10 * k,)))
+            c.clock.t += 10.0
     said = [r.getMessage() for r in caplog.records if "YETO_DILOCO_SYNC_EVERY=" in r.getMessage()]
     if quorum is None:   # elastic rounds stretch b's H by timing (schedule.stretch)
         assert said == []

@@ -612,12 +612,13 @@ class Coordinator:
     def _say_lockstep(self) -> None:
         """(lock held) With ``--quorum``: tell the operator, once per island, the H that lets an island
         waiting for the slowest island's rounds train at its own pace (rounds/lockstep.py)."""
-        for h in self._lockstep.new(self.roster.lockstep(self.clock())):
-            log.info("yeto-syncer: island %s trains %.1f steps/s and pushes every %d steps; every round waits for "
-                     "island %s (%d steps at %.1f steps/s), so it waits about %.0f%% of its time: pin "
-                     "YETO_DILOCO_SYNC_EVERY=%d on it to train at its own pace (rounds stay keyed by push count; "
-                     "docs/operations.md; rates swing under load)", shown(h.island), h.rate, h.sync_every, shown(h.slowest), h.slowest_every,
-                     h.slowest_rate, 100 * h.wait_share, h.suggested)
+        now = self.clock()
+        for h in self._lockstep.new(self.roster.lockstep(now), now):
+            log.info("yeto-syncer: island %s has waited for the rounds of island %s for a minute (%d steps at "
+                     "%.1f steps/s against its %d at %.1f: about %.0f%% of its time): pin YETO_DILOCO_SYNC_EVERY=%d "
+                     "on it to train at its own pace, rounds still keyed by push count (the median of that minute's "
+                     "rates, which swing under load; docs/operations.md)", shown(h.island), shown(h.slowest),
+                     h.slowest_every, h.slowest_rate, h.sync_every, h.rate, 100 * h.wait_share, h.suggested)
 
     def _say_lr_start(self, li, outer_lr: float) -> None:
         """Log when the outer lr auto first goes by a pretrained start (a fine-tune), and when that changes."""

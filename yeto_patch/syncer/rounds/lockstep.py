@@ -8,18 +8,22 @@ of its time). Pinned in proportion to their speeds (``YETO_DILOCO_SYNC_EVERY=16`
 slow), every island's round takes about the same wall time: each trains at its own pace and the rounds are still
 keyed by push count (docs/operations.md, "Reproducible rounds across speeds").
 
-The syncer says that H once per island, from the compute rates and H the islands' heartbeats say (a rough
-figure: the rates swing under load; time a few hundred steps of each island alone for a better one):
+The syncer says that H once per island, a minute into its waiting, from the compute rates and H the islands'
+heartbeats say (a rough figure: the rates swing under load, and islands that share a machine slow each other):
 ``suggest`` is the rule (pure), ``Advice`` what has been said (one per coordinator; the elastic defaults stretch a
 pinned H by timing instead, schedule.stretch, and need no advice).
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 from dataclasses import dataclass
-__all__ = ["Hint", "suggest", "Advice", "WAIT_SHARE", "MAX_SAID"]
+__all__ = ["Hint", "suggest", "Advice", "WAIT_SHARE", "MAX_SAID", "SETTLE_S"]
 
 WAIT_SHARE = 0.1   # advise an island that waits at least this share of its time for the slowest one's rounds
 MAX_SAID = 64      # islands advised at most (a bounded record, whatever the roster)
+SETTLE_S = 60.0    # ... once it has waited so for this long
+SEEN = 256         # suggestions kept per island over its streak (their median is said)
 
 
 @dataclass(frozen=True)
@@ -53,23 +57,45 @@ def suggest(islands: list) -> list:
 
 
 class Advice:
-    """What the syncer said about lock-step H: each island hears it once (rates swing by a third and more on a
-    loaded machine, so a suggestion said again at every swing would only be noise: two Megatron-LM islands on two
-    cores said 6.5-9.3 and 10.4-12.5 steps/s within a minute, suggestions 12-18)."""
-    __slots__ = ("_said",)
+    """What the syncer said about lock-step H: each island hears it once, after it has been waiting for the slowest
+    island's rounds for SETTLE_S (a gap of at most SETTLE_S / 4 without a hint keeps the streak), with the median of
+    the H suggested meanwhile. Rates swing by a third and more on a loaded machine and in a run's first steps: two
+    Megatron-LM islands on two cores, advised at once, were told H 19 for one and H 12 for the other within two
+    seconds."""
+    __slots__ = ("settle_s", "_said", "_since", "_last", "_seen")
 
-    def __init__(self):
-        self._said: set[str] = set()   # islands advised
+    def __init__(self, settle_s: float = SETTLE_S):
+        self.settle_s = float(settle_s)
+        self._said: set[str] = set()                       # islands advised
+        self._since: dict[str, float] = {}                 # island -> when its streak of hints began
+        self._last: dict[str, float] = {}                  # island -> its latest hint
+        self._seen: dict[str, collections.deque] = {}      # island -> the H suggested over its streak
 
     def __len__(self) -> int:
         return len(self._said)
 
-    def new(self, hints: list) -> list:
-        """The hints for islands not advised yet (recorded as advised), for at most MAX_SAID islands."""
+    def new(self, hints: list, now: float) -> list:
+        """The hints to say now (each island once, for at most MAX_SAID islands): ``hints`` is this moment's
+        ``suggest``; a hint comes out with the median of its island's suggestions once its streak is SETTLE_S old."""
+        for island in [i for i, t in self._last.items() if now - t > self.settle_s / 4]:
+            self._forget(island)   # (its streak broke: it kept the others' pace for a while)
         out = []
         for h in hints:
-            if h.island in self._said or len(self._said) >= MAX_SAID:
+            if h.island in self._said:
                 continue
-            self._said.add(h.island)
-            out.append(h)
+            if h.island not in self._since:
+                if len(self._said) + len(self._since) >= MAX_SAID:
+                    continue
+                self._since[h.island], self._seen[h.island] = now, collections.deque(maxlen=SEEN)
+            self._last[h.island] = now
+            self._seen[h.island].append(h.suggested)
+            if now - self._since[h.island] >= self.settle_s:
+                seen = sorted(self._seen[h.island])
+                self._forget(h.island)
+                self._said.add(h.island)
+                out.append(dataclasses.replace(h, suggested=seen[len(seen) // 2]))
         return out
+
+    def _forget(self, island: str) -> None:
+        for d in (self._since, self._last, self._seen):
+            d.pop(island, None)
