@@ -3,10 +3,11 @@
 With ``--quorum`` (the fixed roster, or an explicit quorum) every round of a fragment waits for its islands'
 pushes, and each island waits at its tau bound for the round its push is in: the k-th pushes of a fragment share
 round k, whatever the timing, so the run repeats bit for bit. Islands of different speeds that pinned one H then
-train at the slowest one's pace (a TP2 island at 85 ms per step and a PP2 island at 52: the PP2 island waits 39%
-of its time). Pinned in proportion to their speeds (``YETO_DILOCO_SYNC_EVERY=16`` on the fast one, 10 on the
-slow), every island's round takes about the same wall time: each trains at its own pace and the rounds are still
-keyed by push count (docs/operations.md, "Reproducible rounds across speeds").
+train at the slowest one's pace (a TP2 island at 85 ms per step and a PP2 island at 52 alone: the PP2 island waits
+39% of its time). Pinned in proportion to their speeds, every island's round takes about the same wall time: each
+trains at its own pace and the rounds are still keyed by push count (H 10 on the TP2 island and 20 on the PP2 one,
+which share two cores and slow each other: the PP2 island at 107 ms per step, 106 under the elastic defaults;
+docs/operations.md, "Reproducible rounds across speeds"; docs/convergence.md, "Lock-step rounds").
 
 The syncer says that H once per island, a minute into its waiting, from the compute rates and H the islands'
 heartbeats say (a rough figure: the rates swing under load, and islands that share a machine slow each other):
@@ -18,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from dataclasses import dataclass
+
 __all__ = ["Hint", "suggest", "Advice", "WAIT_SHARE", "MAX_SAID", "SETTLE_S"]
 
 WAIT_SHARE = 0.1   # advise an island that waits at least this share of its time for the slowest one's rounds

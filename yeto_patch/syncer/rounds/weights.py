@@ -18,9 +18,9 @@ A push's weight is computed from what the syncer can check, and bounded relative
   pace) is not held back for merges while a capped record catches up, and each syncer shard, which records only its
   own fragments, weighs exactly as one syncer does when no cap binds. An island process's first merged push of a
   fragment is not recorded: it covers only the steps to the fragment's first boundary, fewer than H when fragments
-  take turns (two Megatron-LM islands, H 10 and 16, F 4: a's first push of 2 steps capped b's first of 8 at 4,
-  or not, as the fragments' first merges happened to come; a fixed roster's run then did not repeat bit for bit).
-  Honest fleets stay below the cap: islands that push at the fleet's rhythm
+  take turns (two Megatron-LM islands, H 10 and 16, F 4: a's first push of 2 steps capped b's first of 8 at 4
+  steps' weight, or not, as the fragments' first merges happened to come; a fixed roster's run then did not repeat
+  bit for bit). Honest fleets stay below the cap: islands that push at the fleet's rhythm
   (``YETO_DILOCO_SYNC_EVERY=auto``) weigh in proportion to their speed, and the fastest of the benchmark fleet
   (speeds 1 to 0.35) weighs 1.4x the others' median; only a fleet of two islands more than 2x apart in speed has
   its faster island capped. With no other island on record yet (a run's first rounds), the push is held in its
