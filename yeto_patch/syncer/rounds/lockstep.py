@@ -19,13 +19,21 @@ from __future__ import annotations
 import collections
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
-__all__ = ["Hint", "suggest", "Advice", "WAIT_SHARE", "MAX_SAID", "SETTLE_S"]
+__all__ = ["Pace", "Hint", "suggest", "Advice", "WAIT_SHARE", "MAX_SAID", "SETTLE_S"]
 
 WAIT_SHARE = 0.1   # advise an island that waits at least this share of its time for the slowest one's rounds
 MAX_SAID = 64      # islands advised at most (a bounded record, whatever the roster)
 SETTLE_S = 60.0    # ... once it has waited so for this long
 SEEN = 256         # suggestions kept per island over its streak (their median is said)
+
+
+class Pace(NamedTuple):
+    """An island's pinned H and compute rate, as its heartbeats said them."""
+    island: str
+    sync_every: int
+    rate: float
 
 
 @dataclass(frozen=True)
@@ -41,20 +49,20 @@ class Hint:
 
 
 def suggest(islands: list) -> list:
-    """``islands``: ``[(id, H, rate), ...]`` of the islands up and training that said both (H >= 1, rate > 0).
-    The slowest round is the largest ``H / rate``; each island whose round is at least WAIT_SHARE shorter gets a
-    Hint with ``round(slowest period x rate)`` (at least its H: a pinned H is never lowered). Fewer than two
-    islands: none."""
+    """``islands``: the Pace of each island up and training that said both (H >= 1, rate > 0). The slowest round is
+    the largest ``H / rate``; each island whose round is at least WAIT_SHARE shorter gets a Hint with
+    ``round(slowest period x rate)`` (at least its H: a pinned H is never lowered). Fewer than two islands: none."""
     if len(islands) < 2:
         return []
-    slow_id, slow_h, slow_rate = max(islands, key=lambda x: (x[1] / x[2], x[0]))
-    period = slow_h / slow_rate
+    slow = max(islands, key=lambda x: (x.sync_every / x.rate, x.island))
+    period = slow.sync_every / slow.rate
     out = []
-    for island, h, rate in islands:
-        wait = 1.0 - (h / rate) / period
-        if island == slow_id or wait < WAIT_SHARE:
+    for x in islands:
+        wait = 1.0 - (x.sync_every / x.rate) / period
+        if x.island == slow.island or wait < WAIT_SHARE:
             continue
-        out.append(Hint(island, h, rate, max(h, int(round(period * rate))), wait, slow_id, slow_h, slow_rate))
+        out.append(Hint(x.island, x.sync_every, x.rate, max(x.sync_every, int(round(period * x.rate))), wait,
+                        slow.island, slow.sync_every, slow.rate))
     return out
 
 

@@ -191,7 +191,7 @@ class Roster:
         island's rounds (none in elastic rounds, which stretch a pinned H by timing: ``rhythm``)."""
         if self.rs.elastic:
             return []
-        up = [(m.island, m.sync_every, m.rate) for m in self.members.values()
+        up = [lockstep.Pace(m.island, m.sync_every, m.rate) for m in self.members.values()
               if not m.finished and self.is_up(m, now) and m.pinned and m.rate > 0 and m.sync_every]
         return lockstep.suggest(up)
 
