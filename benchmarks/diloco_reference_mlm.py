@@ -27,8 +27,10 @@ benchmark's options, which build exactly those argument lists):
   pseudo-gradient with the syncer's momentum warm-up, the base from step t's deltas installed after step t + tau
   as alpha * local + (1 - alpha) * base; the final cut merges every fragment once more and is the global model.
 
-Not modelled: bf16 compute, int4 pushes and error feedback, quantized bases, the islands' dropout random streams
-(the same probability, other draws). ``--runs lone`` also trains replica 0 (the first island) alone from the start.
+Not modelled: bf16 compute, the pushes' codec and error feedback (unless ``--push-dtype``: the product's codec at
+``--push-block``, each replica's residual carried as the island's PushEncoder does), quantized bases, the islands'
+dropout random streams (the same probability, other draws). ``--runs lone`` also trains replica 0 (the first
+island) alone from the start.
 
     python benchmarks/diloco_reference_mlm.py --init RUN/lone-11-22-init-a/start \\
         --data bench-out/convergence_mlm/data --seeds 11:22 --fragments 4 -H 10 --tau 5 --json ref.json
@@ -257,6 +259,11 @@ def parse(argv=None):
     ap.add_argument("--vocab-rows", type=int, default=None, help="rows of the manifest's embedding (default: the "
                     "islands' padded vocabulary)")
     ap.add_argument("--eval-seqs", type=int, default=128)
+    ap.add_argument("--push-dtype", default=None, help="encode each replica's pseudo-gradient with the product's "
+                    "codec (YETO_DILOCO_PUSH_DTYPE, e.g. int4, int1), with the islands' error feedback; default: "
+                    "exact pushes")
+    ap.add_argument("--push-block", type=int, default=256, help="the codec's block (YETO_DILOCO_BLOCK)")
+    ap.add_argument("--no-error-feedback", action="store_true", help="with --push-dtype: no residual carried")
     ap.add_argument("--runs", default="diloco", help="comma-separated: diloco, lone")
     ap.add_argument("--dropout-seed", type=int, default=None, help="seed of the dropout draws (default: island "
                     "0's --seed); other values measure how much the draws alone move the result")
@@ -286,6 +293,13 @@ def parse(argv=None):
         o.islands = benchmark_islands(o)
     else:
         ap.error("give the islands' Megatron arguments (--island, one per island) or the benchmark's --data")
+    if o.push_dtype is not None:
+        from yeto_patch.wire import codecs
+        from yeto_patch.wire.frames import CodecError
+        try:
+            codecs.check_codec(o.push_dtype, o.push_block)
+        except CodecError as e:
+            ap.error(f"--push-dtype {o.push_dtype} --push-block {o.push_block}: {e}")
     o.parsed = [parse_island(x) for x in o.islands]
     check_islands(o.parsed)
     o.iters = o.parsed[0].train_iters
@@ -296,6 +310,13 @@ def parse(argv=None):
     o.vocab_rows = o.vocab_rows or padded_vocab(o.parsed[0])
     o.h, o.tau_, o.alpha_ = diloco_settings(o)
     return o
+
+
+def pushes_label(o) -> str:
+    """What the replicas' pushes are: 'exact', or the codec, its block and whether error feedback is on."""
+    if o.push_dtype is None:
+        return "exact"
+    return f"{o.push_dtype} block {o.push_block}{'' if o.no_error_feedback else ' + error feedback'}"
 
 
 def diloco_settings(o) -> tuple:
@@ -323,9 +344,10 @@ def main(argv=None):
     outer_lr = lr_for_steps(o.h, blended=tau > 0) if o.outer_lr is None else o.outer_lr
     S = init_megatron(o)
     import torch
-    from diloco_reference import OuterOptimizer, install, train_diloco
+    from diloco_reference import CodedPushes, OuterOptimizer, install, train_diloco
     torch.set_num_threads(1)
     out = {"H": o.h, "tau": tau, "alpha": alpha, "outer_lr": outer_lr, "fragments": o.fragments,
+           "pushes": pushes_label(o),
            "momentum_warmup": warmup, "islands": len(o.islands)}
     for run in [r for r in o.runs.split(",") if r]:
         t0 = time.time()
@@ -338,8 +360,11 @@ def main(argv=None):
                 reps[0].step(k)
             final = reps[0].model
         else:
-            outer = OuterOptimizer(reps[0].model.parameters(), fragments_of(reps[0].model, o.fragments, o.vocab_rows),
-                                   outer_lr, o.outer_momentum, warmup)
+            params = list(reps[0].model.parameters())
+            pushes = None if o.push_dtype is None else CodedPushes(
+                o.push_dtype, o.push_block, not o.no_error_feedback, len(reps), len(params))
+            outer = OuterOptimizer(params, fragments_of(reps[0].model, o.fragments, o.vocab_rows),
+                                   outer_lr, o.outer_momentum, warmup, pushes)
             anchor = train_diloco([r.model for r in reps], lambda k, s: reps[k].step(s), o.iters, o.h,
                                   outer, tau=tau, alpha=alpha)
             install(list(reps[0].model.parameters()), range(len(anchor)), anchor)

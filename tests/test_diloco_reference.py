@@ -133,3 +133,18 @@ def test_reference_takes_the_islands_own_argument_lists():
         R.parse(["--init", "S", "--island", a, "--island", other])
     with pytest.raises(SystemExit):   # no islands at all
         R.parse(["--init", "S"])
+
+
+def test_reference_codes_its_pushes_only_when_asked():
+    """--push-dtype: the product's codec on each replica's pseudo-gradient (error feedback unless
+    --no-error-feedback); a codec or block the product refuses is refused before any training."""
+    import pytest
+    R = _mlm()
+    base = ["--init", "S", "--data", "/d"]
+    assert R.pushes_label(R.parse(base)) == "exact"
+    assert R.pushes_label(R.parse(base + ["--push-dtype", "int4"])) == "int4 block 256 + error feedback"
+    o = R.parse(base + ["--push-dtype", "int1", "--push-block", "1024", "--no-error-feedback"])
+    assert R.pushes_label(o) == "int1 block 1024"
+    for bad in (["--push-dtype", "int3"], ["--push-dtype", "int1", "--push-block", "12"]):
+        with pytest.raises(SystemExit):
+            R.parse(base + bad)

@@ -55,6 +55,14 @@ def test_two_islands_f4_are_no_worse_than_the_lone_island_from_the_same_start(tm
     r = subprocess.run(cmd, cwd=P.ROOT, env=P.base_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert json.loads(ref_json.read_text())["diloco"] == ref["loss"]
+    # with the product's codec on the pushes (--push-dtype, the islands' error feedback): another run, near it
+    cmd += ["--push-dtype", "int1", "--push-block", "1024"]
+    cmd[cmd.index(str(ref_json))] = str(tmp_path / "ref-int1.json")
+    r = subprocess.run(cmd, cwd=P.ROOT, env=P.base_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    coded = json.loads((tmp_path / "ref-int1.json").read_text())
+    assert coded["pushes"] == "int1 block 1024 + error feedback", coded
+    assert coded["diloco"] != ref["loss"] and abs(coded["diloco"] / ref["loss"] - 1) < 0.05, (coded, ref)
 
 
 def test_ms_per_iteration_leaves_out_start_up_and_the_final_cut_wait():
