@@ -17,8 +17,7 @@ pinned H by timing instead, schedule.stretch, and need no advice).
 from __future__ import annotations
 
 import collections
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 __all__ = ["Pace", "Hint", "suggest", "Advice", "WAIT_SHARE", "MAX_SAID", "SETTLE_S"]
@@ -66,20 +65,30 @@ def suggest(islands: list) -> list:
     return out
 
 
+@dataclass
+class Streak:
+    """An island's current stretch of waiting: when it began, its latest hint, the H suggested over it."""
+    since: float
+    last: float
+    seen: collections.deque = field(default_factory=lambda: collections.deque(maxlen=SEEN))
+
+    def median(self) -> int:
+        seen = sorted(self.seen)
+        return seen[len(seen) // 2]
+
+
 class Advice:
     """What the syncer said about lock-step H: each island hears it once, after it has been waiting for the slowest
     island's rounds for SETTLE_S (a gap of at most SETTLE_S / 4 without a hint keeps the streak), with the median of
     the H suggested meanwhile. Rates swing by a third and more on a loaded machine and in a run's first steps: two
     Megatron-LM islands on two cores, advised at once, were told H 19 for one and H 12 for the other within two
     seconds."""
-    __slots__ = ("settle_s", "_said", "_since", "_last", "_seen")
+    __slots__ = ("settle_s", "_said", "_streaks")
 
     def __init__(self, settle_s: float = SETTLE_S):
         self.settle_s = float(settle_s)
-        self._said: set[str] = set()                       # islands advised
-        self._since: dict[str, float] = {}                 # island -> when its streak of hints began
-        self._last: dict[str, float] = {}                  # island -> its latest hint
-        self._seen: dict[str, collections.deque] = {}      # island -> the H suggested over its streak
+        self._said: set[str] = set()                # islands advised
+        self._streaks: dict[str, Streak] = {}       # island -> its streak of hints, not advised yet
 
     def __len__(self) -> int:
         return len(self._said)
@@ -87,25 +96,21 @@ class Advice:
     def new(self, hints: list, now: float) -> list:
         """The hints to say now (each island once, for at most MAX_SAID islands): ``hints`` is this moment's
         ``suggest``; a hint comes out with the median of its island's suggestions once its streak is SETTLE_S old."""
-        for island in [i for i, t in self._last.items() if now - t > self.settle_s / 4]:
-            self._forget(island)   # (its streak broke: it kept the others' pace for a while)
+        for island in [i for i, st in self._streaks.items() if now - st.last > self.settle_s / 4]:
+            del self._streaks[island]   # (its streak broke: it kept the others' pace for a while)
         out = []
         for h in hints:
             if h.island in self._said:
                 continue
-            if h.island not in self._since:
-                if len(self._said) + len(self._since) >= MAX_SAID:
+            st = self._streaks.get(h.island)
+            if st is None:
+                if len(self._said) + len(self._streaks) >= MAX_SAID:
                     continue
-                self._since[h.island], self._seen[h.island] = now, collections.deque(maxlen=SEEN)
-            self._last[h.island] = now
-            self._seen[h.island].append(h.suggested)
-            if now - self._since[h.island] >= self.settle_s:
-                seen = sorted(self._seen[h.island])
-                self._forget(h.island)
+                st = self._streaks[h.island] = Streak(now, now)
+            st.last = now
+            st.seen.append(h.suggested)
+            if now - st.since >= self.settle_s:
+                del self._streaks[h.island]
                 self._said.add(h.island)
-                out.append(dataclasses.replace(h, suggested=seen[len(seen) // 2]))
+                out.append(replace(h, suggested=st.median()))
         return out
-
-    def _forget(self, island: str) -> None:
-        for d in (self._since, self._last, self._seen):
-            d.pop(island, None)
